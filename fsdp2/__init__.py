@@ -1,0 +1,1 @@
+"""fsdp2: fully sharded data parallel on DTensor."""

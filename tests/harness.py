@@ -1,0 +1,160 @@
+"""A pool of long-lived gloo worlds, shared by every multi-process test.
+
+Starting a process, importing torch and forming a process group costs seconds on
+a 2-core machine, so each world size gets one set of rank processes that stays up
+for the whole pytest session. A test sends a function (by import path) to every
+rank of a world and gets back each rank's return value.
+
+Rules for functions run on a world:
+- they are module-level functions in an importable module (``tests.*``);
+- they take ``(rank, world_size, *args)`` and return something picklable;
+- every rank must run the same collectives (as in any SPMD program).
+
+If any rank raises or the call times out, the world is torn down (its other ranks
+may be stuck in a collective) and a fresh one is started for the next test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# gloo gives up on a stuck collective after this long; the harness waits a bit longer.
+COLLECTIVE_TIMEOUT_S = 90
+DEFAULT_CALL_TIMEOUT_S = 240
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module_name: str, qualname: str) -> Callable:
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    conn.send(("ready", None))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        module_name, qualname, args, kwargs = task
+        try:
+            torch.manual_seed(0)
+            result = _resolve(module_name, qualname)(rank, world_size, *args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - report everything to the test
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+@dataclass
+class World:
+    """``size`` rank processes joined in one gloo process group."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns = []
+        self._procs = []
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, self.size, port, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(COLLECTIVE_TIMEOUT_S):
+                self.close()
+                raise RuntimeError(f"rank {rank} of a {self.size}-rank test world did not start")
+            conn.recv()
+
+    def run(self, fn: Callable, *args, timeout: float = DEFAULT_CALL_TIMEOUT_S, **kwargs) -> list:
+        task = (fn.__module__, fn.__qualname__, args, kwargs)
+        for conn in self._conns:
+            conn.send(task)
+        results, failures = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                failures.append(f"rank {rank}: no answer within {timeout}s (hung collective?)")
+                results.append(None)
+                continue
+            status, value = conn.recv()
+            results.append(value)
+            if status != "ok":
+                failures.append(f"rank {rank}:\n{value}")
+        if failures:
+            raise RankFailure(f"{fn.__qualname__} failed on a {self.size}-rank world\n" + "\n".join(failures))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class WorldPool:
+    """Hands out one live World per size; replaces a world after any failure."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, World] = {}
+
+    def run(self, world_size: int, fn: Callable, *args, **kwargs) -> list:
+        world = self._worlds.get(world_size)
+        if world is None or not world.alive:
+            world = self._worlds[world_size] = World(world_size)
+        try:
+            return world.run(fn, *args, **kwargs)
+        except BaseException:
+            # Other ranks may sit in a collective that will never complete: start over.
+            self._worlds.pop(world_size, None)
+            world.close()
+            raise
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
