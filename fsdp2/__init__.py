@@ -1,1 +1,17 @@
-"""fsdp2: fully sharded data parallel on DTensor."""
+"""fsdp2: fully sharded data parallel on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
+
+from fsdp2.errors import FSDPUsageError
+from fsdp2.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from fsdp2.fully_shard import fully_shard
+from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FSDPUsageError",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -1,0 +1,34 @@
+"""Thin wrappers over the c10d tensor collectives we use.
+
+torch 2.13 renames ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``*_single`` and
+deprecates the old names; torch 2.11 only has the old ones. Resolve once, call the right one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    """``output`` (``group_size * input.numel()``) receives every rank's ``input`` in rank order."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    """Sum ``input`` across ranks and keep this rank's ``output.numel()`` slice of the result."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class CompletedWork:
+    """Stands in for a collective's work handle when nothing had to be communicated."""
+
+    def wait(self) -> bool:
+        return True

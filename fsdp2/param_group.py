@@ -1,0 +1,190 @@
+"""The parameters of one fully_shard call, which all-gather and reduce-scatter together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from fsdp2 import collectives
+from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.sharded_param import ShardedParam
+
+
+class GroupState(Enum):
+    SHARDED = auto()  # only shards in memory
+    UNSHARDING = auto()  # all-gather issued, not yet waited on
+    UNSHARDED = auto()  # full parameters registered on the modules
+
+
+@dataclass
+class FlatBucket:
+    """Parameters sharing one dtype, packed side by side in one flat communication buffer."""
+
+    dtype: torch.dtype
+    params: list[ShardedParam]
+    offsets: list[int] = field(init=False)
+    numel_per_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.layout.padded_shard_numel
+        self.numel_per_rank = total
+
+    def columns(self, buffer_2d: torch.Tensor):
+        """Yield (param, its ``world x padded_shard_numel`` block of a ``world x numel_per_rank`` buffer)."""
+        for p, off in zip(self.params, self.offsets):
+            yield p, buffer_2d[:, off : off + p.layout.padded_shard_numel]
+
+
+def _buckets(params: list[ShardedParam], dtype_of) -> list[FlatBucket]:
+    by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+    for p in params:
+        by_dtype.setdefault(dtype_of(p), []).append(p)
+    return [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+
+
+@dataclass
+class PendingGather:
+    bucket: FlatBucket
+    output: torch.Tensor
+    work: object
+
+
+@dataclass
+class PendingReduce:
+    bucket: FlatBucket
+    input: torch.Tensor  # kept alive until the collective completes
+    output: torch.Tensor
+    work: object
+
+
+class ParamGroup:
+    """All-gathers a group's shards in one collective per dtype and reduce-scatters its grads."""
+
+    def __init__(self, params: list[ShardedParam], dp: DataParallelMesh):
+        self.params = params
+        self.dp = dp
+        self.state = GroupState.SHARDED
+        self.gather_buckets = _buckets(params, lambda p: p.param_dtype)
+        self.reduce_buckets = _buckets([p for p in params if p.requires_grad], lambda p: p.reduce_dtype)
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None  # None: average over data-parallel ranks
+        self._pending_gathers: list[PendingGather] = []
+        self._pending_reduces: list[PendingReduce] = []
+        self._grads_ready: set[int] = set()
+        self.reduced_this_backward = False
+
+    # -- unshard / reshard -----------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather(s); with ``async_op`` return before they complete."""
+        if self.state != GroupState.SHARDED:
+            return
+        world, rank = self.dp.shard_size, self.dp.shard_rank
+        for bucket in self.gather_buckets:
+            output = torch.empty(world * bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            # In-place all-gather: our input is our own slot of the output, no separate buffer.
+            own_slot = output.narrow(0, rank * bucket.numel_per_rank, bucket.numel_per_rank)
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.copy_shard_in(own_slot[off : off + p.layout.padded_shard_numel])
+            work = collectives.all_gather(output, own_slot, self.dp.shard_group, async_op=True)
+            self._pending_gathers.append(PendingGather(bucket, output, work))
+        self.state = GroupState.UNSHARDING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Complete an issued all-gather and register the full parameters on the modules."""
+        if self.state != GroupState.UNSHARDING:
+            return
+        for pending in self._pending_gathers:
+            pending.work.wait()
+            gathered = pending.output.view(self.dp.shard_size, pending.bucket.numel_per_rank)
+            for p, block in pending.bucket.columns(gathered):
+                p.copy_gathered_out(block)
+        self._pending_gathers.clear()
+        for p in self.params:
+            p.hold_unsharded()
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters and register the shards again."""
+        if self.state == GroupState.UNSHARDING:
+            self.wait_for_unshard()  # never leave a collective writing into freed memory
+        if self.state == GroupState.SHARDED:
+            return
+        for p in self.params:
+            p.hold_sharded()
+            p.free_unsharded()
+        self.state = GroupState.SHARDED
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def note_grad_ready(self, param: ShardedParam) -> bool:
+        """Record that autograd finished ``param``'s gradient; True once every grad param has one."""
+        self._grads_ready.add(id(param))
+        return len(self._grads_ready) == sum(p.requires_grad for p in self.params)
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        return any(p.has_unreduced_grad for p in self.params)
+
+    def post_backward(self) -> None:
+        """After this group's backward: reduce-scatter (or stash) grads, then maybe reshard."""
+        self.reduced_this_backward = True
+        if self.requires_gradient_sync:
+            self._reduce_scatter_grads()
+        else:
+            for p in self.params:
+                if p.unsharded_param is not None and p.requires_grad:
+                    p.stash_grad_without_sync()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce_scatter_grads(self) -> None:
+        grads = {id(p): p.take_unreduced_grad() for p in self.params if p.requires_grad}
+        if all(g is None for g in grads.values()):
+            return
+        world = self.dp.shard_size
+        for bucket in self.reduce_buckets:
+            # Zero-filled: a param without a grad on this rank (unused in its forward) still
+            # needs a slot so that every rank's buffer has the same layout.
+            inp = torch.zeros(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            for p, block in bucket.columns(inp):
+                grad = grads[id(p)]
+                if grad is not None:
+                    p.layout.copy_full_in(grad, block)
+            if bucket.dtype == torch.float16:
+                inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
+            out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            work = collectives.reduce_scatter_sum(out, inp.view(-1), self.dp.shard_group, async_op=True)
+            self._pending_reduces.append(PendingReduce(bucket, inp, out, work))
+
+    @property
+    def _divide_factor(self) -> float:
+        return self.gradient_divide_factor or float(self.dp.data_parallel_size)
+
+    @property
+    def has_pending_reduce(self) -> bool:
+        return bool(self._pending_reduces)
+
+    def finish_reduce(self) -> None:
+        """Wait for issued reduce-scatters and add the results to the sharded ``.grad``s."""
+        for pending in self._pending_reduces:
+            pending.work.wait()
+            if self.dp.is_hybrid:
+                collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
+            if pending.bucket.dtype != torch.float16:
+                pending.output.div_(self._divide_factor)
+            for p, off in zip(pending.bucket.params, pending.bucket.offsets):
+                p.accumulate_sharded_grad(pending.output[off : off + p.layout.padded_shard_numel])
+        self._pending_reduces.clear()
+
+    def end_backward(self) -> None:
+        self._grads_ready.clear()
+        self.reduced_this_backward = False

@@ -1,0 +1,127 @@
+"""How one tensor is split into per-rank shards, and the copies in and out of flat comm buffers.
+
+We follow ``torch.chunk`` semantics (as DTensor's ``Shard`` does): along ``dim`` every rank gets
+``chunk = ceil(size / world)`` rows except the tail, so high ranks may get fewer rows or none.
+In communication buffers every rank's shard is padded to ``chunk`` rows, so all ranks send
+equal-sized pieces and one all-gather / reduce-scatter serves a whole group of parameters.
+
+A flat buffer with ``world`` rows and one column block per parameter looks like::
+
+            param A (n_A cols)   param B (n_B cols)
+    rank 0  [A shard 0, padded] [B shard 0, padded]
+    rank 1  [A shard 1, padded] [B shard 1, padded]
+
+All functions here are pure tensor copies (no communication), so they can be tested alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Split of a tensor of ``full_shape`` along ``dim`` across ``world`` ranks, seen from ``rank``."""
+
+    full_shape: torch.Size
+    dim: int
+    world: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:
+        """Rows along ``dim`` of every padded shard."""
+        return math.ceil(self.full_shape[self.dim] / self.world)
+
+    def rows_of(self, rank: int) -> int:
+        """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
+        return max(0, min(self.chunk, self.full_shape[self.dim] - rank * self.chunk))
+
+    @property
+    def local_rows(self) -> int:
+        return self.rows_of(self.rank)
+
+    @property
+    def local_offset(self) -> int:
+        """Global index along ``dim`` of this rank's first row."""
+        return min(self.rank * self.chunk, self.full_shape[self.dim])
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return self._with_rows(self.local_rows)
+
+    @property
+    def padded_shard_shape(self) -> torch.Size:
+        return self._with_rows(self.chunk)
+
+    @property
+    def padded_shard_numel(self) -> int:
+        return math.prod(self.padded_shard_shape)
+
+    @property
+    def full_numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def is_even(self) -> bool:
+        return self.full_shape[self.dim] == self.chunk * self.world
+
+    def _with_rows(self, rows: int) -> torch.Size:
+        shape = list(self.full_shape)
+        shape[self.dim] = rows
+        return torch.Size(shape)
+
+    # -- sharding a full tensor -------------------------------------------------------------
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full`` (a view)."""
+        return full.narrow(self.dim, self.local_offset, self.local_rows)
+
+    # -- all-gather: shard -> padded slot -> full ---------------------------------------------
+
+    def copy_shard_in(self, slot: torch.Tensor, shard: torch.Tensor) -> None:
+        """Write this rank's ``shard`` into its padded all-gather input ``slot`` (1-D, casting).
+
+        Padding rows are left as they are: they only land in padding of the gathered tensor.
+        """
+        if self.local_rows:
+            slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows).copy_(shard)
+
+    def copy_full_out(self, gathered: torch.Tensor, padded_full: torch.Tensor) -> torch.Tensor:
+        """Rebuild the full tensor from ``gathered`` (``world x padded_shard_numel``, may be strided).
+
+        ``padded_full`` is a 1-D buffer of ``world * padded_shard_numel`` elements that receives
+        the result; returns the full tensor as a view of its first ``full_numel`` elements.
+        """
+        full = padded_full[: self.full_numel].view(self.full_shape)
+        if self.dim == 0:
+            # Rank blocks stacked along dim 0 *are* the padded full tensor: a single copy.
+            padded_full.view(self.world, self.padded_shard_numel).copy_(gathered)
+        elif self.full_numel:
+            blocks = gathered.reshape(self.world, *self.padded_shard_shape).unbind(0)
+            full.copy_(torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_shape[self.dim]))
+        return full
+
+    # -- reduce-scatter: full gradient -> padded slots -> shard --------------------------------
+
+    def copy_full_in(self, full: torch.Tensor, slots: torch.Tensor) -> None:
+        """Scatter ``full`` into ``slots`` (``world x padded_shard_numel``), zeroing the padding."""
+        if not self.padded_shard_numel:
+            return
+        if self.dim == 0 and self.is_even:
+            slots.copy_(full.reshape(self.world, self.padded_shard_numel))
+            return
+        for rank in range(self.world):
+            rows = self.rows_of(rank)
+            block = slots[rank].view(self.padded_shard_shape)
+            if rows:
+                block.narrow(self.dim, 0, rows).copy_(full.narrow(self.dim, rank * self.chunk, rows))
+            if rows < self.chunk:
+                block.narrow(self.dim, rows, self.chunk - rows).zero_()
+
+    def shard_out(self, slot: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of a reduced padded ``slot`` (1-D) as a tensor of ``local_shape``."""
+        return slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows)

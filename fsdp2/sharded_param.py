@@ -1,0 +1,178 @@
+"""One parameter managed by fully_shard: its DTensor shard and its gathered (unsharded) form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.shard_layout import ShardLayout
+
+
+class ParamState(Enum):
+    SHARDED = auto()  # modules see the DTensor shard; no gathered memory is held
+    UNSHARDED = auto()  # modules see the full tensor in param_dtype
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One place a parameter is registered, ``module.<name>``. Tied parameters have several."""
+
+    module: nn.Module
+    name: str
+
+    def hold(self, tensor: nn.Parameter) -> None:
+        # Straight into _parameters: setattr would re-run nn.Module's checks on every swap.
+        self.module._parameters[self.name] = tensor
+
+    def current(self) -> nn.Parameter:
+        return self.module._parameters[self.name]
+
+
+class ShardedParam:
+    """A parameter sharded along ``shard_dim`` over the mesh's shard dim.
+
+    The sharded form is an ``nn.Parameter`` wrapping a DTensor; it is what the optimizer sees
+    and what ``state_dict()`` returns. The unsharded form is one persistent ``nn.Parameter``
+    whose storage is allocated on unshard and freed (resized to 0) on reshard: keeping the same
+    tensor object lets autograd's saved references stay valid across reshard/unshard cycles.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        slots: list[ParamSlot],
+        dp: DataParallelMesh,
+        shard_dim: int,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+        on_grad_ready: Callable[["ShardedParam"], None],
+    ):
+        self.fqn = fqn
+        self.slots = slots
+        self.dp = dp
+        self.requires_grad = param.requires_grad
+        self.orig_dtype = param.dtype
+        self.param_dtype = mp_policy.param_dtype if param.is_floating_point() and mp_policy.param_dtype else param.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype if param.is_floating_point() and mp_policy.reduce_dtype else self.param_dtype
+        self.device = dp.device
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.layout = ShardLayout(param.shape, shard_dim, dp.shard_size, dp.shard_rank)
+        self._on_grad_ready = on_grad_ready
+        self.state = ParamState.SHARDED
+
+        # clone(): the shard must own its memory so the full tensor can be freed.
+        local = self.layout.local_slice(param.detach()).clone()
+        if local.device.type != "meta":
+            local = local.to("cpu" if self.offload else self.device)
+            if self.offload and offload_policy.pin_memory and torch.cuda.is_available():
+                local = local.pin_memory()
+        dtensor = DTensor.from_local(
+            local, dp.mesh, dp.placements(shard_dim), run_check=False, shape=param.shape, stride=param.stride()
+        )
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        self.unsharded_param: nn.Parameter | None = None
+        self._padded_full: torch.Tensor | None = None  # storage owner of unsharded_param
+        # Gradient summed over microbatches without sync, kept in reduce_dtype for precision.
+        self._accumulated_grad: torch.Tensor | None = None
+        self.hold_sharded()
+
+    # -- views the modules see ----------------------------------------------------------------
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        # Read through the DTensor every time: to_empty()/_apply swap its contents in place.
+        return self.sharded_param._local_tensor
+
+    def hold_sharded(self) -> None:
+        for slot in self.slots:
+            slot.hold(self.sharded_param)
+        self.state = ParamState.SHARDED
+
+    def hold_unsharded(self) -> None:
+        for slot in self.slots:
+            slot.hold(self.unsharded_param)
+        self.state = ParamState.UNSHARDED
+
+    def refresh_after_apply(self) -> None:
+        """Re-read the sharded parameter after nn.Module._apply (``to``, ``to_empty``, ...)."""
+        self.sharded_param = self.slots[0].current()
+
+    # -- all-gather -----------------------------------------------------------------------------
+
+    def copy_shard_in(self, slot: torch.Tensor) -> None:
+        self.layout.copy_shard_in(slot, self.local_shard.to(slot.device, non_blocking=True))
+
+    def copy_gathered_out(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
+        self._allocate_unsharded()
+        # The copy must not bump the version counter: autograd saved this very tensor in
+        # forward and checks the version in backward; the values are identical by design.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded_param):
+            self.layout.copy_full_out(gathered, self._padded_full)
+
+    def _allocate_unsharded(self) -> None:
+        numel = self.layout.world * self.layout.padded_shard_numel
+        if self.unsharded_param is None:
+            self._padded_full = torch.empty(numel, dtype=self.param_dtype, device=self.device)
+            full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
+            self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+            if self.requires_grad:
+                self.unsharded_param.register_post_accumulate_grad_hook(lambda _: self._on_grad_ready(self))
+        elif self._padded_full.untyped_storage().size() == 0:
+            self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
+
+    def free_unsharded(self) -> None:
+        if self._padded_full is not None:
+            self._padded_full.untyped_storage().resize_(0)
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    @property
+    def has_unreduced_grad(self) -> bool:
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        return grad is not None or self._accumulated_grad is not None
+
+    def stash_grad_without_sync(self) -> None:
+        """Keep this backward's gradient locally (no communication) for a later synced backward."""
+        grad = self.unsharded_param.grad
+        if grad is None or grad.dtype == self.reduce_dtype:
+            return  # autograd accumulates in place into .grad at full precision already
+        self.unsharded_param.grad = None
+        grad = grad.to(self.reduce_dtype)
+        self._accumulated_grad = grad if self._accumulated_grad is None else self._accumulated_grad.add_(grad)
+
+    def take_unreduced_grad(self) -> torch.Tensor | None:
+        """The full local gradient to reduce (all microbatches), releasing our references to it."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        if self._accumulated_grad is not None:
+            acc, self._accumulated_grad = self._accumulated_grad, None
+            grad = acc if grad is None else acc.add_(grad)
+        return grad
+
+    def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
+        """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor)."""
+        local = self.layout.shard_out(reduced_slot).to(self.orig_dtype)
+        if self.offload:
+            local = local.to("cpu", non_blocking=True)
+        existing = self.sharded_param.grad
+        if existing is None:
+            self.sharded_param.grad = DTensor.from_local(
+                local.contiguous(),
+                self.sharded_param.device_mesh,
+                self.sharded_param.placements,
+                run_check=False,
+                shape=self.sharded_param.shape,
+                stride=self.sharded_param.stride(),
+            )
+        else:
+            existing._local_tensor.add_(local)
