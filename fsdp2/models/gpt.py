@@ -20,7 +20,7 @@ class GPTConfig:
     tie_weights: bool = False
 
     def num_params(self) -> int:
-        block = 4 * self.dim * self.dim + 4 * self.dim + 2 * self.mlp_ratio * self.dim * self.dim
+        block = 4 * self.dim * self.dim + self.dim + 2 * self.mlp_ratio * self.dim * self.dim
         block += (self.mlp_ratio + 1) * self.dim + 4 * self.dim  # mlp biases, two layernorms
         head = 0 if self.tie_weights else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.seq_len * self.dim + self.n_layers * block + 2 * self.dim + head
@@ -30,7 +30,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # No qkv bias: its key part has an exactly-zero gradient (softmax ignores shifts), and
+        # Adam would amplify the rounding noise there into full-size updates.
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
