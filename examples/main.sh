@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The main job: set up from nothing, train a GPT with fsdp2 on 2 CPU ranks, save a checkpoint,
+# resume from it (the resumed losses must equal the uninterrupted run's), and consolidate it
+# into a Hugging Face style safetensors set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .ci/setup
+out=runs/main
+rm -rf "$out" && mkdir -p "$out"
+
+echo "== train 40 steps on 2 ranks, checkpoint every 20 =="
+python examples/train_gpt.py --nproc 2 --steps 40 --save-every 20 --ckpt "$out/ckpt" --losses-out "$out/full.json"
+
+echo "== resume from step 20 and train to step 40 =="
+python examples/train_gpt.py --nproc 2 --steps 40 --ckpt "$out/ckpt/step-20" --resume --losses-out "$out/resumed.json"
+
+python - "$out" <<'PY'
+import json, sys
+full = json.load(open(f"{sys.argv[1]}/full.json"))
+resumed = json.load(open(f"{sys.argv[1]}/resumed.json"))
+same = all(full[k] == v for k, v in resumed.items())
+print(f"resumed losses {'match' if same else 'DIFFER FROM'} the uninterrupted run for steps {min(map(int, resumed))}-{max(map(int, resumed))}")
+sys.exit(0 if same else 1)
+PY
+
+echo "== inspect, verify and consolidate the step-40 checkpoint =="
+python -m fsdp2.checkpoint inspect "$out/ckpt/step-40" | head -n 12
+python -m fsdp2.checkpoint verify "$out/ckpt/step-40"
+python -m fsdp2.checkpoint consolidate "$out/ckpt/step-40" "$out/hf"
+ls -l "$out/hf"

@@ -1,0 +1,160 @@
+"""Train a small GPT with fsdp2 on CPU ranks, on the bytes of the Python sources that ship with torch.
+
+    python examples/train_gpt.py --nproc 2 --steps 40 --save-every 20 --ckpt runs/ckpt
+    python examples/train_gpt.py --nproc 2 --steps 40 --ckpt runs/ckpt --resume
+
+Every rank trains on its own slice of each global batch; batches depend only on the step
+number, so a resumed run sees exactly the batches the original run would have seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp2 import fully_shard
+from fsdp2.models import GPT, GPTConfig
+
+MiB = 2**20
+
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """Bytes of torch's own .py files, in a fixed order: real text that needs no download."""
+    root = Path(torch.__file__).parent
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+
+
+def global_batch(corpus: torch.Tensor, step: int, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g)
+    windows = torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes this rank holds for params, grads and optimizer state, vs one unsharded copy."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    full = sum(p.numel() * p.element_size() for p in params)
+    return {
+        "params": local_bytes(params),
+        "grads": local_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": local_bytes(state),
+        "unsharded_params": full,
+        # params + grads + two Adam moments, unsharded, for the same model
+        "unsharded_total": 4 * full,
+    }
+
+
+def run(rank: int, args: argparse.Namespace, port: int) -> None:
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")
+    torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    if args.ckpt:
+        from fsdp2 import checkpoint
+
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+
+    start_step = 0
+    if args.resume:
+        extra = checkpoint.load(args.ckpt, model, optimizer)
+        start_step = extra["step"]
+        if rank == 0:
+            print(f"resumed from {args.ckpt} at step {start_step}")
+
+    corpus = load_corpus(args.corpus_mb * MiB)
+    if rank == 0:
+        print(f"corpus: {corpus.numel() / MiB:.1f} MiB of torch's Python sources; model: {cfg.num_params() / 1e6:.2f}M params; {args.nproc} ranks")
+    rows = slice(rank * args.batch, (rank + 1) * args.batch)
+    losses = {}
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        tokens, targets = global_batch(corpus, step, args.batch * args.nproc, cfg.seq_len)
+        loss = model.loss(tokens[rows], targets[rows])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses[step + 1] = mean_loss.item() / args.nproc
+        if rank == 0:
+            print(f"step {step + 1:4d}  loss {losses[step + 1]:.4f}  {time.perf_counter() - t0:.2f}s")
+        if args.ckpt and (step + 1) % args.save_every == 0 and not args.resume:
+            checkpoint.save(f"{args.ckpt}/step-{step + 1}", model, optimizer, extra={"step": step + 1})
+            if rank == 0:
+                print(f"saved {args.ckpt}/step-{step + 1}")
+
+    mem = memory_report(model, optimizer)
+    reports = [None] * args.nproc
+    dist.all_gather_object(reports, mem)
+    if rank == 0:
+        for r, m in enumerate(reports):
+            held = m["params"] + m["grads"] + m["optimizer"]
+            print(
+                f"rank {r}: params {m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + adam {m['optimizer'] / MiB:.2f}"
+                f" = {held / MiB:.2f} MiB vs {m['unsharded_total'] / MiB:.2f} MiB unsharded ({held / m['unsharded_total']:.2f}x)"
+            )
+        if args.losses_out:
+            Path(args.losses_out).write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--corpus-mb", type=int, default=8)
+    parser.add_argument("--ckpt", default="", help="checkpoint directory (save under it, or resume from it)")
+    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--resume", action="store_true", help="load --ckpt and continue to --steps")
+    parser.add_argument("--losses-out", default="", help="write {step: loss} JSON here")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run, args=(args, port), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
