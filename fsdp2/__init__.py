@@ -3,6 +3,7 @@
 from fsdp2.errors import FSDPUsageError
 from fsdp2.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp2.fully_shard import fully_shard
+from fsdp2.grad_clip import clip_grad_norm_
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

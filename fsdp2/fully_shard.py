@@ -117,11 +117,6 @@ def _plan_params(module: nn.Module, ignored: set[nn.Parameter], name: str) -> li
                     "A parameter shared between modules must be sharded once: apply fully_shard to their "
                     "common ancestor only, or pass it in ignored_params."
                 )
-            if isinstance(param, DTensor):
-                raise FSDPUsageError(
-                    f"fully_shard({name}): parameter {fqn} is already a DTensor; composing with tensor "
-                    "parallelism is not supported yet."
-                )
             if param.dim() == 0:
                 raise FSDPUsageError(
                     f"fully_shard({name}): parameter {fqn} is a scalar and cannot be sharded; give it shape (1,) "

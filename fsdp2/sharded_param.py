@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.dtensor_spec import sharded_spec
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.shard_layout import ShardLayout
 
@@ -64,18 +65,20 @@ class ShardedParam:
         self.reduce_dtype = mp_policy.reduce_dtype if param.is_floating_point() and mp_policy.reduce_dtype else self.param_dtype
         self.device = dp.device
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self.layout = ShardLayout(param.shape, shard_dim, dp.shard_size, dp.shard_rank)
+        spec = sharded_spec(fqn, param, dp, shard_dim)
+        self.tensor_parallel = spec.tensor_parallel  # None unless composed with TP
+        self.layout = ShardLayout(spec.fsdp_input.shape, shard_dim, dp.shard_size, dp.shard_rank)
         self._on_grad_ready = on_grad_ready
         self.state = ParamState.SHARDED
 
         # clone(): the shard must own its memory so the full tensor can be freed.
-        local = self.layout.local_slice(param.detach()).clone()
+        local = self.layout.local_slice(spec.fsdp_input).clone()
         if local.device.type != "meta":
             local = local.to("cpu" if self.offload else self.device)
             if self.offload and offload_policy.pin_memory and torch.cuda.is_available():
                 local = local.pin_memory()
         dtensor = DTensor.from_local(
-            local, dp.mesh, dp.placements(shard_dim), run_check=False, shape=param.shape, stride=param.stride()
+            local, spec.mesh, spec.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         self.unsharded_param: nn.Parameter | None = None
@@ -123,6 +126,8 @@ class ShardedParam:
         if self.unsharded_param is None:
             self._padded_full = torch.empty(numel, dtype=self.param_dtype, device=self.device)
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
+            if self.tensor_parallel is not None:
+                full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
             self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
             if self.requires_grad:
                 self.unsharded_param.register_post_accumulate_grad_hook(lambda _: self._on_grad_ready(self))
@@ -146,7 +151,7 @@ class ShardedParam:
         if grad is None or grad.dtype == self.reduce_dtype:
             return  # autograd accumulates in place into .grad at full precision already
         self.unsharded_param.grad = None
-        grad = grad.to(self.reduce_dtype)
+        grad = self._local(grad).to(self.reduce_dtype)
         self._accumulated_grad = grad if self._accumulated_grad is None else self._accumulated_grad.add_(grad)
 
     def take_unreduced_grad(self) -> torch.Tensor | None:
@@ -156,8 +161,13 @@ class ShardedParam:
             self.unsharded_param.grad = None
         if self._accumulated_grad is not None:
             acc, self._accumulated_grad = self._accumulated_grad, None
-            grad = acc if grad is None else acc.add_(grad)
-        return grad
+            grad = acc if grad is None else acc.add_(self._local(grad))
+        return self._local(grad)
+
+    def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None or self.tensor_parallel is None:
+            return grad
+        return self.tensor_parallel.local_grad(grad)
 
     def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
         """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor)."""

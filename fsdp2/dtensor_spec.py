@@ -1,0 +1,97 @@
+"""How a sharded parameter is described as a DTensor, with or without tensor parallelism.
+
+Plain parameter: FSDP shards the full tensor; the DTensor lives on the data-parallel mesh.
+
+Tensor-parallel parameter (already a DTensor on a TP mesh, from ``parallelize_module``): FSDP
+shards each rank's TP-local tensor, and the result is a DTensor on the combined (dp..., tp)
+mesh. When FSDP and TP split the same dim, the rows a rank holds are "every tp-th block"
+of that dim, which DTensor expresses as ``_StridedShard(dim, split_factor=tp_shards)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.errors import FSDPUsageError
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """Where the unsharded parameter lives during compute: a DTensor on the TP mesh."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The TP-local gradient, first turning Partial (pending-sum) grads into our placements."""
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != self.placements:
+                grad = grad.redistribute(self.mesh, self.placements)
+            return grad._local_tensor
+        return grad
+
+
+@dataclass(frozen=True)
+class ShardedSpec:
+    """The DTensor mesh/placements of the sharded parameter, and the tensor FSDP splits."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    fsdp_input: torch.Tensor  # the full tensor, or the TP-local tensor
+    tensor_parallel: TensorParallelSpec | None
+
+
+def sharded_spec(fqn: str, param: torch.Tensor, dp: DataParallelMesh, shard_dim: int) -> ShardedSpec:
+    if not isinstance(param, DTensor):
+        return ShardedSpec(dp.mesh, dp.placements(shard_dim), param.detach(), None)
+    tp_mesh = param.device_mesh
+    tp = TensorParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride())
+    tp_splits = 1
+    for placement, size in zip(param.placements, tp_mesh.shape):
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == shard_dim:
+            tp_splits *= size
+        elif not isinstance(placement, (Shard, Replicate)):
+            raise FSDPUsageError(
+                f"fully_shard: parameter {fqn} has TP placement {placement}; only Shard and Replicate "
+                "tensor-parallel parameters can be further sharded."
+            )
+    fsdp = _StridedShard(shard_dim, split_factor=tp_splits) if tp_splits > 1 else Shard(shard_dim)
+    dp_placements = (Replicate(), fsdp) if dp.is_hybrid else (fsdp,)
+    mesh = _combined_mesh(fqn, dp.mesh, tp_mesh)
+    return ShardedSpec(mesh, dp_placements + tuple(param.placements), param._local_tensor.detach(), tp)
+
+
+def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (dp..., tp...) mesh both were sliced from; the data-parallel dims must come first."""
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if not dp_names or not tp_names or set(dp_names) & set(tp_names):
+        raise FSDPUsageError(
+            f"fully_shard: parameter {fqn} is tensor-parallel on mesh dims {tp_names}; pass the data-parallel "
+            f"sub-mesh of the same named mesh (e.g. mesh['dp'] with mesh['tp'] for TP), got dims {dp_names}."
+        )
+    root = dp_mesh._get_root_mesh()
+    if root is not tp_mesh._get_root_mesh():
+        raise FSDPUsageError(
+            f"fully_shard: parameter {fqn} is tensor-parallel on a mesh that is not a sibling of the "
+            "data-parallel mesh; slice both from one DeviceMesh (init_device_mesh(..., mesh_dim_names=...))."
+        )
+    if tuple(root.mesh_dim_names) == tuple(dp_names) + tuple(tp_names):
+        return root
+    names = tuple(dp_names) + tuple(tp_names)
+    if list(root.mesh_dim_names).index(names[0]) > list(root.mesh_dim_names).index(tp_names[0]):
+        raise FSDPUsageError(
+            f"fully_shard: mesh dims {root.mesh_dim_names}: the data-parallel dims {dp_names} must come "
+            f"before the tensor-parallel dims {tp_names}."
+        )
+    return root[names]
