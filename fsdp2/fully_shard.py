@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.errors import FSDPUsageError
 from fsdp2.fsdp_module import FSDPModule
 from fsdp2.hook_state import FSDPState
@@ -33,6 +34,7 @@ class _ParamPlan:
     param: nn.Parameter
     slots: list[ParamSlot]
     shard_dim: int = 0
+    spec: ShardedSpec | None = None
 
 
 def fully_shard(
@@ -64,13 +66,15 @@ def fully_shard(
     _check_devices(plans, dp, name)
     for plan in plans:
         plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
+        plan.spec = sharded_spec(plan.fqn, plan.param, dp, plan.shard_dim)
 
     # Validation is over: from here on we change the module.
     def on_grad_ready(param: ShardedParam) -> None:
         module._fsdp_state.on_grad_ready(param)
 
     sharded = [
-        ShardedParam(p.fqn, p.param, p.slots, dp, p.shard_dim, mp_policy, offload_policy, on_grad_ready) for p in plans
+        ShardedParam(p.fqn, p.param, p.slots, dp, p.shard_dim, p.spec, mp_policy, offload_policy, on_grad_ready)
+        for p in plans
     ]
     for plan, sp in zip(plans, sharded):
         _MANAGED[plan.param] = name

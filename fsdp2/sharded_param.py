@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.dp_mesh import DataParallelMesh
-from fsdp2.dtensor_spec import sharded_spec
+from fsdp2.dtensor_spec import ShardedSpec
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.shard_layout import ShardLayout
 
@@ -52,6 +52,7 @@ class ShardedParam:
         slots: list[ParamSlot],
         dp: DataParallelMesh,
         shard_dim: int,
+        spec: ShardedSpec,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         on_grad_ready: Callable[["ShardedParam"], None],
@@ -65,7 +66,6 @@ class ShardedParam:
         self.reduce_dtype = mp_policy.reduce_dtype if param.is_floating_point() and mp_policy.reduce_dtype else self.param_dtype
         self.device = dp.device
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        spec = sharded_spec(fqn, param, dp, shard_dim)
         self.tensor_parallel = spec.tensor_parallel  # None unless composed with TP
         self.layout = ShardLayout(spec.fsdp_input.shape, shard_dim, dp.shard_size, dp.shard_rank)
         self._on_grad_ready = on_grad_ready
