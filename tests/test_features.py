@@ -343,3 +343,186 @@ def _nested_io(rank, ws):
 
 def test_nested_inputs_and_outputs(worlds):
     worlds.run(2, _nested_io)
+
+
+# -- state dict ------------------------------------------------------------------------------------
+
+
+def _state_dict(rank, ws):
+    model, ref = _gpt_pair()
+    # Train a step so the values are not just the initial ones.
+    _train_parity(rank, ws, model, ref, steps=1)
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(ref_sd)
+    for key, value in sd.items():
+        assert isinstance(value, DTensor), key
+        _close(value.full_tensor(), ref_sd[key], key)
+    saved = {k: v.clone() for k, v in sd.items()}  # state_dict() values alias the parameters
+    assert all(isinstance(v, DTensor) for v in saved.values())
+    # Load a full-tensor state dict from another model...
+    other = GPT(CFG)
+    model.load_state_dict(other.state_dict())
+    _assert_params_match(model, other, "after full load")
+    # ...and a DTensor state dict (ours, saved earlier) back.
+    model.load_state_dict(saved)
+    _assert_params_match(model, ref, "after DTensor load")
+    # Loading keeps the same parameter objects (an optimizer holding them stays valid).
+    before = [id(p) for p in model.parameters()]
+    model.load_state_dict(other.state_dict())
+    assert [id(p) for p in model.parameters()] == before
+    # Training still matches after a load.
+    ref.load_state_dict(other.state_dict())
+    _train_parity(rank, ws, model, ref, steps=1)
+
+
+def test_state_dict_round_trip(worlds):
+    worlds.run(4, _state_dict)
+
+
+# -- manual unshard / reshard and prefetching ---------------------------------------------------------
+
+
+def _unshard_reshard(rank, ws):
+    model, ref = _gpt_pair()
+    block = model.blocks[0]
+    block.unshard()
+    for name, param in block.named_parameters():
+        assert not isinstance(param, DTensor), name
+        _close(param.detach(), dict(ref.blocks[0].named_parameters())[name].detach(), name)
+    block.reshard()
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+    handle = model.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()
+    assert not isinstance(model.lm_head.weight, DTensor)
+    _close(model.lm_head.weight.detach(), ref.lm_head.weight.detach(), "lm_head")
+    assert isinstance(model.blocks[1].mlp[0].weight, DTensor)  # not the children's params
+    model.reshard()
+    # Manually unsharding a block ahead of each forward still trains like the reference. (Not
+    # before building the optimizer: parameters() would then list the unsharded tensors.)
+    def loss_fn(m, x, y):
+        if m is model:
+            m.blocks[1].unshard(async_op=True)
+        return m.loss(x, y)
+
+    _train_parity(rank, ws, model, ref, loss_fn=loss_fn)
+
+
+def test_unshard_reshard(worlds):
+    worlds.run(2, _unshard_reshard)
+
+
+def _prefetch(rank, ws):
+    model, ref = _gpt_pair()
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch([blocks[0]])
+    blocks[0].set_modules_to_forward_prefetch([blocks[1]])
+    blocks[1].set_modules_to_backward_prefetch([blocks[0]])
+    blocks[0].set_modules_to_backward_prefetch([])
+    _train_parity(rank, ws, model, ref, steps=3)
+
+
+def test_explicit_prefetch(worlds):
+    worlds.run(2, _prefetch)
+
+
+class _GenGPT(GPT):
+    def greedy_next(self, tokens):
+        """A non-forward entry point that uses the root's own params directly."""
+        positions = torch.arange(tokens.shape[1])
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))[:, -1].argmax(-1)
+
+
+def _forward_method(rank, ws):
+    ref = _GenGPT(CFG)
+    model = _shard_gpt(copy.deepcopy(ref))
+    register_fsdp_forward_method(model, "greedy_next")
+    tokens, _ = _global_batch(0, ws)
+    with torch.no_grad():
+        got = model.greedy_next(tokens)
+        expected = ref.greedy_next(tokens)
+    assert torch.equal(got, expected)
+    _assert_all_sharded(model)
+    # With grad: the root stays unsharded (waiting for a backward) until resharded by hand.
+    model.greedy_next(tokens)
+    assert not isinstance(model.lm_head.weight, DTensor)
+    assert isinstance(model.blocks[0].mlp[0].weight, DTensor)
+    model.reshard()
+    _train_parity(rank, ws, model, ref)
+
+
+def test_register_fsdp_forward_method(worlds):
+    worlds.run(2, _forward_method)
+
+
+# -- gradients -----------------------------------------------------------------------------------
+
+
+def _clip_grad_norm(rank, ws):
+    model, ref = _gpt_pair()
+    tokens, targets = _global_batch(0, ws)
+    model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+    ref.loss(tokens, targets).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
+    assert ref_norm > 0.1  # so that clipping actually scales
+    _close(_full(norm), ref_norm, "total norm")
+    _assert_grads_match(model, ref)
+
+
+def test_clip_grad_norm(worlds):
+    worlds.run(4, _clip_grad_norm)
+
+
+def _divide_factor(rank, ws):
+    model, ref = _gpt_pair()
+    model.set_gradient_divide_factor(1.0)  # sum instead of average
+    tokens, targets = _global_batch(0, ws)
+    model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+    (ref.loss(tokens, targets) * ws).backward()
+    _assert_grads_match(model, ref)
+
+
+def test_gradient_divide_factor(worlds):
+    worlds.run(2, _divide_factor)
+
+
+class _CheckpointedBlock(Block):
+    def forward(self, x):
+        def attn(x):
+            return x + self.attn(self.ln1(x))
+
+        x = torch.utils.checkpoint.checkpoint(attn, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(lambda y: y + self.mlp(self.ln2(y)), x, use_reentrant=False)
+
+
+def _activation_checkpointing(rank, ws):
+    ref = GPT(CFG)
+    for block in ref.blocks:
+        block.__class__ = _CheckpointedBlock
+    model = _shard_gpt(copy.deepcopy(ref))
+    _train_parity(rank, ws, model, ref)
+
+
+def test_activation_checkpointing(worlds):
+    worlds.run(2, _activation_checkpointing)
+
+
+def _checkpoint_whole_block(rank, ws):
+    class Outer(GPT):
+        def forward(self, tokens):
+            x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
+            for block in self.blocks:  # recompute runs the FSDP block's hooks again
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            return self.lm_head(self.ln_f(x))
+
+    ref = Outer(CFG)
+    model = _shard_gpt(copy.deepcopy(ref))
+    _train_parity(rank, ws, model, ref)
+
+
+def test_activation_checkpointing_around_fsdp_block(worlds):
+    worlds.run(2, _checkpoint_whole_block)
