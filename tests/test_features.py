@@ -25,7 +25,7 @@ from fsdp2.models.gpt import GPT, Block, GPTConfig
 # dim 36 and vocab 67 split unevenly on 4 ranks (and 67 on 2) on purpose.
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
 ATOL, RTOL = 1e-5, 1e-4
-LOCAL_BATCH = 2
+LOCAL_BATCH = 3
 STEPS = 2
 
 
@@ -526,3 +526,127 @@ def _checkpoint_whole_block(rank, ws):
 
 def test_activation_checkpointing_around_fsdp_block(worlds):
     worlds.run(2, _checkpoint_whole_block)
+
+
+# -- resharding policies -------------------------------------------------------------------------
+
+
+def _reshard_after_backward_false(rank, ws):
+    model, ref = _gpt_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        tokens, targets = _global_batch(step, ws)
+        # One-row microbatches; keep the parameters gathered between them, reshard after the last.
+        xs, ys = _local(tokens, rank, ws).split(1), _local(targets, rank, ws).split(1)
+        for micro, (x, y) in enumerate(zip(xs, ys)):
+            last = micro == len(xs) - 1
+            model.set_reshard_after_backward(last)
+            (model.loss(x, y) / len(xs)).backward()
+            if not last:
+                assert not isinstance(model.blocks[0].mlp[0].weight, DTensor), "resharded after backward"
+        ref.loss(tokens, targets).backward()
+        _assert_all_sharded(model)
+        _assert_grads_match(model, ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _assert_params_match(model, ref)
+
+
+def test_set_reshard_after_backward_false(worlds):
+    worlds.run(2, _reshard_after_backward_false)
+
+
+def _reshard_after_forward_int(rank, ws, value, expect_sharded):
+    model, ref = _gpt_pair(reshard_after_forward=value)
+    tokens, targets = _global_batch(0, ws)
+    out = model(_local(tokens, rank, ws))
+    assert isinstance(model.blocks[0].mlp[0].weight, DTensor) == expect_sharded
+    out.sum().backward()
+    _assert_all_sharded(model)
+    model.zero_grad()
+    _train_parity(rank, ws, model, ref)
+
+
+@pytest.mark.parametrize("value", ["one", "world"])
+def test_reshard_after_forward_int(worlds, value):
+    ws = 4
+    worlds.run(ws, _reshard_after_forward_int, 1 if value == "one" else ws, value == "world")
+
+
+def _no_grad_forward(rank, ws):
+    model, ref = _gpt_pair(reshard_after_forward=False)
+    tokens, _ = _global_batch(0, ws)
+    with torch.no_grad():
+        out = model(tokens)
+    _close(out, ref(tokens).detach(), "no_grad logits")
+    _assert_all_sharded(model)  # even the root and reshard_after_forward=False blocks
+    _train_parity(rank, ws, model, ref)
+
+
+def test_no_grad_forward_leaves_everything_resharded(worlds):
+    worlds.run(2, _no_grad_forward)
+
+
+# -- HSDP, offload, gradient accumulation ---------------------------------------------------------------
+
+
+def _hsdp(rank, ws):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ref = GPT(CFG)
+    model = _shard_gpt(copy.deepcopy(ref), mesh=mesh)
+    for name, param in model.named_parameters():
+        assert param.placements == (Replicate(), Shard(0)), name
+        shard_rank = mesh.get_local_rank("shard")
+        rows = ref.get_parameter(name).chunk(2, 0)
+        assert param.to_local().shape == (rows[shard_rank].shape if shard_rank < len(rows) else (0,)), name
+    # Every rank is its own data-parallel rank (2 replicas x 2 shards).
+    _train_parity(rank, ws, model, ref)
+
+
+def test_hsdp_2x2(worlds):
+    worlds.run(4, _hsdp)
+
+
+def _cpu_offload(rank, ws):
+    model, ref = _gpt_pair(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    _train_parity(rank, ws, model, ref)
+    for name, param in model.named_parameters():
+        assert param.to_local().device.type == "cpu", name
+
+
+def test_cpu_offload(worlds):
+    worlds.run(2, _cpu_offload)
+
+
+def _no_sync_microbatches(rank, ws, n_micro):
+    model, ref = _gpt_pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        tokens, targets = _global_batch(step, ws)
+        xs, ys = _local(tokens, rank, ws).chunk(n_micro), _local(targets, rank, ws).chunk(n_micro)
+        for micro in range(n_micro):
+            last = micro == n_micro - 1
+            model.set_requires_gradient_sync(last)
+            loss = model.loss(xs[micro], ys[micro]) / n_micro
+            model.set_is_last_backward(last)
+            loss.backward()
+            if not last:
+                # Nothing was communicated: no sharded gradient yet, everything resharded.
+                assert all(p.grad is None for p in model.parameters())
+                _assert_all_sharded(model)
+        ref.loss(tokens, targets).backward()
+        _assert_grads_match(model, ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _assert_params_match(model, ref)
+    _assert_all_sharded(model)
+
+
+def test_gradient_accumulation_without_sync(worlds):
+    worlds.run(2, _no_sync_microbatches, 3)
