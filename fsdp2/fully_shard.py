@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,11 +17,8 @@ from fsdp2.fsdp_module import FSDPModule
 from fsdp2.hook_state import FSDPState
 from fsdp2.param_group import ParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.sharded_param import ParamSlot, ShardedParam
+from fsdp2.sharded_param import ParamSlot, ShardedParam, managed_by
 
-# Every parameter some fully_shard call manages (the original and its DTensor replacement),
-# mapped to the name of the module that manages it: catches a parameter claimed twice.
-_MANAGED: "weakref.WeakKeyDictionary[nn.Parameter, str]" = weakref.WeakKeyDictionary()
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -73,12 +69,9 @@ def fully_shard(
         module._fsdp_state.on_grad_ready(param)
 
     sharded = [
-        ShardedParam(p.fqn, p.param, p.slots, dp, p.shard_dim, p.spec, mp_policy, offload_policy, on_grad_ready)
+        ShardedParam(p.fqn, p.param, p.slots, dp, p.shard_dim, p.spec, mp_policy, offload_policy, on_grad_ready, owner=name)
         for p in plans
     ]
-    for plan, sp in zip(plans, sharded):
-        _MANAGED[plan.param] = name
-        _MANAGED[sp.sharded_param] = name
     _move_buffers(module, dp)
     group = ParamGroup(sharded, dp) if sharded else None
     state = FSDPState(module, group, mp_policy, reshard)
@@ -115,9 +108,10 @@ def _plan_params(module: nn.Module, ignored: set[nn.Parameter], name: str) -> li
             if param is None or param in ignored:
                 continue
             fqn = f"{prefix}{pname}"
-            if param in _MANAGED:
+            owner = managed_by(param)
+            if owner is not None:
                 raise FSDPUsageError(
-                    f"fully_shard({name}): parameter {fqn} is already managed by fully_shard({_MANAGED[param]}). "
+                    f"fully_shard({name}): parameter {fqn} is already managed by fully_shard({owner}). "
                     "A parameter shared between modules must be sharded once: apply fully_shard to their "
                     "common ancestor only, or pass it in ignored_params."
                 )

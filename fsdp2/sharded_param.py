@@ -36,6 +36,21 @@ class ParamSlot:
         return self.module._parameters[self.name]
 
 
+# Attribute naming the module whose fully_shard call manages a parameter; catches a parameter
+# claimed twice. An attribute, not a weak dict: nn.Module._apply (``to_empty`` after meta init)
+# swaps DTensor parameters in place with torch.utils.swap_tensors, which refuses tensors that
+# have weakrefs, and which swaps ``__dict__`` too, so the owner re-marks after every _apply.
+_OWNER_ATTR = "_fsdp2_managed_by"
+
+
+def mark_managed(param: nn.Parameter, owner: str) -> None:
+    setattr(param, _OWNER_ATTR, owner)
+
+
+def managed_by(param: nn.Parameter) -> str | None:
+    return getattr(param, _OWNER_ATTR, None)
+
+
 class ShardedParam:
     """A parameter sharded along ``shard_dim`` over the mesh's shard dim.
 
@@ -56,8 +71,10 @@ class ShardedParam:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         on_grad_ready: Callable[["ShardedParam"], None],
+        owner: str = "",
     ):
         self.fqn = fqn
+        self.owner = owner
         self.slots = slots
         self.dp = dp
         self.requires_grad = param.requires_grad
@@ -81,6 +98,8 @@ class ShardedParam:
             local, spec.mesh, spec.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        mark_managed(param, owner)
+        mark_managed(self.sharded_param, owner)
         self.unsharded_param: nn.Parameter | None = None
         self._padded_full: torch.Tensor | None = None  # storage owner of unsharded_param
         # Gradient summed over microbatches without sync, kept in reduce_dtype for precision.
@@ -107,6 +126,7 @@ class ShardedParam:
     def refresh_after_apply(self) -> None:
         """Re-read the sharded parameter after nn.Module._apply (``to``, ``to_empty``, ...)."""
         self.sharded_param = self.slots[0].current()
+        mark_managed(self.sharded_param, self.owner)  # a tensor swap replaced its __dict__
 
     # -- all-gather -----------------------------------------------------------------------------
 
