@@ -11,6 +11,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fsdp2.errors import FSDPUsageError
 
+# Subgroups for reshard_after_forward=k, by (root mesh, shard dim, k): creating process groups
+# is collective and slow, so every fully_shard call with the same k shares them.
+_SUBGROUPS: dict[tuple[int, int, int], tuple[dist.ProcessGroup, int]] = {}
+
 
 @dataclass(frozen=True)
 class DataParallelMesh:
@@ -65,3 +69,27 @@ class DataParallelMesh:
         if self.is_hybrid:
             return (Replicate(), Shard(shard_dim))
         return (Shard(shard_dim),)
+
+    def subgroup(self, ranks_per_group: int) -> tuple[dist.ProcessGroup, int]:
+        """This rank's group of ``ranks_per_group`` consecutive shard ranks, and its position in it.
+
+        Collective over the whole job: every rank must call it, in the same order, because
+        creating a process group is.
+        """
+        root = self.mesh._get_root_mesh()
+        names = self.mesh.mesh_dim_names
+        shard_dim = root.mesh_dim_names.index(names[-1]) if names else self.mesh.ndim - 1
+        key = (id(root), shard_dim, ranks_per_group)
+        if key not in _SUBGROUPS:
+            # Every shard group of the job, one per row: all ranks enumerate the same list.
+            rows = root.mesh.movedim(shard_dim, -1).reshape(-1, self.shard_size).tolist()
+            groups = [row[i : i + ranks_per_group] for row in rows for i in range(0, self.shard_size, ranks_per_group)]
+            mine, _ = dist.new_subgroups_by_enumeration(groups)
+            position = self.shard_rank % ranks_per_group
+            if dist.get_rank(mine) != position:
+                raise FSDPUsageError(
+                    f"reshard_after_forward={ranks_per_group}: the mesh's shard dim does not list ranks in "
+                    "increasing order, which resharding to a subgroup relies on; use True or False."
+                )
+            _SUBGROUPS[key] = (mine, position)
+        return _SUBGROUPS[key]

@@ -57,12 +57,17 @@ def fully_shard(
     if isinstance(module, FSDPModule):
         raise FSDPUsageError(f"fully_shard was already applied to this {name}; apply it once per module")
     dp = DataParallelMesh.from_mesh(mesh, name)
-    reshard = _resolve_reshard_after_forward(reshard_after_forward, dp, name)
+    reshard, post_forward_ranks = _resolve_reshard_after_forward(reshard_after_forward, dp, name)
     plans = _plan_params(module, set(ignored_params or ()), name)
     _check_devices(plans, dp, name)
     for plan in plans:
         plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
         plan.spec = sharded_spec(plan.fqn, plan.param, dp, plan.shard_dim)
+
+    post_forward_subgroup = None
+    if post_forward_ranks is not None and plans:
+        subgroup, position = dp.subgroup(post_forward_ranks)  # collective: before any change
+        post_forward_subgroup = (subgroup, position, post_forward_ranks)
 
     # Validation is over: from here on we change the module.
     def on_grad_ready(param: ShardedParam) -> None:
@@ -74,6 +79,8 @@ def fully_shard(
     ]
     _move_buffers(module, dp)
     group = ParamGroup(sharded, dp) if sharded else None
+    if group is not None and post_forward_subgroup is not None:
+        group.post_forward_subgroup = post_forward_subgroup
     state = FSDPState(module, group, mp_policy, reshard)
     module.__dict__["_fsdp_state"] = state
     module.__class__ = _fsdp_class(type(module))
@@ -86,15 +93,19 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def _resolve_reshard_after_forward(value: bool | int, dp: DataParallelMesh, name: str) -> bool:
+def _resolve_reshard_after_forward(value: bool | int, dp: DataParallelMesh, name: str) -> tuple[bool, int | None]:
+    """(reshard after forward?, size of the post-forward subgroup or None for a full reshard)."""
     if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (1, dp.shard_size):
-        # 1: every rank keeps a full copy (= False); the shard size: reshard fully (= True).
-        return value == dp.shard_size and value != 1
+        return value, None
+    if isinstance(value, int) and 1 <= value <= dp.shard_size and dp.shard_size % value == 0:
+        if value == 1:
+            return False, None  # every rank keeps a full copy
+        if value == dp.shard_size:
+            return True, None
+        return True, value
     raise FSDPUsageError(
-        f"fully_shard({name}): reshard_after_forward={value!r}; expected True, False, 1 or the shard "
-        f"world size {dp.shard_size}. Resharding to an intermediate world size is not supported yet."
+        f"fully_shard({name}): reshard_after_forward={value!r}; expected True, False, or an int that divides "
+        f"the shard world size {dp.shard_size} (the number of ranks to reshard over after forward)."
     )
 
 

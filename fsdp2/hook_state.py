@@ -118,7 +118,7 @@ class FSDPState:
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.group is not None and self._should_reshard_after_forward():
-            self.group.reshard()
+            self.group.reshard(after_forward=torch.is_grad_enabled())
         if torch.is_grad_enabled():
             for tensor in _floating_tensors(output):
                 if tensor.requires_grad:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 
 from fsdp2 import collectives
 from fsdp2.dp_mesh import DataParallelMesh
@@ -14,6 +15,7 @@ from fsdp2.sharded_param import ShardedParam
 
 class GroupState(Enum):
     SHARDED = auto()  # only shards in memory
+    PARTIALLY_SHARDED = auto()  # after forward with reshard_after_forward=k: 1/k of the group kept
     UNSHARDING = auto()  # all-gather issued, not yet waited on
     UNSHARDED = auto()  # full parameters registered on the modules
 
@@ -52,6 +54,17 @@ class PendingGather:
     bucket: FlatBucket
     output: torch.Tensor
     work: object
+    # Gathered from a k-rank subgroup: the output holds rank rows interleaved by k.
+    subgroup_size: int | None = None
+
+    def rank_rows(self, world: int) -> torch.Tensor:
+        """The output as ``world x numel_per_rank``, row r holding shard rank r's slot."""
+        n = self.bucket.numel_per_rank
+        if self.subgroup_size is None:
+            return self.output.view(world, n)
+        k = self.subgroup_size
+        # Subgroup member j kept rows j, j+k, j+2k, ...: undo the interleave.
+        return self.output.view(k, world // k, n).transpose(0, 1).reshape(world, n)
 
 
 @dataclass
@@ -72,6 +85,10 @@ class ParamGroup:
         self.gather_buckets = _buckets(params, lambda p: p.param_dtype)
         self.reduce_buckets = _buckets([p for p in params if p.requires_grad], lambda p: p.reduce_dtype)
         self.reshard_after_backward = True
+        # reshard_after_forward=k (1 < k < shard size): after forward keep 1/k of the group,
+        # shared within a subgroup of k ranks, so backward all-gathers over k ranks only.
+        self.post_forward_subgroup: tuple[dist.ProcessGroup, int, int] | None = None  # (group, position, k)
+        self._kept_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None  # None: average over data-parallel ranks
         self._pending_gathers: list[PendingGather] = []
@@ -83,8 +100,17 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather(s); with ``async_op`` return before they complete."""
-        if self.state != GroupState.SHARDED:
+        if self.state == GroupState.PARTIALLY_SHARDED:
+            self._unshard_from_subgroup()
+        elif self.state == GroupState.SHARDED:
+            self._unshard_from_shards()
+        else:
             return
+        self.state = GroupState.UNSHARDING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _unshard_from_shards(self) -> None:
         world, rank = self.dp.shard_size, self.dp.shard_rank
         for bucket in self.gather_buckets:
             output = torch.empty(world * bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
@@ -94,9 +120,16 @@ class ParamGroup:
                 p.copy_shard_in(own_slot[off : off + p.layout.padded_shard_numel])
             work = collectives.all_gather(output, own_slot, self.dp.shard_group, async_op=True)
             self._pending_gathers.append(PendingGather(bucket, output, work))
-        self.state = GroupState.UNSHARDING
-        if not async_op:
-            self.wait_for_unshard()
+
+    def _unshard_from_subgroup(self) -> None:
+        group, position, k = self.post_forward_subgroup
+        for bucket, kept in zip(self.gather_buckets, self._kept_rows):
+            output = torch.empty(k * kept.numel(), dtype=bucket.dtype, device=self.dp.device)
+            own_slot = output.narrow(0, position * kept.numel(), kept.numel())
+            own_slot.copy_(kept.view(-1))
+            work = collectives.all_gather(output, own_slot, group, async_op=True)
+            self._pending_gathers.append(PendingGather(bucket, output, work, subgroup_size=k))
+        self._kept_rows = []
 
     def wait_for_unshard(self) -> None:
         """Complete an issued all-gather and register the full parameters on the modules."""
@@ -104,24 +137,43 @@ class ParamGroup:
             return
         for pending in self._pending_gathers:
             pending.work.wait()
-            gathered = pending.output.view(self.dp.shard_size, pending.bucket.numel_per_rank)
-            for p, block in pending.bucket.columns(gathered):
+            for p, block in pending.bucket.columns(pending.rank_rows(self.dp.shard_size)):
                 p.copy_gathered_out(block)
         self._pending_gathers.clear()
         for p in self.params:
             p.hold_unsharded()
         self.state = GroupState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full parameters and register the shards again."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the full parameters and register the shards again.
+
+        ``after_forward`` with a post-forward subgroup keeps this rank's 1/k of the gathered
+        group for backward instead of dropping everything.
+        """
         if self.state == GroupState.UNSHARDING:
             self.wait_for_unshard()  # never leave a collective writing into freed memory
-        if self.state == GroupState.SHARDED:
+        if self.state == GroupState.PARTIALLY_SHARDED and not after_forward:
+            self._kept_rows = []
+            self.state = GroupState.SHARDED
+        if self.state != GroupState.UNSHARDED:
             return
+        keep = after_forward and self.post_forward_subgroup is not None
+        if keep:
+            self._keep_subgroup_rows()
         for p in self.params:
             p.hold_sharded()
             p.free_unsharded()
-        self.state = GroupState.SHARDED
+        self.state = GroupState.PARTIALLY_SHARDED if keep else GroupState.SHARDED
+
+    def _keep_subgroup_rows(self) -> None:
+        _, position, k = self.post_forward_subgroup
+        world = self.dp.shard_size
+        self._kept_rows = []
+        for bucket in self.gather_buckets:
+            kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            for p, block in bucket.columns(kept):
+                block.copy_(p.gathered_rank_rows()[position::k])
+            self._kept_rows.append(kept)
 
     # -- gradients -------------------------------------------------------------------------------
 

@@ -154,6 +154,15 @@ class ShardedParam:
         elif self._padded_full.untyped_storage().size() == 0:
             self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
 
+    def gathered_rank_rows(self) -> torch.Tensor:
+        """The unsharded parameter as ``world x padded_shard_numel`` rank slots (as all-gathered)."""
+        world, n = self.layout.world, self.layout.padded_shard_numel
+        if self.layout.dim == 0:
+            return self._padded_full.view(world, n)  # already laid out by rank
+        slots = torch.empty(world, n, dtype=self.param_dtype, device=self.device)
+        self.layout.copy_full_in(self._padded_full[: self.layout.full_numel].view(self.layout.full_shape), slots)
+        return slots
+
     def free_unsharded(self) -> None:
         if self._padded_full is not None:
             self._padded_full.untyped_storage().resize_(0)

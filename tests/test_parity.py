@@ -26,7 +26,7 @@ BATCH_PER_RANK = 2
 
 @dataclass(frozen=True)
 class Case:
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     bf16: bool = False
     microbatches: int = 1
     shard_dim: int = 0
@@ -115,6 +115,8 @@ CASES = {
     "grad-accumulation": Case(microbatches=2),
     "shard-dim-1": Case(shard_dim=1),
     "tied-embeddings": Case(tie_weights=True),
+    "reshard-to-2-ranks": Case(reshard_after_forward=2),
+    "reshard-to-2-ranks-bf16": Case(reshard_after_forward=2, bf16=True, shard_dim=1),
 }
 
 
@@ -127,7 +129,7 @@ def test_parity_across_world_sizes(worlds, world_size, case):
     assert all(h == history[0] for h in history)
 
 
-@pytest.mark.parametrize("case", ["bf16-params-fp32-reduce", "grad-accumulation", "shard-dim-1", "tied-embeddings"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("fp32", "keep-after-forward")])
 def test_parity_features(worlds, case):
     history = worlds.run(4, train_side_by_side, CASES[case])
     _assert_parity(history[0], CASES[case])
