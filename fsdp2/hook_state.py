@@ -98,6 +98,9 @@ class FSDPState:
 
     # -- forward --------------------------------------------------------------------------------------
 
+    # The hooks stay eager under torch.compile: they do communication and Python bookkeeping,
+    # and tracing them would only add graph breaks and recompilations.
+    @torch._dynamo.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             self._lazy_init()
@@ -116,6 +119,7 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
+    @torch._dynamo.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.group is not None and self._should_reshard_after_forward():
             self.group.reshard(after_forward=torch.is_grad_enabled())
@@ -138,6 +142,7 @@ class FSDPState:
 
     # -- backward -----------------------------------------------------------------------------------
 
+    @torch._dynamo.disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.root.begin_backward()
         if self.training_state == TrainingState.PRE_BACKWARD:
