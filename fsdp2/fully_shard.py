@@ -109,8 +109,9 @@ def _plan_params(module: nn.Module, ignored: set[nn.Parameter], name: str) -> li
             if owner is not None:
                 raise FSDPUsageError(
                     f"fully_shard({name}): parameter {fqn} is already managed by fully_shard({owner}). "
-                    "A parameter shared between modules must be sharded once: apply fully_shard to their "
-                    "common ancestor only, or pass it in ignored_params."
+                    "Apply fully_shard bottom-up (submodules before their parents). A parameter shared "
+                    "between modules must be sharded once: apply fully_shard to their common ancestor "
+                    "only, or pass it in ignored_params."
                 )
             if isinstance(param, DTensor):
                 raise FSDPUsageError(
