@@ -54,6 +54,7 @@ def fully_shard(
         raise FSDPUsageError(f"fully_shard expects an nn.Module, got {name}")
     if isinstance(module, FSDPModule):
         raise FSDPUsageError(f"fully_shard was already applied to this {name}; apply it once per module")
+    _check_policies(mp_policy, offload_policy, name)
     dp = DataParallelMesh.from_mesh(mesh, name)
     reshard = _resolve_reshard_after_forward(reshard_after_forward, dp, name)
     plans = _plan_params(module, set(ignored_params or ()), name)
@@ -81,6 +82,19 @@ def _fsdp_class(cls: type) -> type:
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return _FSDP_CLASSES[cls]
+
+
+def _check_policies(mp_policy, offload_policy, name: str) -> None:
+    # Caught here, not as an AttributeError halfway through building the shards.
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise FSDPUsageError(
+            f"fully_shard({name}): mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise FSDPUsageError(
+            f"fully_shard({name}): offload_policy must be an OffloadPolicy (OffloadPolicy() or "
+            f"CPUOffloadPolicy()), got {type(offload_policy).__name__}"
+        )
 
 
 def _resolve_reshard_after_forward(value: bool | int, dp: DataParallelMesh, name: str) -> bool:
