@@ -127,6 +127,8 @@ class FSDPModule:
 
 
 def _states_of(modules: Iterable[Any], method: str) -> list[FSDPState]:
+    if isinstance(modules, nn.Module):  # would fail later as "object is not iterable"
+        raise FSDPUsageError(f"{method} expects a list of modules, got a single {type(modules).__name__}; wrap it in [ ]")
     states = []
     for m in modules:
         if not isinstance(m, FSDPModule):
