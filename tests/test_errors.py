@@ -245,6 +245,13 @@ def _forward_on_meta(rank, ws):
     fully_shard(model, mesh=_mesh())
     tokens = torch.zeros(1, 4, dtype=torch.long)
     _expect_error(model, r"tok_emb.weight is on the meta device.*to_empty", model, tokens)
+    # The failed forward left nothing half-done: initializing and running it now works.
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    model(tokens).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def _move_while_unsharded(rank, ws):
