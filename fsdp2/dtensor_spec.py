@@ -77,8 +77,10 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if not dp_names or not tp_names or set(dp_names) & set(tp_names):
         raise FSDPUsageError(
-            f"fully_shard: parameter {fqn} is tensor-parallel on mesh dims {tp_names}; pass the data-parallel "
-            f"sub-mesh of the same named mesh (e.g. mesh['dp'] with mesh['tp'] for TP), got dims {dp_names}."
+            f"fully_shard: parameter {fqn} is already a DTensor on mesh dims {tp_names}, and fully_shard got mesh "
+            f"dims {dp_names}. fully_shard composes with tensor parallelism on another named dim of the same "
+            "mesh: mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], "
+            "plan); fully_shard(m, mesh=mesh['dp'])."
         )
     root = dp_mesh._get_root_mesh()
     if root is not tp_mesh._get_root_mesh():

@@ -82,6 +82,9 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        # 0 would silently fall back to the world size (``factor or world``), negatives flip signs.
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         for state in self._fsdp_states(recurse=True):
             if state.group is not None:
                 state.group.gradient_divide_factor = factor
@@ -127,6 +130,8 @@ class FSDPModule:
 
 
 def _states_of(modules: Iterable[Any], method: str) -> list[FSDPState]:
+    if isinstance(modules, nn.Module):  # would fail later as "object is not iterable"
+        raise FSDPUsageError(f"{method} expects a list of modules, got a single {type(modules).__name__}; wrap it in [ ]")
     states = []
     for m in modules:
         if not isinstance(m, FSDPModule):

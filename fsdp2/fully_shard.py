@@ -56,6 +56,7 @@ def fully_shard(
         raise FSDPUsageError(f"fully_shard expects an nn.Module, got {name}")
     if isinstance(module, FSDPModule):
         raise FSDPUsageError(f"fully_shard was already applied to this {name}; apply it once per module")
+    _check_policies(mp_policy, offload_policy, name)
     dp = DataParallelMesh.from_mesh(mesh, name)
     reshard, post_forward_ranks = _resolve_reshard_after_forward(reshard_after_forward, dp, name)
     plans = _plan_params(module, set(ignored_params or ()), name)
@@ -93,6 +94,19 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
+def _check_policies(mp_policy, offload_policy, name: str) -> None:
+    # Caught here, not as an AttributeError halfway through building the shards.
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise FSDPUsageError(
+            f"fully_shard({name}): mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise FSDPUsageError(
+            f"fully_shard({name}): offload_policy must be an OffloadPolicy (OffloadPolicy() or "
+            f"CPUOffloadPolicy()), got {type(offload_policy).__name__}"
+        )
+
+
 def _resolve_reshard_after_forward(value: bool | int, dp: DataParallelMesh, name: str) -> tuple[bool, int | None]:
     """(reshard after forward?, size of the post-forward subgroup or None for a full reshard)."""
     if isinstance(value, bool):
@@ -123,8 +137,9 @@ def _plan_params(module: nn.Module, ignored: set[nn.Parameter], name: str) -> li
             if owner is not None:
                 raise FSDPUsageError(
                     f"fully_shard({name}): parameter {fqn} is already managed by fully_shard({owner}). "
-                    "A parameter shared between modules must be sharded once: apply fully_shard to their "
-                    "common ancestor only, or pass it in ignored_params."
+                    "Apply fully_shard bottom-up (submodules before their parents). A parameter shared "
+                    "between modules must be sharded once: apply fully_shard to their common ancestor "
+                    "only, or pass it in ignored_params."
                 )
             if param.dim() == 0:
                 raise FSDPUsageError(

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from fsdp2 import collectives
 from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.errors import FSDPUsageError
 from fsdp2.sharded_param import ShardedParam
 
 
@@ -111,6 +112,13 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def _unshard_from_shards(self) -> None:
+        for p in self.params:
+            # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
+            if p.local_shard.is_meta:
+                raise FSDPUsageError(
+                    f"parameter {p.fqn} is on the meta device: call module.to_empty(device=...) and "
+                    "initialize the parameters (e.g. reset_parameters()) before running the module"
+                )
         world, rank = self.dp.shard_size, self.dp.shard_rank
         for bucket in self.gather_buckets:
             output = torch.empty(world * bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)

@@ -131,7 +131,7 @@ def _misordered(rank, world_size, case):
     "case, message",
     [
         ("tp-first", "data-parallel dims .* must come before the tensor-parallel dims"),
-        ("whole-mesh", "pass the data-parallel sub-mesh"),
+        ("whole-mesh", "already a DTensor on mesh dims .*tp.*fully_shard composes with tensor parallelism"),
     ],
 )
 def test_mesh_misuse_is_explained_and_changes_nothing(worlds, case, message):

@@ -570,10 +570,11 @@ def _reshard_after_forward_int(rank, ws, value, expect_sharded):
     _train_parity(rank, ws, model, ref)
 
 
-@pytest.mark.parametrize("value", ["one", "world"])
+@pytest.mark.parametrize("value", ["one", "half", "world"])
 def test_reshard_after_forward_int(worlds, value):
     ws = 4
-    worlds.run(ws, _reshard_after_forward_int, 1 if value == "one" else ws, value == "world")
+    size = {"one": 1, "half": ws // 2, "world": ws}[value]
+    worlds.run(ws, _reshard_after_forward_int, size, value != "one")
 
 
 def _no_grad_forward(rank, ws):
