@@ -231,15 +231,18 @@ class Manifest:
     objects: dict
 
     def to_json(self) -> str:
-        return json.dumps({
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "generation": self.generation,
-            "world_size": self.world_size,
-            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
-            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
-            "objects": self.objects,
-        }, indent=1)
+        # One line per file and per tensor: readable with less/grep, still plain JSON.
+        def block(items: dict) -> str:
+            rows = [f"  {json.dumps(k)}: {json.dumps(v.to_json(), separators=(',', ':'))}"
+                    for k, v in sorted(items.items())]
+            return "{\n" + ",\n".join(rows) + "\n }" if rows else "{}"
+
+        head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
+                "world_size": self.world_size}
+        return ("{\n" + "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
+                + f' "files": {block(self.files)},\n'
+                + f' "tensors": {block(self.tensors)},\n'
+                + f' "objects": {json.dumps(self.objects)}\n}}\n')
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> "Manifest":

@@ -62,6 +62,9 @@ class _Target:
     entry: TensorEntry
     region: Region
     buffer: torch.Tensor
+    # True when the buffer is only copied into an existing tensor afterwards. Such a
+    # buffer may alias the file's memory map; kept tensors (optimizer state) must not.
+    transient: bool = False
 
 
 def _target_region(value: torch.Tensor) -> Region | None:
@@ -92,12 +95,11 @@ class _Plan:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {key!r}. {hint}")
         return entry
 
-    def add(self, key: str, entry: TensorEntry, region: Region | None) -> torch.Tensor | None:
+    def add(self, key: str, entry: TensorEntry, region: Region | None, transient: bool = False) -> None:
         if region is None:
-            return None
+            return
         buffer = torch.empty(region.shape, dtype=entry.torch_dtype)
-        self.targets[key] = _Target(key, entry, region, buffer)
-        return buffer
+        self.targets[key] = _Target(key, entry, region, buffer, transient)
 
     def needed_files(self) -> list[str]:
         files = set()
@@ -125,7 +127,7 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool) -> dict[str, torch.
         key = model_key(fqn)
         entry = plan.entry(key, "Is it the checkpoint of this model?")
         _check_like(plan.path, key, entry, value)
-        plan.add(key, entry, _target_region(value))
+        plan.add(key, entry, _target_region(value), transient=True)
     if strict:
         expected = {model_key(f) for f in sd}
         unexpected = sorted(k for k in plan.manifest.tensors if k.startswith("model/") and k not in expected)
@@ -236,7 +238,10 @@ def _read_targets(plan: _Plan, stats: LoadStats) -> None:
                     raise CheckpointError(f"{where}: file holds {sl.get_dtype()}{sl.get_shape()}, manifest "
                                           f"says {t.entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
                 data = sl[part.slices_within(chunk.region)] if chunk.shape else f.get_tensor(chunk.key)
-                t.buffer[part.slices_within(t.region)] = data
+                if t.transient and part == t.region:
+                    t.buffer = data  # one chunk covers the whole target: skip a copy
+                else:
+                    t.buffer[part.slices_within(t.region)] = data
                 stats.bytes_read += data.numel() * data.element_size()
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
 
