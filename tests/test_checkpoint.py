@@ -141,6 +141,8 @@ def test_save_on_4_load_on_n(worlds, saved_on_4, load_ws):
     assert all(r["extra"] == {"seed": 0, "ws": 4} for r in results)
     # Every rank read exactly what it owns, and checksummed the files it read.
     assert all(r["read"] == r["owned"] > 0 for r in results)
+    total = sum(v.numel() * v.element_size() for v in reference.values())
+    assert sum(r["owned"] for r in results) == total  # Shard(0): the ranks split the bytes
     assert all(r["verified"] > 0 for r in results)
 
 

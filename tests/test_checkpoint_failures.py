@@ -96,6 +96,16 @@ def test_key_missing_from_file(saved):
     _expect_failure(path, target, opt, r"rank-00000\.safetensors, key 'model/renamed': missing from the file")
 
 
+def test_manifest_cannot_point_outside_the_checkpoint(saved):
+    path, target, opt = saved
+    manifest_path = os.path.join(path, "manifest.json")
+    with open(manifest_path) as f:
+        text = f.read()
+    with open(manifest_path, "w") as f:
+        f.write(text.replace('"gen-000001/rank-00000.safetensors"', '"../../etc/passwd"'))
+    _expect_failure(path, target, opt, r"file '../../etc/passwd' outside the checkpoint directory")
+
+
 def test_model_has_key_the_checkpoint_lacks(saved):
     path, target, opt = saved
     target.register_buffer("new_buffer", torch.zeros(3))

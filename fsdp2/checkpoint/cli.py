@@ -81,6 +81,10 @@ def verify_checkpoint(path: str) -> list[str]:
         m = read_manifest(path)
     except CheckpointError as e:
         return [str(e)]
+    try:
+        m.validate_files()
+    except CheckpointError as e:
+        return [str(e)]  # never open files an untrusted manifest points at outside PATH
     problems = []
     for key in m.tensors:
         try:

@@ -266,8 +266,16 @@ class Manifest:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from e
 
+    def validate_files(self) -> None:
+        for name in self.files:
+            # An untrusted manifest must not make us read outside the checkpoint directory.
+            parts = name.replace("\\", "/").split("/")
+            if name.startswith(("/", "\\")) or ".." in parts or ":" in name:
+                raise CheckpointError(f"manifest lists file {name!r} outside the checkpoint directory")
+
     def validate(self, keys: Iterable[str] | None = None) -> None:
-        """Check that every chunk names a listed file and chunks tile their tensor."""
+        """Check file names, that every chunk names a listed file and chunks tile their tensor."""
+        self.validate_files()
         for key in self.tensors if keys is None else keys:
             entry = self.tensors[key]
             dtype_from_name(entry.dtype)
