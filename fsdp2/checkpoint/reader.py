@@ -278,9 +278,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         stats.files_read = files
         _verify_files(plan, files, verify, stats)
         _read_targets(plan, stats)
-    except Exception as e:
-        error = e if isinstance(e, CheckpointError) else CheckpointError(f"loading {path} failed: {e!r}")
-        error.__cause__ = e if error is not e else e.__cause__
+    except CheckpointError as e:
+        error = e
+    except Exception as e:  # anything unforeseen still goes through the all-ranks agreement
+        error = CheckpointError(f"loading {path} failed: {e!r}")
+        error.__cause__ = e
     # Nobody modifies anything unless every rank read everything it needs.
     if not _dist.all_ok(error is None):
         stats.seconds = time.perf_counter() - start
@@ -302,8 +304,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if optimizer is not None:
         _load_optimizer(optimizer, model, saved_optim, tensors)
     stats.seconds = time.perf_counter() - start
-    extra = decode(encoded_extra, tensors.__getitem__)
-    return extra
+    return decode(encoded_extra, tensors.__getitem__)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict,
