@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from .errors import CheckpointError
-from .format import Manifest, TensorEntry, safetensors_dtype
+from .format import TensorEntry, safetensors_dtype
 from .reader import read_manifest
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, file_crc32
 
