@@ -1,0 +1,321 @@
+"""``load``: each rank reads just the byte ranges its target shards need.
+
+Reshard-on-load works because both sides are described as boxes in the global
+tensor: the manifest lists the saved chunks, and each rank computes the box it owns
+from its *target* DTensors (any mesh, any world size, or a plain tensor = the
+whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk through
+``safe_open(...).get_slice(key)[...]``, so bytes read ≈ bytes owned.
+
+Failure safety: everything is read into fresh tensors and all ranks agree that
+reading succeeded before any model parameter or optimizer state is overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from . import _dist
+from .errors import CheckpointError
+from .format import MANIFEST_NAME, Manifest, Region, TensorEntry, safetensors_dtype, shard_region
+from .safetensors_io import file_crc32
+from .state import decode, model_key, optimizer_param_fqns, tensor_refs
+
+
+@dataclass
+class LoadStats:
+    """What one rank's ``load`` did; pass one in to have it filled."""
+
+    bytes_read: int = 0       # tensor bytes read from checkpoint files
+    bytes_owned: int = 0      # bytes of the target shards this rank filled
+    bytes_verified: int = 0   # bytes read to verify checksums (0 with verify=False)
+    files_read: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def read_manifest(path: str) -> Manifest:
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not os.path.exists(manifest_path):
+        partial = sorted(n for n in os.listdir(path) if n.endswith(".partial"))
+        hint = f" (found unfinished save data {partial})" if partial else ""
+        raise CheckpointError(
+            f"{manifest_path} is missing: {path} is not a complete checkpoint{hint}. A save was "
+            "probably interrupted before it was published; load an earlier checkpoint or save again.")
+    with open(manifest_path) as f:
+        return Manifest.from_json(f.read(), manifest_path)
+
+
+@dataclass
+class _Target:
+    """A box of one saved tensor that this rank needs, and the fresh buffer for it."""
+
+    key: str
+    entry: TensorEntry
+    region: Region
+    buffer: torch.Tensor
+    # True when the buffer is only copied into an existing tensor afterwards. Such a
+    # buffer may alias the file's memory map; kept tensors (optimizer state) must not.
+    transient: bool = False
+
+
+def _target_region(value: torch.Tensor) -> Region | None:
+    if not isinstance(value, DTensor):
+        return Region((0,) * value.dim(), tuple(value.shape))
+    coord = value.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    region = shard_region(tuple(value.shape), tuple(value.device_mesh.shape), coord, value.placements)
+    if tuple(value.to_local().shape) != region.shape:
+        raise CheckpointError(f"local shard of a DTensor with placements {value.placements} has shape "
+                              f"{list(value.to_local().shape)}, expected {list(region.shape)}")
+    return region
+
+
+class _Plan:
+    """Everything one rank will read, decided before touching any file."""
+
+    def __init__(self, path: str, manifest: Manifest):
+        self.path, self.manifest = path, manifest
+        self.targets: dict[str, _Target] = {}
+        # optimizer state keys to rebuild as DTensors laid out like these templates
+        self.dtensor_templates: dict[str, DTensor] = {}
+
+    def entry(self, key: str, hint: str) -> TensorEntry:
+        entry = self.manifest.tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path}: checkpoint has no tensor {key!r}. {hint}")
+        return entry
+
+    def add(self, key: str, entry: TensorEntry, region: Region | None, transient: bool = False) -> None:
+        if region is None:
+            return
+        buffer = torch.empty(region.shape, dtype=entry.torch_dtype)
+        self.targets[key] = _Target(key, entry, region, buffer, transient)
+
+    def needed_files(self) -> list[str]:
+        files = set()
+        for t in self.targets.values():
+            for c in t.entry.chunks:
+                if t.region.numel and c.region.intersect(t.region) is not None:
+                    files.add(c.file)
+        return sorted(files)
+
+
+def _check_like(path: str, key: str, entry: TensorEntry, value: torch.Tensor) -> None:
+    if tuple(value.shape) != entry.shape:
+        raise CheckpointError(
+            f"{path}: {key!r} has shape {list(entry.shape)} in the checkpoint but {list(value.shape)} in "
+            "the model; build the model with the same configuration as the saved one")
+    if value.dtype != entry.torch_dtype:
+        raise CheckpointError(
+            f"{path}: {key!r} has dtype {entry.dtype} in the checkpoint but {value.dtype} in the model; "
+            f"convert the model (e.g. model.to({entry.torch_dtype})) before loading, then cast")
+
+
+def _plan_model(plan: _Plan, model: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    for fqn, value in sd.items():
+        key = model_key(fqn)
+        entry = plan.entry(key, "Is it the checkpoint of this model?")
+        _check_like(plan.path, key, entry, value)
+        plan.add(key, entry, _target_region(value), transient=True)
+    if strict:
+        expected = {model_key(f) for f in sd}
+        unexpected = sorted(k for k in plan.manifest.tensors if k.startswith("model/") and k not in expected)
+        if unexpected:
+            raise CheckpointError(f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; "
+                                  "pass strict=False to ignore them")
+    return sd
+
+
+def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    saved = plan.manifest.objects.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{plan.path} holds no optimizer state; load it with optimizer=None")
+    current = optimizer_param_fqns(model, optimizer)
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(current) or any(
+            sorted(g["params"]) != sorted(c) for g, c in zip(saved_groups, current)):
+        raise CheckpointError(
+            f"{plan.path}: optimizer param groups differ from the saved ones (saved "
+            f"{[len(g['params']) for g in saved_groups]} params per group, now {[len(c) for c in current]}); "
+            "create the optimizer with the same param groups as when saving")
+    params = dict(model.named_parameters())
+    for fqn, encoded in saved["state"].items():
+        if fqn not in params:
+            raise CheckpointError(f"{plan.path}: optimizer state for unknown parameter {fqn!r}")
+        param = params[fqn]
+        prefix = f"optim/state/{fqn}/"
+        for key in tensor_refs(encoded):
+            entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
+            name = key[len(prefix):]
+            existing = optimizer.state.get(param, {}).get(name)
+            # Lay the state out like the optimizer already has it, else like its parameter
+            # when the shapes agree (exp_avg, exp_avg_sq), else whole (step, scalars).
+            template = existing if isinstance(existing, torch.Tensor) else None
+            if template is None and isinstance(param, DTensor) and tuple(param.shape) == entry.shape:
+                template = param
+            if isinstance(template, DTensor):
+                if tuple(template.shape) != entry.shape:
+                    raise CheckpointError(f"{plan.path}: optimizer state {key!r} has shape {list(entry.shape)}, "
+                                          f"the optimizer's is {list(template.shape)}")
+                plan.add(key, entry, _target_region(template))
+                plan.dtensor_templates[key] = template
+            else:
+                plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+    for group in saved_groups:
+        for key in tensor_refs(group):
+            entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
+            plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+    return saved
+
+
+def _plan_extra(plan: _Plan) -> Any:
+    encoded = plan.manifest.objects.get("extra")
+    for key in tensor_refs(encoded):
+        entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
+        plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+    return encoded
+
+
+def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats) -> None:
+    for rel in files:
+        full = os.path.join(plan.path, rel)
+        expected = plan.manifest.files[rel]
+        if not os.path.exists(full):
+            raise CheckpointError(f"{full} is missing; the checkpoint is incomplete, restore the file or "
+                                  "load an earlier checkpoint")
+        size = os.path.getsize(full)
+        if size != expected.size:
+            raise CheckpointError(f"{full} is {size} bytes but the manifest says {expected.size}: the file "
+                                  "is truncated or was replaced; restore it or load an earlier checkpoint")
+        if verify:
+            crc, n = file_crc32(full)
+            stats.bytes_verified += n
+            if crc != expected.crc32:
+                raise CheckpointError(f"{full} is corrupted (crc32 {crc}, manifest says {expected.crc32}); "
+                                      "restore the file or load an earlier checkpoint")
+
+
+def _read_targets(plan: _Plan, stats: LoadStats) -> None:
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def handle(rel: str):
+            if rel not in handles:
+                full = os.path.join(plan.path, rel)
+                try:
+                    handles[rel] = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
+                except Exception as e:
+                    raise CheckpointError(f"{full} is not a readable safetensors file ({e}); restore it "
+                                          "or load an earlier checkpoint") from e
+            return handles[rel]
+
+        for t in plan.targets.values():
+            for chunk in t.entry.chunks:
+                part = chunk.region.intersect(t.region) if t.region.numel else None
+                if part is None:
+                    continue
+                f = handle(chunk.file)
+                where = f"{os.path.join(plan.path, chunk.file)}, key {chunk.key!r}"
+                try:
+                    sl = f.get_slice(chunk.key)
+                except Exception as e:
+                    raise CheckpointError(f"{where}: missing from the file ({e}); the checkpoint is "
+                                          "damaged, load an earlier one") from e
+                if tuple(sl.get_shape()) != chunk.shape or sl.get_dtype() != safetensors_dtype(t.entry.torch_dtype):
+                    raise CheckpointError(f"{where}: file holds {sl.get_dtype()}{sl.get_shape()}, manifest "
+                                          f"says {t.entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
+                data = sl[part.slices_within(chunk.region)] if chunk.shape else f.get_tensor(chunk.key)
+                if t.transient and part == t.region:
+                    t.buffer = data  # one chunk covers the whole target: skip a copy
+                else:
+                    t.buffer[part.slices_within(t.region)] = data
+                stats.bytes_read += data.numel() * data.element_size()
+            stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
+
+
+def _as_dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
+    shape = tuple(template.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.to(template.to_local().device), template.device_mesh, template.placements,
+                              run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         verify: bool = True, strict: bool = True, stats: LoadStats | None = None) -> Any:
+    """Load a checkpoint into ``model`` (and ``optimizer``); returns the saved ``extra``.
+
+    Works for any saving/loading world sizes and meshes (reshard on load) and for
+    plain unsharded models. Collective when torch.distributed is initialized.
+    ``verify`` checks the CRC32 of every file this rank reads before anything is
+    modified (set False to skip the extra read). On any ``CheckpointError`` the
+    model and optimizer are unchanged. Pass a ``LoadStats`` to get byte counts.
+    """
+    path = os.fspath(path)
+    stats = stats if stats is not None else LoadStats()
+    start = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        manifest = read_manifest(path)
+        plan = _Plan(path, manifest)
+        model_sd = _plan_model(plan, model, strict)
+        saved_optim = _plan_optimizer(plan, model, optimizer) if optimizer is not None else None
+        encoded_extra = _plan_extra(plan)
+        manifest.validate(plan.targets.keys())
+        files = plan.needed_files()
+        stats.files_read = files
+        _verify_files(plan, files, verify, stats)
+        _read_targets(plan, stats)
+    except CheckpointError as e:
+        error = e
+    except Exception as e:  # anything unforeseen still goes through the all-ranks agreement
+        error = CheckpointError(f"loading {path} failed: {e!r}")
+        error.__cause__ = e
+    # Nobody modifies anything unless every rank read everything it needs.
+    if not _dist.all_ok(error is None):
+        stats.seconds = time.perf_counter() - start
+        if error is not None:
+            raise error
+        raise CheckpointError(f"loading {path} failed on another rank (see its error); nothing was changed")
+
+    tensors = {}
+    for key, t in plan.targets.items():
+        template = plan.dtensor_templates.get(key)
+        tensors[key] = _as_dtensor_like(template, t.buffer) if template is not None else t.buffer
+    with torch.no_grad():
+        for fqn, value in model_sd.items():
+            target = plan.targets.get(model_key(fqn))
+            if target is None:
+                continue
+            dest = value.to_local() if isinstance(value, DTensor) else value
+            dest.copy_(target.buffer)
+    if optimizer is not None:
+        _load_optimizer(optimizer, model, saved_optim, tensors)
+    stats.seconds = time.perf_counter() - start
+    return decode(encoded_extra, tensors.__getitem__)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict,
+                    tensors: dict[str, torch.Tensor]) -> None:
+    current = optimizer.state_dict()["param_groups"]
+    fqn_groups = optimizer_param_fqns(model, optimizer)
+    fqn_to_id = {fqn: pid for g, fqns in zip(current, fqn_groups) for pid, fqn in zip(g["params"], fqns)}
+    state = {fqn_to_id[fqn]: decode(s, tensors.__getitem__) for fqn, s in saved["state"].items()}
+    groups = []
+    for g, now in zip(saved["param_groups"], current):
+        hyper = decode({k: v for k, v in g.items() if k != "params"}, tensors.__getitem__)
+        # State is keyed by the current ids, so keep the current order (same set, checked).
+        groups.append({**hyper, "params": now["params"]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,62 @@
+"""Models, sharding and comparison helpers shared by the checkpoint tests.
+
+Rank functions live in test modules; this module holds what both sides use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """Small MLP whose dims (7, 5) shard unevenly, with empty shards on 4+ ranks."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+    with torch.no_grad():  # make every value depend on the seed in a recognisable way
+        for i, p in enumerate(model.parameters()):
+            p.add_(seed * 10 + i)
+    return model
+
+
+def shard(model: nn.Module, mesh) -> nn.Module:
+    """Shard like fsdp2.fully_shard will (DTensor Shard(0), or (Replicate, Shard(0)) for HSDP).
+
+    PyTorch's fully_shard has the same DTensor contract; switching to fsdp2's is this line.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def mesh_1d(world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+
+
+def mesh_2d(rows: int, cols: int, names=("replicate", "shard")):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (rows, cols), mesh_dim_names=names)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of a model's state; collective for DTensor models."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
