@@ -83,7 +83,7 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
             "plan); fully_shard(m, mesh=mesh['dp'])."
         )
     root = dp_mesh._get_root_mesh()
-    if root is not tp_mesh._get_root_mesh():
+    if root != tp_mesh._get_root_mesh():  # equal, not identical: DeviceMesh caches slices
         raise FSDPUsageError(
             f"fully_shard: parameter {fqn} is tensor-parallel on a mesh that is not a sibling of the "
             "data-parallel mesh; slice both from one DeviceMesh (init_device_mesh(..., mesh_dim_names=...))."

@@ -20,11 +20,8 @@ def make_model(seed: int = 0) -> nn.Module:
 
 
 def shard(model: nn.Module, mesh) -> nn.Module:
-    """Shard like fsdp2.fully_shard will (DTensor Shard(0), or (Replicate, Shard(0)) for HSDP).
-
-    PyTorch's fully_shard has the same DTensor contract; switching to fsdp2's is this line.
-    """
-    from torch.distributed.fsdp import fully_shard
+    """fsdp2.fully_shard each Linear, then the root (Shard(0), or (Replicate, Shard(0)) for HSDP)."""
+    from fsdp2 import fully_shard
 
     for layer in model:
         if isinstance(layer, nn.Linear):

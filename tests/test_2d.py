@@ -142,3 +142,51 @@ def test_mesh_misuse_is_explained_and_changes_nothing(worlds, case, message):
     text, unchanged, class_name = result
     assert re.search(message, text), text
     assert unchanged and class_name == "Block"
+
+
+def _checkpoint_across_meshes(rank, world_size, path):
+    """Save from TP+FSDP on (dp=2, tp=2), load into FSDP on 4 ranks, save again, load back into 2-D."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fsdp2 import checkpoint, fully_shard
+
+    def build_2d(seed):
+        torch.manual_seed(seed)
+        model = Llama(CFG)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
+
+    def build_1d(seed):
+        torch.manual_seed(seed)
+        model = Llama(CFG)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def full(model):
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+    source = build_2d(seed=1)
+    expected = full(source)
+    checkpoint.save(f"{path}/from-2d", source, extra={"step": 3})
+    flat = build_1d(seed=2)
+    extra = checkpoint.load(f"{path}/from-2d", flat)
+    after_1d = full(flat)
+    checkpoint.save(f"{path}/from-1d", flat)
+    back = build_2d(seed=3)
+    checkpoint.load(f"{path}/from-1d", back)
+    after_2d = full(back)
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in expected)  # noqa: E731
+    return extra["step"], same(after_1d, expected), same(after_2d, expected)
+
+
+def test_checkpoint_2d_to_1d_and_back(worlds, tmp_path):
+    step, to_1d, back_to_2d = worlds.run(4, _checkpoint_across_meshes, str(tmp_path))[0]
+    assert step == 3
+    assert to_1d, "TP+FSDP checkpoint loaded into a 1-D FSDP model differs"
+    assert back_to_2d, "1-D checkpoint loaded back into TP+FSDP differs"

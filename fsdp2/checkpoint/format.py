@@ -133,15 +133,8 @@ def shard_region(global_shape: Sequence[int], mesh_shape: Sequence[int],
 
     offsets = [0] * len(global_shape)
     shape = list(global_shape)
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate):
-            continue
-        # _StridedShard subclasses Shard but interleaves rows: not a box, so refuse it.
-        if type(placement) is not Shard:
-            raise CheckpointError(
-                f"placement {placement!r} is not supported by fsdp2.checkpoint "
-                "(only Shard(d) and Replicate()); redistribute the tensor first")
-        d = placement.dim % len(global_shape)
+    for mesh_dim in _split_order(placements, mesh_shape, len(global_shape)):
+        d = placements[mesh_dim].dim % len(global_shape)
         size, parts, index = shape[d], mesh_shape[mesh_dim], coordinate[mesh_dim]
         piece = -(-size // parts)
         start = min(index * piece, size)
@@ -149,6 +142,42 @@ def shard_region(global_shape: Sequence[int], mesh_shape: Sequence[int],
         offsets[d] += start
         shape[d] = stop - start
     return Region(tuple(offsets), tuple(shape))
+
+
+def _split_order(placements: Sequence, mesh_shape: Sequence[int], ndim: int) -> list[int]:
+    """Mesh dims in the order their splits apply.
+
+    ``Shard`` dims split in mesh order. ``_StridedShard(d, split_factor=f)`` (fully_shard on a
+    tensor that tensor parallelism already split along ``d``) splits *after* the later
+    ``Shard(d)`` dims whose sizes multiply to ``f``: TP cuts first, FSDP cuts each TP piece,
+    so every rank still holds one box.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    order: list[int] = []
+    deferred: list[int] = []
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, _StridedShard):
+            d = placement.dim % ndim
+            later = [
+                m for m in range(mesh_dim + 1, len(placements))
+                if type(placements[m]) is Shard and placements[m].dim % ndim == d
+            ]
+            if math.prod(mesh_shape[m] for m in later) != placement.split_factor:
+                raise CheckpointError(
+                    f"placement {placement!r} is not supported by fsdp2.checkpoint: its split factor does not "
+                    "match the later Shard dims on the same tensor dim; redistribute the tensor first")
+            deferred.append(mesh_dim)
+            continue
+        if type(placement) is not Shard:
+            raise CheckpointError(
+                f"placement {placement!r} is not supported by fsdp2.checkpoint "
+                "(only Shard(d), Replicate() and fully_shard's _StridedShard); redistribute the tensor first")
+        order.append(mesh_dim)
+    return order + deferred
 
 
 def check_tiling(key: str, shape: Sequence[int], regions: Sequence[Region]) -> None:

@@ -59,6 +59,21 @@ class LocalShard:
     data: torch.Tensor  # plain local tensor of shape region.shape
 
 
+def _first_among_sibling_meshes(mesh) -> bool:
+    """True unless another copy of ``mesh`` (a slice of a larger mesh) holds the same data first.
+
+    A DTensor on ``mesh["dp"]`` of a (dp, tp) mesh -- e.g. a norm weight that tensor parallelism
+    left alone -- is held identically by every tp peer; the peer at tp coordinate 0 writes it.
+    """
+    root = mesh._get_root_mesh()
+    if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+        return True
+    root_coord = root.get_coordinate()
+    return all(
+        c == 0 for name, c in zip(root.mesh_dim_names, root_coord) if name not in mesh.mesh_dim_names
+    )
+
+
 def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
     """The box this rank must write for ``value``, or None if another rank writes it."""
     if not isinstance(value, DTensor):
@@ -70,6 +85,8 @@ def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
         return None  # this rank is not part of the tensor's mesh
     # Replicas along a Replicate mesh dim are identical: coordinate 0 writes.
     if any(isinstance(p, Replicate) and c != 0 for p, c in zip(value.placements, coord)):
+        return None
+    if not _first_among_sibling_meshes(mesh):
         return None
     region = shard_region(tuple(value.shape), tuple(mesh.shape), coord, value.placements)
     local_shape = tuple(value.to_local().shape)
