@@ -24,7 +24,15 @@ sys.exit(0 if same else 1)
 PY
 
 echo "== inspect, verify and consolidate the step-40 checkpoint =="
-python -m fsdp2.checkpoint inspect "$out/ckpt/step-40" | head -n 12
+python -m fsdp2.checkpoint inspect "$out/ckpt/step-40" | sed -n 1,12p
 python -m fsdp2.checkpoint verify "$out/ckpt/step-40"
 python -m fsdp2.checkpoint consolidate "$out/ckpt/step-40" "$out/hf"
-ls -l "$out/hf"
+python - "$out/hf" <<'PY'
+import json, sys
+from safetensors.torch import load_file
+index = json.load(open(f"{sys.argv[1]}/model.safetensors.index.json"))
+tensors = {}
+for name in sorted(set(index["weight_map"].values())):
+    tensors.update(load_file(f"{sys.argv[1]}/{name}"))
+print(f"consolidated: {len(tensors)} full tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M params, loadable with safetensors.torch.load_file")
+PY
