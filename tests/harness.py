@@ -111,7 +111,13 @@ class World:
                 failures.append(f"rank {rank}: no answer within {timeout}s (hung collective?)")
                 results.append(None)
                 continue
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except (EOFError, ConnectionError):
+                self._procs[rank].join(timeout=5)  # reap it so the exit code is known
+                failures.append(f"rank {rank}: process died (exit code {self._procs[rank].exitcode})")
+                results.append(None)
+                continue
             results.append(value)
             if status != "ok":
                 failures.append(f"rank {rank}:\n{value}")

@@ -26,3 +26,17 @@ def test_failure_names_rank_and_world_recovers(worlds):
     with pytest.raises(RankFailure, match=r"(?s)rank 1:.*boom on rank one"):
         worlds.run(2, _fail_on_rank_one)
     assert worlds.run(2, _sum_ranks) == [1.0, 1.0]
+
+
+def _die_on_rank_zero(rank, world_size):
+    import os
+
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_dead_rank_is_reported_and_world_replaced(worlds):
+    with pytest.raises(RankFailure, match=r"rank 0: process died \(exit code 3\)"):
+        worlds.run(2, _die_on_rank_zero)
+    assert worlds.run(2, _sum_ranks) == [1.0, 1.0]
