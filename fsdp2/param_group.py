@@ -84,7 +84,9 @@ class ParamGroup:
         self.dp = dp
         self.state = GroupState.SHARDED
         self.gather_buckets = _buckets(params, lambda p: p.param_dtype)
-        self.reduce_buckets = _buckets([p for p in params if p.requires_grad], lambda p: p.reduce_dtype)
+        # Reduce buckets hold only parameters that need gradients, which users may change
+        # after fully_shard (freezing); cached per requires_grad pattern.
+        self._reduce_buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
         self.reshard_after_backward = True
         # reshard_after_forward=k (1 < k < shard size): after forward keep 1/k of the group,
         # shared within a subgroup of k ranks, so backward all-gathers over k ranks only.
@@ -211,7 +213,7 @@ class ParamGroup:
         if all(g is None for g in grads.values()):
             return
         world = self.dp.shard_size
-        for bucket in self.reduce_buckets:
+        for bucket in self.reduce_buckets():
             # Zero-filled: a param without a grad on this rank (unused in its forward) still
             # needs a slot so that every rank's buffer has the same layout.
             inp = torch.zeros(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
@@ -224,6 +226,13 @@ class ParamGroup:
             out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
             work = collectives.reduce_scatter_sum(out, inp.view(-1), self.dp.shard_group, async_op=True)
             self._pending_reduces.append(PendingReduce(bucket, inp, out, work))
+
+    def reduce_buckets(self) -> list[FlatBucket]:
+        pattern = tuple(p.requires_grad for p in self.params)
+        if pattern not in self._reduce_buckets:
+            needed = [p for p in self.params if p.requires_grad]
+            self._reduce_buckets[pattern] = _buckets(needed, lambda p: p.reduce_dtype)
+        return self._reduce_buckets[pattern]
 
     @property
     def _divide_factor(self) -> float:

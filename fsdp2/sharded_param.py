@@ -77,7 +77,6 @@ class ShardedParam:
         self.owner = owner
         self.slots = slots
         self.dp = dp
-        self.requires_grad = param.requires_grad
         self.orig_dtype = param.dtype
         self.param_dtype = mp_policy.param_dtype if param.is_floating_point() and mp_policy.param_dtype else param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if param.is_floating_point() and mp_policy.reduce_dtype else self.param_dtype
@@ -106,6 +105,11 @@ class ShardedParam:
         self._accumulated_grad: torch.Tensor | None = None
         self.hold_sharded()
 
+    @property
+    def requires_grad(self) -> bool:
+        # Read live: users freeze or unfreeze the (sharded) parameter after fully_shard.
+        return self.sharded_param.requires_grad
+
     # -- views the modules see ----------------------------------------------------------------
 
     @property
@@ -119,6 +123,7 @@ class ShardedParam:
         self.state = ParamState.SHARDED
 
     def hold_unsharded(self) -> None:
+        self._sync_requires_grad()
         for slot in self.slots:
             slot.hold(self.unsharded_param)
         self.state = ParamState.UNSHARDED
@@ -148,11 +153,19 @@ class ShardedParam:
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
-            self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
-            if self.requires_grad:
-                self.unsharded_param.register_post_accumulate_grad_hook(lambda _: self._on_grad_ready(self))
+            self.unsharded_param = nn.Parameter(full, requires_grad=False)
+            self._grad_hook_registered = False
         elif self._padded_full.untyped_storage().size() == 0:
             self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
+
+    def _sync_requires_grad(self) -> None:
+        """Give the unsharded parameter the shard's current requires_grad (and our grad hook)."""
+        wanted = self.requires_grad
+        if self.unsharded_param.requires_grad != wanted:
+            self.unsharded_param.requires_grad_(wanted)
+        if wanted and not self._grad_hook_registered:
+            self.unsharded_param.register_post_accumulate_grad_hook(lambda _: self._on_grad_ready(self))
+            self._grad_hook_registered = True
 
     def gathered_rank_rows(self) -> torch.Tensor:
         """The unsharded parameter as ``world x padded_shard_numel`` rank slots (as all-gathered)."""

@@ -226,6 +226,34 @@ def test_frozen_params(worlds):
     worlds.run(2, _frozen)
 
 
+def _frozen_after_fully_shard(rank, ws):
+    from fsdp2 import collectives
+
+    model, ref = _gpt_pair()
+    _train_parity(rank, ws, model, ref, steps=1)  # gradients flowed everywhere once
+    for m in (model, ref):
+        for sub in (m.tok_emb, m.blocks[0]):
+            sub.requires_grad_(False)
+    frozen_before = {n: p.full_tensor() for n, p in model.named_parameters() if not p.requires_grad}
+    reduced = []
+    real_reduce = collectives.reduce_scatter_sum
+    collectives.reduce_scatter_sum = lambda out, inp, group, async_op: reduced.append(inp.numel()) or real_reduce(out, inp, group, async_op)
+    try:
+        _train_parity(rank, ws, model, ref)
+    finally:
+        collectives.reduce_scatter_sum = real_reduce
+    for name, param in model.named_parameters():
+        if name in frozen_before:
+            assert param.grad is None, name
+            assert torch.equal(param.full_tensor(), frozen_before[name]), name
+    # Block 0 is entirely frozen: only block 1 and the root reduce-scatter, once per step each.
+    assert len(reduced) == 2 * STEPS, reduced
+
+
+def test_freezing_after_fully_shard(worlds):
+    worlds.run(2, _frozen_after_fully_shard)
+
+
 def _ignored(rank, ws):
     ref = GPT(CFG)
     model = copy.deepcopy(ref)
