@@ -24,7 +24,8 @@ Modes:
 - ``gpu``: NCCL, world size 1 (sharding is trivial; measures fsdp2's own overhead);
 - ``fake``: one process in a fake process group of --world-size ranks: collectives are no-ops
   (buffers keep whatever they held), so this simulates rank 0's memory and compute, not the
-  communication time. Gathered values are garbage; losses are meaningless there.
+  communication time. Gathered values are garbage (denormals are flushed so they cannot slow
+  CPU math down); losses are meaningless there.
 The unsharded baseline is a plain replica per rank with the same optimizer and no gradient
 sync at all: the compute-only floor, not a DDP run. With --model 1b it uses bf16 autocast,
 the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy.
@@ -132,6 +133,9 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
+        # Gathered buffers hold uninitialized memory here; denormals in it would make CPU
+        # matmuls crawl and skew the comparison. Flushing them costs nothing otherwise.
+        torch.set_flush_denormal(True)
     else:
         dist.init_process_group(
             "nccl" if on_gpu else "gloo",
