@@ -12,18 +12,33 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Byte counters currently recording (see fsdp2.comm_stats); empty means no bookkeeping at all.
+active_counters: list = []
+
+
+def _record(kind: str, tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    for counter in active_counters:
+        counter.record(kind, nbytes)
+
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """``output`` (``group_size * input.numel()``) receives every rank's ``input`` in rank order."""
+    if active_counters:
+        _record("all_gather", output)
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """Sum ``input`` across ranks and keep this rank's ``output.numel()`` slice of the result."""
+    if active_counters:
+        _record("reduce_scatter", input)
     return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
+    if active_counters:
+        _record("all_reduce", tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

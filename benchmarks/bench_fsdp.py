@@ -1,0 +1,427 @@
+"""Training-step benchmark: fsdp2 vs PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) vs unsharded.
+
+    python benchmarks/bench_fsdp.py --mode cpu-gloo --model small        # 2 gloo ranks on CPU (~1-2 min)
+    python benchmarks/bench_fsdp.py --mode fake --world-size 64 --model small
+    python benchmarks/bench_fsdp.py --mode gpu --model 1b                 # 1 GPU, NCCL, world size 1
+    python benchmarks/bench_fsdp.py --mode fake --world-size 8 --model 1b --device cuda
+
+Every implementation runs in its own fresh process(es) (one per rank), so process groups,
+meshes, allocator peaks and max RSS never leak from one into the next. Each builds the same
+GPT from the same seed, trains on the same batch, and applies fully_shard per block then to
+the root (fsdp2 and PyTorch FSDP2 identically). A step is forward + loss + backward +
+optimizer.step() + zero_grad(set_to_none=True); we report the median (and min) of --steps
+steps after --warmup steps, pooled over --rounds fresh runs of every implementation
+(order alternating between rounds, which evens out load from other processes).
+
+Memory columns:
+- ``state``: bytes this rank holds between steps for params + grads + optimizer state (exact);
+- ``peak``: on GPU ``torch.cuda.max_memory_allocated`` over the timed steps (exact allocator
+  peak, activations included); on CPU the process's max RSS minus its RSS before the model was
+  built (rough: allocator caching, thread arenas and the import-time high-water mark blur it).
+
+Modes:
+- ``cpu-gloo``: 2 (or --world-size) gloo ranks on CPU, one thread each;
+- ``gpu``: NCCL, world size 1 (sharding is trivial; measures fsdp2's own overhead);
+- ``fake``: one process in a fake process group of --world-size ranks: collectives are no-ops
+  (buffers keep whatever they held), so this simulates rank 0's memory and compute, not the
+  communication time. Gathered values are garbage (denormals are flushed so they cannot slow
+  CPU math down); losses are meaningless there.
+The unsharded baseline is a plain replica per rank with the same optimizer and no gradient
+sync at all: the compute-only floor, not a DDP run. With --model 1b it uses bf16 autocast,
+the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+MiB = 2**20
+IMPLS = ("fsdp2", "torch", "unsharded")
+
+# dim 2048, 18 layers, 16 heads, vocab 32000, seq 2048: 1.04B params untied
+# (16 layers would be ~0.94B).
+MODELS = {
+    "small": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),
+    "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),
+}
+DEFAULT_BATCH = {"small": 4, "1b": 4}  # sequences per rank
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+class _TorchCommCounter:
+    """Counts PyTorch FSDP2's collectives by wrapping the c10d functions it calls (bench only).
+
+    Same convention as fsdp2.comm_stats: all-gather output bytes, reduce-scatter input bytes.
+    """
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        rs = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        self.names = {ag: ("all_gather", 0), rs: ("reduce_scatter", 1)}  # which arg is counted
+
+    def __enter__(self):
+        self.saved = {}
+        for name, (kind, argi) in self.names.items():
+            orig = getattr(self.dist, name)
+            self.saved[name] = orig
+
+            def wrapper(*args, _orig=orig, _kind=kind, _argi=argi, **kwargs):
+                t = args[_argi] if len(args) > _argi else kwargs["input" if _argi else "output"]
+                self.bytes[_kind] += t.numel() * t.element_size()
+                return _orig(*args, **kwargs)
+
+            setattr(self.dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.dist, name, orig)
+
+
+def _worker(rank: int, args: dict, impl: str, port: int, queue) -> None:
+    try:
+        queue.put((rank, _run_impl(rank, args, impl, port)))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    mode, ws = args["mode"], args["world_size"]
+    torch.set_num_threads(args["threads"])
+    on_gpu = args["device"] == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+
+    if mode == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
+        # Gathered buffers hold uninitialized memory here; denormals in it would make CPU
+        # matmuls crawl and skew the comparison. Flushing them costs nothing otherwise.
+        torch.set_flush_denormal(True)
+    else:
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=ws,
+            timeout=datetime.timedelta(seconds=300),
+        )
+
+    from fsdp2.models import GPT, GPTConfig
+    from fsdp2.models.gpt import Block
+
+    cfg = GPTConfig(**MODELS[args["model"]])
+    bf16 = args["bf16"]
+    rss_before = _rss_bytes()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+
+    estimate = None
+    comm_counter = None
+    autocast = None
+    if impl in ("fsdp2", "torch"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if impl == "fsdp2":
+            from fsdp2 import MixedPrecisionPolicy, fully_shard
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (ws,))
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        )
+        if impl == "fsdp2":
+            from fsdp2 import MixedPrecisionPolicy as MP
+            from fsdp2.estimate import estimate_memory
+
+            with torch.device("meta"):
+                meta_model = GPT(cfg)
+            estimate = estimate_memory(
+                meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP()
+            )
+            del meta_model
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    elif bf16:
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.seq_len + 1), generator=g).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        if autocast is not None:
+            with autocast:
+                loss = model.loss(inputs, targets)
+        else:
+            loss = model.loss(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize()
+        if mode != "fake" and ws > 1:
+            dist.barrier()
+
+    for _ in range(args["warmup"]):
+        step()
+    sync()
+
+    # Comm bytes of one step (counted outside the timed steps).
+    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    if impl == "fsdp2":
+        from fsdp2.comm_stats import count_comm
+
+        with count_comm() as stats:
+            step()
+        comm = dict(stats.bytes)
+    elif impl == "torch":
+        with _TorchCommCounter() as counter:
+            step()
+        comm = dict(counter.bytes)
+    sync()
+
+    # State held between steps: grads exist right after backward, before zero_grad.
+    params = list(model.parameters())
+    loss = model.loss(inputs, targets) if autocast is None else None
+    if autocast is not None:
+        with autocast:
+            loss = model.loss(inputs, targets)
+    loss.backward()
+    state = dict(
+        params=_local_bytes(params),
+        grads=_local_bytes(p.grad for p in params if p.grad is not None),
+        optimizer=_local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+    )
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    gc.collect()
+    sync()
+
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args["steps"]):
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    sync()
+    result = dict(
+        impl=impl,
+        times=times,
+        median_s=statistics.median(times),
+        min_s=min(times),
+        state=state,
+        comm=comm,
+        rss_delta=_max_rss_bytes() - rss_before,
+        num_params=cfg.num_params(),
+    )
+    if on_gpu:
+        result["peak_alloc"] = torch.cuda.max_memory_allocated()
+    if estimate is not None:
+        result["estimate"] = dict(
+            sharded_state=estimate.sharded_state,
+            total=estimate.total,
+            peak_gathered=estimate.peak_gathered_params,
+            comm=estimate.comm_bytes_per_step,
+            table=str(estimate),
+        )
+    del model, optimizer
+    gc.collect()
+    if mode != "fake" and ws > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _launch(args: dict, impl: str) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nproc = 1 if args["mode"] == "fake" else args["world_size"]
+    procs = [ctx.Process(target=_worker, args=(r, args, impl, port, queue)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, res = queue.get(timeout=args["timeout"])
+        results[rank] = res
+    for p in procs:
+        p.join()
+    errors = [f"rank {r}:\n{res['error']}" for r, res in results.items() if "error" in res]
+    if errors:
+        raise RuntimeError(f"{impl} failed:\n" + "\n".join(errors))
+    return results[0]
+
+
+def _fmt_mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.1f}"
+
+
+def render(args: dict, results: dict[str, dict]) -> str:
+    on_gpu = args["device"] == "cuda"
+    peak_name = "peak alloc MiB" if on_gpu else "max RSS delta MiB"
+    head = f"| impl | step ms (median) | step ms (min) | state MiB (params+grads+optim) | {peak_name} | all-gather MiB/step | reduce-scatter MiB/step |"
+    lines = [head, "|" + "---|" * 7]
+    for impl, r in results.items():
+        st = r["state"]
+        lines.append(
+            f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | "
+            f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | "
+            f"{_fmt_mib(r.get('peak_alloc') if on_gpu else r['rss_delta'])} | "
+            f"{_fmt_mib(r['comm']['all_gather'])} | {_fmt_mib(r['comm']['reduce_scatter'])} |"
+        )
+    out = ["\n".join(lines), ""]
+
+    def ratio(a: str, b: str, key) -> str:
+        if a not in results or b not in results:
+            return "-"
+        x, y = key(results[a]), key(results[b])
+        return f"{x / y:.2f}x" if y else "-"
+
+    t = lambda r: r["median_s"]  # noqa: E731
+    s = lambda r: sum(r["state"].values())  # noqa: E731
+    p = (lambda r: r["peak_alloc"]) if on_gpu else (lambda r: r["rss_delta"])  # noqa: E731
+    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, state {ratio('fsdp2', 'torch', s)}, {peak_name} {ratio('fsdp2', 'torch', p)}")
+    out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, {peak_name} {ratio('fsdp2', 'unsharded', p)}")
+    est = results.get("fsdp2", {}).get("estimate")
+    if est:
+        f = results["fsdp2"]
+        out.append(
+            f"fsdp2 estimate (fsdp2.estimate, rank 0): state {_fmt_mib(est['sharded_state'])} MiB "
+            f"(measured {_fmt_mib(sum(f['state'].values()))}); comm all-gather {_fmt_mib(est['comm']['all_gather'])} / "
+            f"reduce-scatter {_fmt_mib(est['comm']['reduce_scatter'])} MiB (counted "
+            f"{_fmt_mib(f['comm']['all_gather'])} / {_fmt_mib(f['comm']['reduce_scatter'])}); "
+            f"total excl. activations {_fmt_mib(est['total'])} MiB"
+        )
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["cpu-gloo", "gpu", "fake"], required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--world-size", type=int, default=None, help="cpu-gloo: 2; gpu: 1; fake: 8")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank (small: 4, 1b: 4)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (CPU: 10, GPU: 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the impls this many times, alternating order; step times are pooled")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    parser.add_argument("--json", default="", help="also write raw results here")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for one implementation")
+    ns = parser.parse_args(argv)
+
+    args = vars(ns).copy()
+    if args["device"] is None:
+        args["device"] = "cuda" if ns.mode == "gpu" else "cpu"
+    if args["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda / --mode gpu needs a CUDA GPU")
+    args["world_size"] = ns.world_size or {"cpu-gloo": 2, "gpu": 1, "fake": 8}[ns.mode]
+    if ns.mode == "gpu" and args["world_size"] > 1:
+        import torch
+
+        if torch.cuda.device_count() < args["world_size"]:
+            sys.exit(f"--mode gpu --world-size {args['world_size']} needs that many GPUs")
+    args["batch"] = ns.batch or DEFAULT_BATCH[ns.model]
+    args["steps"] = ns.steps or (20 if args["device"] == "cuda" else 10)
+    args["bf16"] = (ns.model == "1b") if ns.bf16 is None else ns.bf16
+    nproc = 1 if ns.mode == "fake" else args["world_size"]
+    args["threads"] = ns.threads or max(1, (os.cpu_count() or 1) // nproc)
+    impls = [i for i in ns.impls.split(",") if i]
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
+
+    import torch
+
+    cfg = MODELS[ns.model]
+    print(
+        f"# mode={ns.mode} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
+        f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
+        f"threads/proc={args['threads']} torch={torch.__version__}",
+        flush=True,
+    )
+    results = {}
+    for round_ in range(ns.rounds):
+        # Alternate the order so that slow drift or other load on the machine hits every impl alike.
+        for impl in impls if round_ % 2 == 0 else impls[::-1]:
+            t0 = time.perf_counter()
+            res = _launch(args, impl)
+            print(f"#   round {round_ + 1} {impl}: median {1e3 * res['median_s']:.1f} ms, done in {time.perf_counter() - t0:.1f}s", flush=True)
+            if impl not in results:
+                results[impl] = res  # memory and comm figures: first round
+            else:
+                results[impl]["times"] += res["times"]
+    for res in results.values():  # step times pooled over rounds
+        res["median_s"], res["min_s"] = statistics.median(res["times"]), min(res["times"])
+    print(f"# {results[impls[0]]['num_params'] / 1e6:.2f}M params")
+    print(render(args, results))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(dict(args=args, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Per-rank memory of a model under fully_shard, computed from shapes alone (works on meta).
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    est = estimate_memory(model, 8, groups=lambda m: isinstance(m, Block),
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    print(est)
+
+``groups`` says which submodules the user passes to ``fully_shard`` (a predicate on modules or a
+list of module names from ``named_modules()``); the root is a group too (``fully_shard(model)``)
+unless ``root=False``. As with fully_shard applied bottom-up, a parameter belongs to its innermost
+group. No tensor is created: only shapes, dtypes and ``requires_grad`` are read.
+
+Exact (checked against real runs in tests/test_estimate.py):
+    sharded parameters, sharded gradients, optimizer state, communication bytes per step.
+Modelled from fsdp2's schedule (upper bounds; validated only on a GPU allocator):
+    peak gathered parameters, peak unsharded gradients, reduce-scatter buffers.
+Not included: activations, autograd temporaries, optimizer-step temporaries, allocator
+fragmentation, communication-library workspaces. ``total`` sums the fields, which is an upper
+bound of the parameter-related memory since not all peaks coincide in time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.shard_layout import ShardLayout
+
+# Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
+# tensor is kept per parameter (torch.optim's Adam/AdamW keep a float32 0-dim tensor).
+_OPTIMIZERS = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),
+    "none": (0, False),
+}
+_STEP_BYTES = 4
+
+
+@dataclass
+class GroupEstimate:
+    """One fully_shard group: its parameters and the per-rank sizes fsdp2 derives from them."""
+
+    name: str
+    num_params: int  # elements of the full (unsharded) parameters
+    sharded_bytes: int  # this rank's shards, in the parameters' own dtypes
+    gathered_bytes: int  # unsharded parameters in param_dtype, padded as fsdp2 stores them
+    all_gather_bytes: int  # all-gather output buffers (== gathered_bytes: same padded layout)
+    unsharded_grad_bytes: int  # full gradients in param_dtype, before reduction
+    reduce_scatter_bytes: int  # reduce-scatter input (world x numel_per_rank) + output, reduce_dtype
+    reduce_scatter_input_bytes: int
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes. ``__str__`` renders a table."""
+
+    world_size: int
+    rank: int
+    num_params: int
+    groups: list[GroupEstimate]
+    sharded_params: int
+    sharded_grads: int
+    optimizer_state: int
+    peak_gathered_params: int
+    peak_unsharded_grads: int
+    reduce_scatter_buffers: int
+    comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def sharded_state(self) -> int:
+        """Params + grads + optimizer state: what stays allocated between steps."""
+        return self.sharded_params + self.sharded_grads + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.sharded_state + self.peak_gathered_params + self.peak_unsharded_grads + self.reduce_scatter_buffers
+
+    def __str__(self) -> str:
+        rows = [
+            ("sharded params", self.sharded_params),
+            ("sharded grads", self.sharded_grads),
+            ("optimizer state", self.optimizer_state),
+            ("peak gathered params", self.peak_gathered_params),
+            ("peak unsharded grads", self.peak_unsharded_grads),
+            ("reduce-scatter buffers", self.reduce_scatter_buffers),
+            ("total (excl. activations)", self.total),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [
+            f"fsdp2 memory estimate: {self.num_params / 1e6:.2f}M params, {len(self.groups)} groups, "
+            f"rank {self.rank} of {self.world_size}",
+            f"{'':{width}}  {'MiB':>10}",
+        ]
+        lines += [f"{name:{width}}  {nbytes / 2**20:10.2f}" for name, nbytes in rows]
+        comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.comm_bytes_per_step.items())
+        lines.append(f"comm per step (buffer bytes): {comm}")
+        return "\n".join(lines)
+
+
+def _shard_size_and_rank(mesh_or_world_size) -> tuple[int, int]:
+    if isinstance(mesh_or_world_size, int):
+        return mesh_or_world_size, 0
+    mesh = mesh_or_world_size  # a DeviceMesh: 1-D (FSDP) or 2-D (replicate, shard)
+    dim = 0 if mesh.ndim == 1 else 1
+    return mesh.size(dim), mesh.get_local_rank(dim)
+
+
+def _group_members(model: nn.Module, groups, root: bool) -> list[tuple[str, nn.Module]]:
+    if groups is None:
+        chosen: list[tuple[str, nn.Module]] = []
+    elif callable(groups):
+        chosen = [(n, m) for n, m in model.named_modules() if n and groups(m)]
+    else:
+        wanted = list(groups)
+        named = dict(model.named_modules())
+        missing = [n for n in wanted if n not in named]
+        if missing:
+            raise ValueError(f"estimate_memory: no such modules: {missing}")
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        chosen = sorted(((n, named[n]) for n in wanted if n), key=lambda nm: order[nm[0]])
+    if root:
+        chosen = [("<root>", model)] + chosen
+    return chosen
+
+
+def _assign_params(model: nn.Module, members: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
+    """Each parameter goes to its innermost group (fully_shard runs bottom-up); ties count once."""
+    owner: dict[int, int] = {}
+    # Later (deeper, in pre-order) groups overwrite their ancestors' claim.
+    for index, (_, module) in enumerate(members):
+        for p in module.parameters():
+            prev = owner.get(id(p))
+            if prev is None or _is_ancestor(members[prev][1], module):
+                owner[id(p)] = index
+    params: list[list[nn.Parameter]] = [[] for _ in members]
+    seen: set[int] = set()
+    for p in model.parameters():  # parameters() order, as fully_shard lays out its buffers
+        if id(p) in owner and id(p) not in seen:
+            seen.add(id(p))
+            params[owner[id(p)]].append(p)
+    return params
+
+
+def _is_ancestor(a: nn.Module, b: nn.Module) -> bool:
+    return a is not b and any(m is b for m in a.modules())
+
+
+def estimate_memory(
+    model: nn.Module,
+    mesh_or_world_size,
+    *,
+    groups: Callable[[nn.Module], bool] | Iterable[str] | None = None,
+    root: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    optimizer: str = "adamw",
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    rank: int | None = None,
+) -> MemoryEstimate:
+    """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh)."""
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
+    world, mesh_rank = _shard_size_and_rank(mesh_or_world_size)
+    rank = mesh_rank if rank is None else rank
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    n_states, has_step = _OPTIMIZERS[optimizer]
+
+    members = _group_members(model, groups, root)
+    group_params = _assign_params(model, members)
+    estimates: list[GroupEstimate] = []
+    sharded_params = sharded_grads = optimizer_state = 0
+    for (name, _), params in zip(members, group_params):
+        g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0)
+        per_rank_reduce = 0  # numel_per_rank * elem of the reduce buffers, summed over dtypes
+        for p in params:
+            dim = 0
+            if shard_placement_fn is not None:
+                placement = shard_placement_fn(p)
+                dim = placement.dim % p.dim() if placement is not None else 0
+            layout = ShardLayout(p.shape, dim, world, rank)
+            floating = p.is_floating_point()
+            elem = p.dtype.itemsize
+            param_elem = mp_policy.param_dtype.itemsize if floating and mp_policy.param_dtype else elem
+            reduce_elem = mp_policy.reduce_dtype.itemsize if floating and mp_policy.reduce_dtype else param_elem
+            local = math.prod(layout.local_shape) * elem
+            padded_full = world * layout.padded_shard_numel
+            g.num_params += p.numel()
+            g.sharded_bytes += local
+            g.gathered_bytes += padded_full * param_elem
+            if p.requires_grad:
+                g.unsharded_grad_bytes += p.numel() * param_elem
+                per_rank_reduce += layout.padded_shard_numel * reduce_elem
+                sharded_grads += local
+                optimizer_state += n_states * local + (_STEP_BYTES if has_step else 0)
+        g.all_gather_bytes = g.gathered_bytes
+        g.reduce_scatter_input_bytes = world * per_rank_reduce
+        g.reduce_scatter_bytes = (world + 1) * per_rank_reduce
+        sharded_params += g.sharded_bytes
+        estimates.append(g)
+
+    root_group = estimates[0] if root else None
+    others = estimates[1:] if root else estimates
+    return MemoryEstimate(
+        world_size=world,
+        rank=rank,
+        num_params=sum(g.num_params for g in estimates),
+        groups=estimates,
+        sharded_params=sharded_params,
+        sharded_grads=sharded_grads,
+        optimizer_state=optimizer_state,
+        peak_gathered_params=_peak_gathered(root_group, others, reshard_after_forward),
+        peak_unsharded_grads=_peak_unsharded_grads(root_group, others),
+        reduce_scatter_buffers=_peak_reduce_scatter(estimates),
+        comm_bytes_per_step=_comm_per_step(root_group, others, reshard_after_forward),
+    )
+
+
+def _peak_gathered(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> int:
+    """Largest sum of live gathered parameters + all-gather output buffers over fsdp2's schedule.
+
+    The root group unshards first and stays gathered through forward and backward. Forward
+    gathers one group at a time; during copy-out a group's all-gather output and its unsharded
+    parameters coexist (2x). Backward unshards group i and prefetches group i-1 (forward order);
+    group i may still be gathered while i-1 copies out of its buffer. Without resharding after
+    forward every group stays gathered from its forward to its backward.
+    """
+    base = root.gathered_bytes if root else 0
+    peaks = [2 * base]
+    if reshard_after_forward:
+        for i, g in enumerate(blocks):
+            peaks.append(base + 2 * g.gathered_bytes)
+            if i > 0:
+                peaks.append(base + g.gathered_bytes + 2 * blocks[i - 1].gathered_bytes)
+    else:
+        held = base
+        for g in blocks:
+            peaks.append(held + 2 * g.gathered_bytes)
+            held += g.gathered_bytes
+    return max(peaks)
+
+
+def _peak_unsharded_grads(root: GroupEstimate | None, blocks: list[GroupEstimate]) -> int:
+    """The root's full grads live through all of backward (its first params, e.g. the embedding,
+    get their grads last); on top of them at most one other group's grads before its reduction."""
+    base = root.unsharded_grad_bytes if root else 0
+    return base + max((g.unsharded_grad_bytes for g in blocks), default=0)
+
+
+def _peak_reduce_scatter(groups: list[GroupEstimate]) -> int:
+    """fsdp2 keeps at most two groups' reductions in flight and issues the third before waiting
+    on the oldest: the three largest consecutive groups' buffers (backward order)."""
+    sizes = [g.reduce_scatter_bytes for g in reversed(groups)]
+    if len(sizes) <= 3:
+        return sum(sizes)
+    return max(sum(sizes[i : i + 3]) for i in range(len(sizes) - 2))
+
+
+def _comm_per_step(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> dict[str, int]:
+    """Buffer bytes of one forward+backward, counted as fsdp2.comm_stats counts them."""
+    gathers = (2 if reshard_after_forward else 1) * sum(g.all_gather_bytes for g in blocks)
+    gathers += root.all_gather_bytes if root else 0
+    groups = ([root] if root else []) + blocks
+    return {
+        "all_gather": gathers,
+        "reduce_scatter": sum(g.reduce_scatter_input_bytes for g in groups if g.reduce_scatter_input_bytes),
+        "all_reduce": 0,
+    }
