@@ -214,13 +214,14 @@ class ParamGroup:
             return
         world = self.dp.shard_size
         for bucket in self.reduce_buckets():
-            # Zero-filled: a param without a grad on this rank (unused in its forward) still
-            # needs a slot so that every rank's buffer has the same layout.
-            inp = torch.zeros(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
             for p, block in bucket.columns(inp):
                 grad = grads[id(p)]
                 if grad is not None:
-                    p.layout.copy_full_in(grad, block)
+                    p.layout.copy_full_in(grad, block)  # zeroes its padding too
+                else:
+                    # Unused in this forward on this rank: its slot still takes part in the sum.
+                    block.zero_()
             if bucket.dtype == torch.float16:
                 inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
             out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)

@@ -111,8 +111,8 @@ class ShardLayout:
         """Scatter ``full`` into ``slots`` (``world x padded_shard_numel``), zeroing the padding."""
         if not self.padded_shard_numel:
             return
-        if self.dim == 0 and self.is_even:
-            slots.copy_(full.reshape(self.world, self.padded_shard_numel))
+        if self.dim == 0:
+            self._copy_rows_in(full, slots)
             return
         for rank in range(self.world):
             rows = self.rows_of(rank)
@@ -121,6 +121,23 @@ class ShardLayout:
                 block.narrow(self.dim, 0, rows).copy_(full.narrow(self.dim, rank * self.chunk, rows))
             if rows < self.chunk:
                 block.narrow(self.dim, rows, self.chunk - rows).zero_()
+
+    def _copy_rows_in(self, full: torch.Tensor, slots: torch.Tensor) -> None:
+        # Along dim 0 rank blocks are consecutive rows: complete ranks in one copy, then the
+        # partial tail rank, then zeros; no per-rank loop (it dominates at 1024 ranks).
+        complete = self.full_shape[0] // self.chunk
+        rows = complete * self.chunk
+        if complete:
+            slots[:complete].copy_(full[:rows].reshape(complete, self.padded_shard_numel))
+        if complete == self.world:
+            return
+        tail = self.full_shape[0] - rows
+        if tail:
+            block = slots[complete].view(self.padded_shard_shape)
+            block[:tail].copy_(full[rows:])
+            block[tail:].zero_()
+            complete += 1
+        slots[complete:].zero_()
 
     def shard_out(self, slot: torch.Tensor) -> torch.Tensor:
         """This rank's real rows of a reduced padded ``slot`` (1-D) as a tensor of ``local_shape``."""
