@@ -68,14 +68,6 @@ def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
-
-
 class _TorchCommCounter:
     """Counts PyTorch FSDP2's collectives by wrapping the c10d functions it calls (bench only).
 
@@ -145,6 +137,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             timeout=datetime.timedelta(seconds=300),
         )
 
+    from fsdp2.estimate import local_bytes as _local_bytes
     from fsdp2.models import GPT, GPTConfig
     from fsdp2.models.gpt import Block
 

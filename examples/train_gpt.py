@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from fsdp2 import fully_shard
 from fsdp2.models import GPT, GPTConfig
+from fsdp2.estimate import local_bytes
 
 MiB = 2**20
 
@@ -46,14 +47,6 @@ def global_batch(corpus: torch.Tensor, step: int, batch: int, seq_len: int) -> t
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g)
     windows = torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
-
-
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

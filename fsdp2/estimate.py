@@ -105,6 +105,15 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank actually holds for ``tensors`` (a DTensor counts its local shard only)."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
 def _shard_size_and_rank(mesh_or_world_size) -> tuple[int, int]:
     if isinstance(mesh_or_world_size, int):
         return mesh_or_world_size, 0

@@ -147,8 +147,14 @@ class ParamGroup:
             return
         for pending in self._pending_gathers:
             pending.work.wait()
-            for p, block in pending.bucket.columns(pending.rank_rows(self.dp.shard_size)):
-                p.copy_gathered_out(block)
+            rows = pending.rank_rows(self.dp.shard_size)
+            targets = [p.gather_target() for p in pending.bucket.params]
+            if all(t is not None for t in targets):
+                sizes = [p.layout.padded_shard_numel for p in pending.bucket.params]
+                torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)  # one copy per bucket
+            else:
+                for p, block in pending.bucket.columns(rows):
+                    p.copy_gathered_out(block)
         self._pending_gathers.clear()
         for p in self.params:
             p.hold_unsharded()

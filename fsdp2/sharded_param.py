@@ -141,15 +141,24 @@ class ShardedParam:
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
         self._allocate_unsharded()
-        # The copy must not bump the version counter: autograd saved this very tensor in
-        # forward and checks the version in backward; the values are identical by design.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded_param):
-            self.layout.copy_full_out(gathered, self._padded_full)
+        with torch.no_grad():
+            self.layout.copy_full_out(gathered, self._gather_target)
+
+    def gather_target(self) -> torch.Tensor | None:
+        """For dim-0 shards, the ``world x padded_shard_numel`` view the gathered block is copied
+        into directly (one fused copy for the whole group); None for other shard dims."""
+        if self.layout.dim != 0:
+            return None
+        self._allocate_unsharded()
+        return self._gather_target.view(self.layout.world, self.layout.padded_shard_numel)
 
     def _allocate_unsharded(self) -> None:
         numel = self.layout.world * self.layout.padded_shard_numel
         if self.unsharded_param is None:
             self._padded_full = torch.empty(numel, dtype=self.param_dtype, device=self.device)
+            # Same storage, separate version counter: refilling it must not look like an in-place
+            # change to autograd, which saved the unsharded parameter in forward for backward.
+            self._gather_target = self._padded_full.data
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
@@ -218,13 +227,8 @@ class ShardedParam:
             local = local.to("cpu", non_blocking=True)
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = DTensor.from_local(
-                local.contiguous(),
-                self.sharded_param.device_mesh,
-                self.sharded_param.placements,
-                run_check=False,
-                shape=self.sharded_param.shape,
-                stride=self.sharded_param.stride(),
-            )
+            # The gradient has exactly the parameter's DTensor spec: reuse it rather than
+            # building a new one per parameter per step (measurable at high world sizes).
+            self.sharded_param.grad = DTensor(local.contiguous(), self.sharded_param._spec, requires_grad=False)
         else:
             existing._local_tensor.add_(local)

@@ -7,17 +7,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp2.estimate import estimate_memory
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.models.gpt import Block
+from fsdp2.estimate import local_bytes as _local_bytes
 
 # Uneven (67 vocab rows, 36 wide) so rank 0 and rank 1 hold different amounts.
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=3, n_heads=3)
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 def _measure(rank: int, world_size: int, bf16: bool, tie: bool, optimizer: str):

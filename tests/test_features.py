@@ -106,14 +106,17 @@ def _train_parity(rank, ws, model, ref, steps=STEPS, lr=0.05, loss_fn=None, grou
         ref_loss.backward()
         _close(_mean_over_ranks(loss, group), ref_loss.detach(), f"loss at step {step}")
         _assert_grads_match(model, ref)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_zero(opt, ref_opt)
         losses.append(ref_loss.item())
     _assert_params_match(model, ref)
     _assert_all_sharded(model)
     return losses
+
+
+def _step_and_zero(*optimizers) -> None:
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
 
 
 def _gpt_pair(cfg: GPTConfig = CFG, **shard_kwargs):
@@ -274,10 +277,7 @@ def _ignored(rank, ws):
         ref.loss(tokens, targets).backward()
         for p in ignored:  # fsdp2 leaves ignored params to the user: average them ourselves
             p.grad = _mean_over_ranks(p.grad)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_zero(opt, ref_opt)
     _assert_params_match(model, ref)
     for p in ignored:
         assert not isinstance(p, DTensor)
@@ -294,12 +294,8 @@ class _TwiceGPT(GPT):
     """Applies its first block twice per forward."""
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1])
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        x = self.blocks[0](x)
-        x = self.blocks[0](x)
-        x = self.blocks[1](x)
-        return self.lm_head(self.ln_f(x))
+        x = self.blocks[0](self.embed(tokens))
+        return self.head(self.blocks[1](self.blocks[0](x)))
 
 
 def _called_twice(rank, ws):
@@ -361,10 +357,7 @@ def _nested_io(rank, ws):
         ref_loss.backward()
         _close(_mean_over_ranks(loss), ref_loss.detach(), "loss")
         _assert_grads_match(model, ref)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_zero(opt, ref_opt)
     _assert_params_match(model, ref)
     _assert_all_sharded(model)
 
@@ -457,11 +450,10 @@ def test_explicit_prefetch(worlds):
 class _GenGPT(GPT):
     def greedy_next(self, tokens):
         """A non-forward entry point that uses the root's own params directly."""
-        positions = torch.arange(tokens.shape[1])
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))[:, -1].argmax(-1)
+        return self.head(x)[:, -1].argmax(-1)
 
 
 def _forward_method(rank, ws):
@@ -576,10 +568,7 @@ def _reshard_after_backward_false(rank, ws):
         ref.loss(tokens, targets).backward()
         _assert_all_sharded(model)
         _assert_grads_match(model, ref)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_zero(opt, ref_opt)
     _assert_params_match(model, ref)
 
 
@@ -669,10 +658,7 @@ def _no_sync_microbatches(rank, ws, n_micro):
                 _assert_all_sharded(model)
         ref.loss(tokens, targets).backward()
         _assert_grads_match(model, ref)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        _step_and_zero(opt, ref_opt)
     _assert_params_match(model, ref)
     _assert_all_sharded(model)
 

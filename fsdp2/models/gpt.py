@@ -69,12 +69,18 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        return self.tok_emb(tokens) + self.pos_emb(positions)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.head(x)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
