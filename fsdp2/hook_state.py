@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp2.param_group import GroupState, ParamGroup
+from fsdp2.param_group import ParamGroup
 from fsdp2.policies import MixedPrecisionPolicy
 
 
@@ -152,8 +152,8 @@ class FSDPState:
             self.group.unshard()
             self.group.wait_for_unshard()
         for other in self._backward_prefetch_targets():
-            if other.group is not None and other.group.state == GroupState.SHARDED:
-                other.group.unshard(async_op=True)
+            if other.group is not None:
+                other.group.unshard(async_op=True)  # no-op unless it is (partially) sharded
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:
         if self.backward_prefetch is not None:
