@@ -7,12 +7,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from fsdp2.errors import FSDPUsageError
 from fsdp2.hook_state import FSDPState
 from fsdp2.param_group import GroupState
-from fsdp2.shard_layout import ShardLayout
 
 
 class UnshardHandle:
@@ -165,14 +164,20 @@ def _check_compatible(owner: str, current: Mapping[str, Any], incoming: Mapping[
 
 
 def _as_local_dtensor(current: Any, value: Any) -> Any:
-    """A full tensor for a sharded entry becomes a DTensor of this rank's rows (no communication)."""
+    """A full tensor for a sharded entry becomes a DTensor of this rank's box (no communication)."""
     if not isinstance(current, DTensor) or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
         return value
-    shard_mesh_dim, shard = next((i, p) for i, p in enumerate(current.placements) if isinstance(p, Shard))
+    # The general placements -> region map (Shard, Replicate, and TP + FSDP's _StridedShard),
+    # the same one checkpoints use to decide which bytes a rank owns.
+    from fsdp2.checkpoint.format import shard_region
+
     mesh = current.device_mesh
-    layout = ShardLayout(value.shape, shard.dim, mesh.size(shard_mesh_dim), mesh.get_local_rank(shard_mesh_dim))
-    local = layout.local_slice(value).to(current._local_tensor.device)
-    return DTensor.from_local(local, mesh, current.placements, run_check=False, shape=current.shape, stride=current.stride())
+    region = shard_region(tuple(value.shape), tuple(mesh.shape), mesh.get_coordinate(), current.placements)
+    local = value[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.shape))]
+    return DTensor.from_local(
+        local.to(current._local_tensor.device), mesh, current.placements, run_check=False,
+        shape=current.shape, stride=current.stride(),
+    )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -190,3 +190,27 @@ def test_checkpoint_2d_to_1d_and_back(worlds, tmp_path):
     assert step == 3
     assert to_1d, "TP+FSDP checkpoint loaded into a 1-D FSDP model differs"
     assert back_to_2d, "1-D checkpoint loaded back into TP+FSDP differs"
+
+
+def _load_full_state_into_2d(rank, world_size):
+    """load_state_dict with full tensors into TP+FSDP: each rank keeps exactly its own box."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(1)
+    source = Llama(CFG)
+    torch.manual_seed(2)
+    model = Llama(CFG)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.load_state_dict(source.state_dict())
+    return [k for k, v in model.state_dict().items() if not torch.equal(v.full_tensor(), source.state_dict()[k])]
+
+
+def test_load_full_state_dict_into_tp_fsdp(worlds):
+    assert worlds.run(4, _load_full_state_into_2d)[0] == []
