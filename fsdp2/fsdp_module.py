@@ -96,16 +96,18 @@ class FSDPModule:
         """Issue these modules' all-gathers at the start of this module's backward."""
         self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
+    def _require_sharded(self, error_suffix: str) -> list[FSDPState]:
+        """Every FSDP state below this module, after checking none holds gathered parameters."""
+        states = self._fsdp_states(recurse=True)
+        if any(s.group is not None and s.group.state != GroupState.SHARDED for s in states):
+            raise FSDPUsageError(f"{type(self).__name__}{error_suffix}")
+        return states
+
     # -- nn.Module overrides ------------------------------------------------------------------------
 
     def _apply(self, fn, recurse: bool = True):
         # to()/to_empty()/cuda() replace parameter contents; re-read our sharded references.
-        states = self._fsdp_states(recurse=True)
-        for state in states:
-            if state.group is not None and state.group.state != GroupState.SHARDED:
-                raise FSDPUsageError(
-                    f"{type(self).__name__}: cannot move or convert while parameters are unsharded; call reshard() first"
-                )
+        states = self._require_sharded(": cannot move or convert while parameters are unsharded; call reshard() first")
         result = super()._apply(fn, recurse)
         for state in states:
             if state.group is not None:
@@ -119,9 +121,7 @@ class FSDPModule:
         Values may be DTensors sharded like ours (no communication) or full tensors (each rank
         copies its own rows, no communication).
         """
-        for state in self._fsdp_states(recurse=True):
-            if state.group is not None and state.group.state != GroupState.SHARDED:
-                raise FSDPUsageError(f"{type(self).__name__}.load_state_dict: call reshard() first")
+        self._require_sharded(".load_state_dict: call reshard() first")
         current = self.state_dict()
         _check_compatible(type(self).__name__, current, state_dict, strict)
         converted = {k: _as_local_dtensor(current[k], v) if k in current else v for k, v in state_dict.items()}
