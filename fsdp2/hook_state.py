@@ -30,10 +30,23 @@ class RootContext:
         self.in_backward = False
         self.is_last_backward = True
         self._reducing: list[ParamGroup] = []  # groups with reduce-scatters in flight
+        groups = [s.group for s in states if s.group is not None]
+        self.streams = groups[0].streams if groups else None
+        self._offloads = any(p.offload for g in groups for p in g.params)
+        # Inside the root's forward the all-gather stream need not wait for compute before
+        # each group (nothing there writes shards), so all-gathers run ahead: implicit prefetch.
+        self.gathers_may_run_ahead = False
 
     def begin_forward(self) -> None:
-        if not self.in_backward:
-            self.forward_order.clear()
+        if self.in_backward:
+            return
+        self.forward_order.clear()
+        if self.streams is not None:
+            self.streams.all_gather.wait_for_compute()  # the optimizer step wrote the shards
+            self.gathers_may_run_ahead = True
+
+    def end_forward(self) -> None:
+        self.gathers_may_run_ahead = False
 
     def begin_backward(self) -> None:
         if self.in_backward:
@@ -63,6 +76,8 @@ class RootContext:
             for group in self._reducing:
                 group.finish_reduce()
             self._reducing.clear()
+            if self._offloads and self.streams is not None:
+                self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
         for state in self.states:
             state.training_state = TrainingState.IDLE
             if state.group is not None:
@@ -107,14 +122,15 @@ class FSDPState:
         if self.is_root:
             self.root.begin_forward()
         self.training_state = TrainingState.FORWARD
+        run_ahead = self.root.gathers_may_run_ahead
         if self.group is not None:
-            self.group.unshard()
+            self.group.unshard(async_op=True, wait_for_compute=not run_ahead)
             self.group.wait_for_unshard()
             if not self.root.in_backward:
                 self.root.forward_order.append(self)
         for other in self.forward_prefetch:
             if other.group is not None:
-                other.group.unshard(async_op=True)
+                other.group.unshard(async_op=True, wait_for_compute=not run_ahead)
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -130,6 +146,8 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self.root.end_forward()
         return output
 
     def _should_reshard_after_forward(self) -> bool:
@@ -149,7 +167,7 @@ class FSDPState:
             return  # already done for another output of this module
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is not None:
-            self.group.unshard()
+            self.group.unshard(async_op=True)
             self.group.wait_for_unshard()
         for other in self._backward_prefetch_targets():
             if other.group is not None:

@@ -12,6 +12,7 @@ from fsdp2 import collectives
 from fsdp2.dp_mesh import DataParallelMesh
 from fsdp2.errors import FSDPUsageError
 from fsdp2.sharded_param import ShardedParam
+from fsdp2.streams import CommStreams, Completion
 
 
 class GroupState(Enum):
@@ -54,9 +55,10 @@ def _buckets(params: list[ShardedParam], dtype_of) -> list[FlatBucket]:
 class PendingGather:
     bucket: FlatBucket
     output: torch.Tensor
-    work: object
     # Gathered from a k-rank subgroup: the output holds rank rows interleaved by k.
     subgroup_size: int | None = None
+    # Compute-stream tensors the all-gather stream reads: freed only after compute waited for it.
+    inputs: torch.Tensor | None = None
 
     def rank_rows(self, world: int) -> torch.Tensor:
         """The output as ``world x numel_per_rank``, row r holding shard rank r's slot."""
@@ -71,9 +73,19 @@ class PendingGather:
 @dataclass
 class PendingReduce:
     bucket: FlatBucket
-    input: torch.Tensor  # kept alive until the collective completes
+    # Both allocated on the compute stream and kept until it waited for the reduction.
+    input: torch.Tensor
     output: torch.Tensor
-    work: object
+
+
+def _copy_shards_in(bucket: FlatBucket, own_slot: torch.Tensor) -> None:
+    """Copy (and cast) every shard of ``bucket`` into this rank's slot: one fused copy."""
+    pairs = [p.copy_in_pair(own_slot[off : off + p.layout.padded_shard_numel]) for p, off in zip(bucket.params, bucket.offsets)]
+    pairs = [pair for pair in pairs if pair is not None]
+    if pairs:
+        destinations, shards = zip(*pairs)
+        # Pinned CPU shards (offload) copy host-to-device without blocking the host.
+        torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
 
 
 class ParamGroup:
@@ -94,26 +106,42 @@ class ParamGroup:
         self._kept_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None  # None: average over data-parallel ranks
+        self.streams = CommStreams.for_device(dp.device)
         self._pending_gathers: list[PendingGather] = []
+        self._gather_completion: Completion | None = None
         self._pending_reduces: list[PendingReduce] = []
+        self._reduce_completions: list[Completion] = []
         self._grads_ready: set[int] = set()
         self.reduced_this_backward = False
 
     # -- unshard / reshard -----------------------------------------------------------------------
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather(s); with ``async_op`` return before they complete."""
-        if self.state == GroupState.PARTIALLY_SHARDED:
-            self._unshard_from_subgroup()
-        elif self.state == GroupState.SHARDED:
-            self._unshard_from_shards()
-        else:
+    def unshard(self, async_op: bool = False, wait_for_compute: bool = True) -> None:
+        """Issue the all-gather(s); with ``async_op`` return before they complete.
+
+        ``wait_for_compute=False`` lets the all-gather stream run ahead of compute: only safe
+        when nothing queued on the compute stream since the last full sync writes the shards
+        (the root syncs the streams once at the start of its forward).
+        """
+        if self.state not in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
             return
+        side = self.streams.all_gather
+        if wait_for_compute or self.state == GroupState.PARTIALLY_SHARDED:
+            side.wait_for_compute()  # kept rows, or shards the optimizer just updated
+        completion = Completion(side)
+        with side.active():
+            self.streams.gather_buffers.release_before_allocating()
+            if self.state == GroupState.PARTIALLY_SHARDED:
+                self._unshard_from_subgroup(completion)
+            else:
+                self._unshard_from_shards(completion)
+            completion.event = side.record()
+        self._gather_completion = completion
         self.state = GroupState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
 
-    def _unshard_from_shards(self) -> None:
+    def _unshard_from_shards(self, completion: Completion) -> None:
         for p in self.params:
             # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
             if p.local_shard.is_meta:
@@ -126,27 +154,32 @@ class ParamGroup:
             output = torch.empty(world * bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
             # In-place all-gather: our input is our own slot of the output, no separate buffer.
             own_slot = output.narrow(0, rank * bucket.numel_per_rank, bucket.numel_per_rank)
-            for p, off in zip(bucket.params, bucket.offsets):
-                p.copy_shard_in(own_slot[off : off + p.layout.padded_shard_numel])
-            work = collectives.all_gather(output, own_slot, self.dp.shard_group, async_op=True)
-            self._pending_gathers.append(PendingGather(bucket, output, work))
+            _copy_shards_in(bucket, own_slot)
+            self._issue_gather(completion, output, own_slot, self.dp.shard_group, PendingGather(bucket, output))
 
-    def _unshard_from_subgroup(self) -> None:
+    def _unshard_from_subgroup(self, completion: Completion) -> None:
         group, position, k = self.post_forward_subgroup
         for bucket, kept in zip(self.gather_buckets, self._kept_rows):
             output = torch.empty(k * kept.numel(), dtype=bucket.dtype, device=self.dp.device)
             own_slot = output.narrow(0, position * kept.numel(), kept.numel())
             own_slot.copy_(kept.view(-1))
-            work = collectives.all_gather(output, own_slot, group, async_op=True)
-            self._pending_gathers.append(PendingGather(bucket, output, work, subgroup_size=k))
+            pending = PendingGather(bucket, output, subgroup_size=k, inputs=kept)
+            self._issue_gather(completion, output, own_slot, group, pending)
         self._kept_rows = []
+
+    def _issue_gather(self, completion: Completion, output, own_slot, group, pending: PendingGather) -> None:
+        side = completion.side
+        work = collectives.all_gather(output, own_slot, group, async_op=side.async_op)
+        if side.async_op:
+            completion.works.append(work)
+        self._pending_gathers.append(pending)
 
     def wait_for_unshard(self) -> None:
         """Complete an issued all-gather and register the full parameters on the modules."""
         if self.state != GroupState.UNSHARDING:
             return
+        self._gather_completion.wait()
         for pending in self._pending_gathers:
-            pending.work.wait()
             rows = pending.rank_rows(self.dp.shard_size)
             targets = [p.gather_target() for p in pending.bucket.params]
             if all(t is not None for t in targets):
@@ -155,6 +188,9 @@ class ParamGroup:
             else:
                 for p, block in pending.bucket.columns(rows):
                     p.copy_gathered_out(block)
+        self.streams.gather_buffers.consumed(
+            [pending.output for pending in self._pending_gathers], self.streams.all_gather.compute_event()
+        )
         self._pending_gathers.clear()
         for p in self.params:
             p.hold_unsharded()
@@ -219,6 +255,7 @@ class ParamGroup:
         if all(g is None for g in grads.values()):
             return
         world = self.dp.shard_size
+        pending = []
         for bucket in self.reduce_buckets():
             inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
             for p, block in bucket.columns(inp):
@@ -231,8 +268,28 @@ class ParamGroup:
             if bucket.dtype == torch.float16:
                 inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
             out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
-            work = collectives.reduce_scatter_sum(out, inp.view(-1), self.dp.shard_group, async_op=True)
-            self._pending_reduces.append(PendingReduce(bucket, inp, out, work))
+            pending.append(PendingReduce(bucket, inp, out))
+        del grads  # copied in: the full gradients can go (same stream, so no hazard)
+        side = self.streams.reduce_scatter
+        side.wait_for_compute()
+        completion = Completion(side)
+        with side.active():
+            for p in pending:
+                work = collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
+                if side.async_op:
+                    completion.works.append(work)
+                else:
+                    self._finish_reduction(p)  # queued on the reduce-scatter stream, after the collective
+            completion.event = side.record()
+        self._pending_reduces.extend(pending)
+        self._reduce_completions.append(completion)
+
+    def _finish_reduction(self, pending: PendingReduce) -> None:
+        """Across replicas (HSDP) and the average, once the reduce-scatter's result is there."""
+        if self.dp.is_hybrid:
+            collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
+        if pending.bucket.dtype != torch.float16:
+            pending.output.div_(self._divide_factor)
 
     def reduce_buckets(self) -> list[FlatBucket]:
         pattern = tuple(p.requires_grad for p in self.params)
@@ -251,12 +308,12 @@ class ParamGroup:
 
     def finish_reduce(self) -> None:
         """Wait for issued reduce-scatters and add the results to the sharded ``.grad``s."""
+        for completion in self._reduce_completions:
+            completion.wait()
+        self._reduce_completions.clear()
         for pending in self._pending_reduces:
-            pending.work.wait()
-            if self.dp.is_hybrid:
-                collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
-            if pending.bucket.dtype != torch.float16:
-                pending.output.div_(self._divide_factor)
+            if self.streams.reduce_scatter.async_op:
+                self._finish_reduction(pending)  # not queued on a stream at issue time
             for p, off in zip(pending.bucket.params, pending.bucket.offsets):
                 p.accumulate_sharded_grad(pending.output[off : off + p.layout.padded_shard_numel])
         self._pending_reduces.clear()

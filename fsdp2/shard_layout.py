@@ -88,7 +88,7 @@ class ShardLayout:
         Padding rows are left as they are: they only land in padding of the gathered tensor.
         """
         if self.local_rows:
-            slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows).copy_(shard)
+            self.shard_rows(slot).copy_(shard)
 
     def copy_full_out(self, gathered: torch.Tensor, padded_full: torch.Tensor) -> torch.Tensor:
         """Rebuild the full tensor from ``gathered`` (``world x padded_shard_numel``, may be strided).
@@ -139,6 +139,6 @@ class ShardLayout:
             complete += 1
         slots[complete:].zero_()
 
-    def shard_out(self, slot: torch.Tensor) -> torch.Tensor:
-        """This rank's real rows of a reduced padded ``slot`` (1-D) as a tensor of ``local_shape``."""
+    def shard_rows(self, slot: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of its padded ``slot`` (1-D): a view of ``local_shape``."""
         return slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows)

@@ -135,8 +135,15 @@ class ShardedParam:
 
     # -- all-gather -----------------------------------------------------------------------------
 
-    def copy_shard_in(self, slot: torch.Tensor) -> None:
-        self.layout.copy_shard_in(slot, self.local_shard.to(slot.device, non_blocking=True))
+    def copy_in_pair(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(where in its all-gather ``slot`` this rank's shard goes, the shard); None if it has no rows.
+
+        Paired so a group copies all its shards in with one fused (casting) copy; the padding
+        rows are left as they are, since they only land in padding of the gathered tensor.
+        """
+        if not self.layout.local_rows:
+            return None
+        return self.layout.shard_rows(slot), self.local_shard
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
@@ -222,10 +229,12 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
         """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor)."""
-        local = self.layout.shard_out(reduced_slot).to(self.orig_dtype)
-        if self.offload:
-            local = local.to("cpu", non_blocking=True)
+        local = self.layout.shard_rows(reduced_slot).to(self.orig_dtype)
         existing = self.sharded_param.grad
+        if self.offload:
+            # A fresh gradient may arrive asynchronously (the root syncs the host once at the
+            # end of backward); one the host adds to right away must be there now.
+            local = local.to("cpu", non_blocking=existing is None)
         if existing is None:
             # The gradient has exactly the parameter's DTensor spec: reuse it rather than
             # building a new one per parameter per step (measurable at high world sizes).

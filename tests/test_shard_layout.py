@@ -56,7 +56,7 @@ def test_gather_then_reduce_round_trip(case):
     layouts[0].copy_full_in(full, slots)
     assert not slots.isnan().any(), "padding must be zeroed, it is summed across ranks"
     for layout in layouts:
-        assert torch.equal(layout.shard_out(slots[layout.rank]), layout.local_slice(full))
+        assert torch.equal(layout.shard_rows(slots[layout.rank]), layout.local_slice(full))
 
 
 def _round_trip_on_world(rank, world_size, shape, dim):
