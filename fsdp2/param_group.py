@@ -30,6 +30,8 @@ class FlatBucket:
     params: list[ShardedParam]
     offsets: list[int] = field(init=False)
     numel_per_rank: int = field(init=False)
+    sizes: list[int] = field(init=False)  # padded shard numel per parameter
+    all_dim0: bool = field(init=False)  # every parameter sharded on dim 0
 
     def __post_init__(self) -> None:
         self.offsets, total = [], 0
@@ -37,6 +39,8 @@ class FlatBucket:
             self.offsets.append(total)
             total += p.layout.padded_shard_numel
         self.numel_per_rank = total
+        self.sizes = [p.layout.padded_shard_numel for p in self.params]
+        self.all_dim0 = all(p.layout.dim == 0 for p in self.params)
 
     def columns(self, buffer_2d: torch.Tensor):
         """Yield (param, its ``world x padded_shard_numel`` block of a ``world x numel_per_rank`` buffer)."""
@@ -80,7 +84,8 @@ class PendingReduce:
 
 def _copy_shards_in(bucket: FlatBucket, own_slot: torch.Tensor) -> None:
     """Copy (and cast) every shard of ``bucket`` into this rank's slot: one fused copy."""
-    pairs = [p.copy_in_pair(own_slot[off : off + p.layout.padded_shard_numel]) for p, off in zip(bucket.params, bucket.offsets)]
+    slots = torch.split_with_sizes(own_slot, bucket.sizes)
+    pairs = [p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots)]
     pairs = [pair for pair in pairs if pair is not None]
     if pairs:
         destinations, shards = zip(*pairs)
@@ -112,6 +117,7 @@ class ParamGroup:
         self._pending_reduces: list[PendingReduce] = []
         self._reduce_completions: list[Completion] = []
         self._grads_ready: set[int] = set()
+        self._grads_expected = 0
         self.reduced_this_backward = False
 
     # -- unshard / reshard -----------------------------------------------------------------------
@@ -183,8 +189,7 @@ class ParamGroup:
             rows = pending.rank_rows(self.dp.shard_size)
             targets = [p.gather_target() for p in pending.bucket.params]
             if all(t is not None for t in targets):
-                sizes = [p.layout.padded_shard_numel for p in pending.bucket.params]
-                torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)  # one copy per bucket
+                torch.split_with_sizes_copy(rows, pending.bucket.sizes, dim=1, out=targets)  # one copy per bucket
             else:
                 for p, block in pending.bucket.columns(rows):
                     p.copy_gathered_out(block)
@@ -231,8 +236,11 @@ class ParamGroup:
 
     def note_grad_ready(self, param: ShardedParam) -> bool:
         """Record that autograd finished ``param``'s gradient; True once every grad param has one."""
+        if not self._grads_ready:
+            # Counted once per backward: requires_grad may change between iterations, not within.
+            self._grads_expected = sum(p.requires_grad for p in self.params)
         self._grads_ready.add(id(param))
-        return len(self._grads_ready) == sum(p.requires_grad for p in self.params)
+        return len(self._grads_ready) == self._grads_expected
 
     @property
     def has_unreduced_grads(self) -> bool:
@@ -258,13 +266,18 @@ class ParamGroup:
         pending = []
         for bucket in self.reduce_buckets():
             inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
-            for p, block in bucket.columns(inp):
-                grad = grads[id(p)]
-                if grad is not None:
-                    p.layout.copy_full_in(grad, block)  # zeroes its padding too
-                else:
-                    # Unused in this forward on this rank: its slot still takes part in the sum.
-                    block.zero_()
+            bucket_grads = [grads[id(p)] for p in bucket.params]
+            if bucket.all_dim0 and all(g is not None for g in bucket_grads):
+                # One fused copy: chunk every grad into ``world`` row blocks, pad, cast, concatenate
+                # per rank (exactly ShardLayout's padded dim-0 layout).
+                torch._chunk_cat(bucket_grads, 0, world, out=inp)
+            else:
+                for (p, block), grad in zip(bucket.columns(inp), bucket_grads):
+                    if grad is not None:
+                        p.layout.copy_full_in(grad, block)  # zeroes its padding too
+                    else:
+                        # Unused in this forward on this rank: its slot still takes part in the sum.
+                        block.zero_()
             if bucket.dtype == torch.float16:
                 inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
             out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
@@ -314,8 +327,8 @@ class ParamGroup:
         for pending in self._pending_reduces:
             if self.streams.reduce_scatter.async_op:
                 self._finish_reduction(pending)  # not queued on a stream at issue time
-            for p, off in zip(pending.bucket.params, pending.bucket.offsets):
-                p.accumulate_sharded_grad(pending.output[off : off + p.layout.padded_shard_numel])
+            for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
+                p.accumulate_sharded_grad(slot)
         self._pending_reduces.clear()
 
     def end_backward(self) -> None:

@@ -16,6 +16,7 @@ All functions here are pure tensor copies (no communication), so they can be tes
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -24,14 +25,17 @@ import torch
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Split of a tensor of ``full_shape`` along ``dim`` across ``world`` ranks, seen from ``rank``."""
+    """Split of a tensor of ``full_shape`` along ``dim`` across ``world`` ranks, seen from ``rank``.
+
+    Immutable, so the derived sizes are computed once (they are read per parameter per step).
+    """
 
     full_shape: torch.Size
     dim: int
     world: int
     rank: int
 
-    @property
+    @functools.cached_property
     def chunk(self) -> int:
         """Rows along ``dim`` of every padded shard."""
         return math.ceil(self.full_shape[self.dim] / self.world)
@@ -40,32 +44,32 @@ class ShardLayout:
         """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
         return max(0, min(self.chunk, self.full_shape[self.dim] - rank * self.chunk))
 
-    @property
+    @functools.cached_property
     def local_rows(self) -> int:
         return self.rows_of(self.rank)
 
-    @property
+    @functools.cached_property
     def local_offset(self) -> int:
         """Global index along ``dim`` of this rank's first row."""
         return min(self.rank * self.chunk, self.full_shape[self.dim])
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> torch.Size:
         return self._with_rows(self.local_rows)
 
-    @property
+    @functools.cached_property
     def padded_shard_shape(self) -> torch.Size:
         return self._with_rows(self.chunk)
 
-    @property
+    @functools.cached_property
     def padded_shard_numel(self) -> int:
         return math.prod(self.padded_shard_shape)
 
-    @property
+    @functools.cached_property
     def full_numel(self) -> int:
         return math.prod(self.full_shape)
 
-    @property
+    @functools.cached_property
     def is_even(self) -> bool:
         return self.full_shape[self.dim] == self.chunk * self.world
 
@@ -141,4 +145,6 @@ class ShardLayout:
 
     def shard_rows(self, slot: torch.Tensor) -> torch.Tensor:
         """This rank's real rows of its padded ``slot`` (1-D): a view of ``local_shape``."""
+        if self.local_rows == self.chunk:
+            return slot.view(self.local_shape)  # no padding on this rank
         return slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows)

@@ -103,6 +103,8 @@ class ShardedParam:
         self._padded_full: torch.Tensor | None = None  # storage owner of unsharded_param
         # Gradient summed over microbatches without sync, kept in reduce_dtype for precision.
         self._accumulated_grad: torch.Tensor | None = None
+        self._flat_shard_of: torch.Tensor | None = None  # the local shard _flat_shard views
+        self._flat_shard: torch.Tensor | None = None
         self.hold_sharded()
 
     @property
@@ -143,7 +145,14 @@ class ShardedParam:
         """
         if not self.layout.local_rows:
             return None
-        return self.layout.shard_rows(slot), self.local_shard
+        shard = self.local_shard
+        padded_inside = self.layout.dim != 0 and self.layout.local_rows < self.layout.chunk
+        if padded_inside or not shard.is_contiguous():
+            return self.layout.shard_rows(slot), shard  # not a flat prefix of the slot
+        if self._flat_shard_of is not shard:  # cached: the shard tensor changes only on _apply
+            self._flat_shard_of, self._flat_shard = shard, shard.reshape(-1)
+        numel = self._flat_shard.numel()
+        return (slot if numel == slot.numel() else slot[:numel]), self._flat_shard
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
@@ -157,7 +166,7 @@ class ShardedParam:
         if self.layout.dim != 0:
             return None
         self._allocate_unsharded()
-        return self._gather_target.view(self.layout.world, self.layout.padded_shard_numel)
+        return self._gather_rows
 
     def _allocate_unsharded(self) -> None:
         numel = self.layout.world * self.layout.padded_shard_numel
@@ -166,6 +175,8 @@ class ShardedParam:
             # Same storage, separate version counter: refilling it must not look like an in-place
             # change to autograd, which saved the unsharded parameter in forward for backward.
             self._gather_target = self._padded_full.data
+            # Views survive the storage being freed and regrown, so build them once.
+            self._gather_rows = self._gather_target.view(self.layout.world, self.layout.padded_shard_numel)
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
@@ -229,7 +240,9 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
         """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor)."""
-        local = self.layout.shard_rows(reduced_slot).to(self.orig_dtype)
+        local = self.layout.shard_rows(reduced_slot)
+        if local.dtype != self.orig_dtype:
+            local = local.to(self.orig_dtype)
         existing = self.sharded_param.grad
         if self.offload:
             # A fresh gradient may arrive asynchronously (the root syncs the host once at the
