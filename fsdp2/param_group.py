@@ -131,6 +131,9 @@ class ParamGroup:
         """
         if self.state not in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
             return
+        if self.dp.shard_size == 1:
+            self._unshard_locally()
+            return
         side = self.streams.all_gather
         if wait_for_compute or self.state == GroupState.PARTIALLY_SHARDED:
             side.wait_for_compute()  # kept rows, or shards the optimizer just updated
@@ -147,7 +150,7 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def _unshard_from_shards(self, completion: Completion) -> None:
+    def _check_not_meta(self) -> None:
         for p in self.params:
             # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
             if p.local_shard.is_meta:
@@ -155,6 +158,21 @@ class ParamGroup:
                     f"parameter {p.fqn} is on the meta device: call module.to_empty(device=...) and "
                     "initialize the parameters (e.g. reset_parameters()) before running the module"
                 )
+
+    def _unshard_locally(self) -> None:
+        """Shard group of one rank: the shard is the whole parameter, so skip the all-gather and
+        its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
+        self._check_not_meta()
+        pairs = [p.copy_in_pair(p.unsharded_storage()) for p in self.params]
+        destinations, shards = zip(*[pair for pair in pairs if pair is not None]) if any(pairs) else ((), ())
+        if destinations:
+            torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
+        for p in self.params:
+            p.hold_unsharded()
+        self.state = GroupState.UNSHARDED
+
+    def _unshard_from_shards(self, completion: Completion) -> None:
+        self._check_not_meta()
         world, rank = self.dp.shard_size, self.dp.shard_rank
         for bucket in self.gather_buckets:
             output = torch.empty(world * bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
@@ -280,7 +298,10 @@ class ParamGroup:
                         block.zero_()
             if bucket.dtype == torch.float16:
                 inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
-            out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            if world == 1:
+                out = inp.view(-1)  # a reduce-scatter over one rank is the identity
+            else:
+                out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
             pending.append(PendingReduce(bucket, inp, out))
         del grads  # copied in: the full gradients can go (same stream, so no hazard)
         side = self.streams.reduce_scatter
@@ -288,10 +309,11 @@ class ParamGroup:
         completion = Completion(side)
         with side.active():
             for p in pending:
-                work = collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
-                if side.async_op:
-                    completion.works.append(work)
-                else:
+                if world > 1:
+                    work = collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
+                    if side.async_op:
+                        completion.works.append(work)
+                if not side.async_op:
                     self._finish_reduction(p)  # queued on the reduce-scatter stream, after the collective
             completion.event = side.record()
         self._pending_reduces.extend(pending)

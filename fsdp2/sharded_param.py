@@ -160,6 +160,11 @@ class ShardedParam:
         with torch.no_grad():
             self.layout.copy_full_out(gathered, self._gather_target)
 
+    def unsharded_storage(self) -> torch.Tensor:
+        """The unsharded parameter's padded 1-D storage, allocated (autograd does not see writes)."""
+        self._allocate_unsharded()
+        return self._gather_target
+
     def gather_target(self) -> torch.Tensor | None:
         """For dim-0 shards, the ``world x padded_shard_numel`` view the gathered block is copied
         into directly (one fused copy for the whole group); None for other shard dims."""
