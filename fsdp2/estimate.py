@@ -9,15 +9,25 @@
 ``groups`` says which submodules the user passes to ``fully_shard`` (a predicate on modules or a
 list of module names from ``named_modules()``); the root is a group too (``fully_shard(model)``)
 unless ``root=False``. As with fully_shard applied bottom-up, a parameter belongs to its innermost
-group. No tensor is created: only shapes, dtypes and ``requires_grad`` are read.
+group. Without ``sample_input`` no tensor is created: only shapes, dtypes and ``requires_grad``
+are read.
 
 Exact (checked against real runs in tests/test_estimate.py):
     sharded parameters, sharded gradients, optimizer state, communication bytes per step.
-Modelled from fsdp2's schedule (upper bounds; validated only on a GPU allocator):
+Modelled from fsdp2's schedule (upper bounds of each term on its own):
     peak gathered parameters, peak unsharded gradients, reduce-scatter buffers.
-Not included: activations, autograd temporaries, optimizer-step temporaries, allocator
-fragmentation, communication-library workspaces. ``total`` sums the fields, which is an upper
-bound of the parameter-related memory since not all peaks coincide in time.
+``total`` sums those fields: an upper bound of the parameter-related memory (not all peaks
+coincide in time), activations not included.
+
+With ``sample_input`` (one rank's batch) the estimate also runs the step dry on meta
+(fsdp2/meta_step.py) and fills:
+    ``activations``: bytes of the distinct storages autograd saves for backward (not params);
+    ``peak``: the predicted per-rank allocator peak of a training step (forward, backward,
+    optimizer step), everything that is alive at that moment: sharded state, activations,
+    gathered params, unsharded grads, fsdp2's buffers. Checked against the CPU allocator peak
+    measured by fsdp2.memory_meter in a fake process group (tests/test_estimate.py).
+Never included: allocator caching/fragmentation, communication-library workspaces, kernel
+scratch memory outside PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Sum of the parameter-related terms (each at its own peak); no activations. See ``peak``."""
         return self.sharded_state + self.peak_gathered_params + self.peak_unsharded_grads + self.reduce_scatter_buffers
 
     def __str__(self) -> str:
@@ -260,6 +271,7 @@ def estimate_memory(
 
 # Extra bytes torch.optim.AdamW's per-parameter (non-foreach: the CPU default) step allocates
 # at once, in units of the largest local parameter shard: exp_avg_sq.sqrt() and its division.
+# A rough bound, not validated: the optimizer step was never the peak in our measurements.
 _OPTIMIZER_STEP_TEMPS = 2
 
 
