@@ -15,9 +15,17 @@ steps after --warmup steps, pooled over --rounds fresh runs of every implementat
 
 Memory columns:
 - ``state``: bytes this rank holds between steps for params + grads + optimizer state (exact);
-- ``peak``: on GPU ``torch.cuda.max_memory_allocated`` over the timed steps (exact allocator
-  peak, activations included); on CPU the process's max RSS minus its RSS before the model was
-  built (rough: allocator caching, thread arenas and the import-time high-water mark blur it).
+- ``peak alloc``: the allocator's peak over one training step, activations included. On GPU
+  ``torch.cuda.max_memory_allocated`` over the timed steps. On CPU (exact too) the state held
+  between steps (params + optimizer state) plus the highest allocation above it during one
+  extra, untimed step, measured by ``fsdp2.memory_meter.PeakMemory`` from the CPU allocator's
+  profiler events (every allocation, free and storage resize). Allocator caching, oneDNN/BLAS
+  scratch and Python objects are not in it;
+- ``max RSS delta`` (CPU): the process's max RSS minus its RSS before the model was built (rough:
+  allocator caching, thread arenas and the import-time high-water mark blur it).
+For fsdp2 the ``predicted`` peak is ``fsdp2.estimate.estimate_memory(..., sample_input=...)``
+on a meta copy of the model (a dry run of the step on meta; see fsdp2/meta_step.py), printed
+with measured/predicted.
 
 Modes:
 - ``cpu-gloo``: 2 (or --world-size) gloo ranks on CPU, one thread each;
@@ -54,9 +62,10 @@ IMPLS = ("fsdp2", "torch", "unsharded")
 # (16 layers would be ~0.94B).
 MODELS = {
     "small": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),
+    "medium": dict(vocab_size=8192, seq_len=256, dim=512, n_layers=8, n_heads=8),  # 33.8M params
     "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),
 }
-DEFAULT_BATCH = {"small": 4, "1b": 4}  # sequences per rank
+DEFAULT_BATCH = {"small": 4, "medium": 4, "1b": 4}  # sequences per rank
 
 
 def _rss_bytes() -> int:
@@ -144,6 +153,9 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     cfg = GPTConfig(**MODELS[args["model"]])
     bf16 = args["bf16"]
     rss_before = _rss_bytes()
+    g = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.seq_len + 1), generator=g).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
@@ -169,7 +181,8 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             with torch.device("meta"):
                 meta_model = GPT(cfg)
             estimate = estimate_memory(
-                meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP()
+                meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP(),
+                sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y),
             )
             del meta_model
         for block in model.blocks:
@@ -179,9 +192,6 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    g = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.seq_len + 1), generator=g).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step():
         if autocast is not None:
@@ -235,6 +245,18 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     gc.collect()
     sync()
 
+    cpu_peak = None
+    if not on_gpu:
+        # One untimed step under the meter (the profiler slows it down), from the quiet point
+        # after zero_grad: nothing older is freed inside it, which keeps the measurement exact.
+        from fsdp2.memory_meter import PeakMemory
+
+        with PeakMemory("cpu") as meter:
+            step()
+        cpu_peak = state["params"] + state["optimizer"] + meter.peak_bytes
+        gc.collect()
+        sync()
+
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -261,10 +283,11 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         rss_delta=_max_rss_bytes() - rss_before,
         num_params=cfg.num_params(),
     )
-    if on_gpu:
-        result["peak_alloc"] = torch.cuda.max_memory_allocated()
+    result["peak_alloc"] = torch.cuda.max_memory_allocated() if on_gpu else cpu_peak
     if estimate is not None:
         result["estimate"] = dict(
+            peak=estimate.peak,
+            activations=estimate.activations,
             sharded_state=estimate.sharded_state,
             total=estimate.total,
             peak_gathered=estimate.peak_gathered_params,
@@ -307,17 +330,22 @@ def _fmt_mib(n: int | None) -> str:
 
 def render(args: dict, results: dict[str, dict]) -> str:
     on_gpu = args["device"] == "cuda"
-    peak_name = "peak alloc MiB" if on_gpu else "max RSS delta MiB"
-    head = f"| impl | step ms (median) | step ms (min) | state MiB (params+grads+optim) | {peak_name} | all-gather MiB/step | reduce-scatter MiB/step |"
-    lines = [head, "|" + "---|" * 7]
+    est = results.get("fsdp2", {}).get("estimate")
+    head = "| impl | step ms (median) | step ms (min) | state MiB (params+grads+optim) | peak alloc MiB |"
+    head += "" if on_gpu else " max RSS delta MiB |"
+    head += " predicted peak MiB | measured / predicted | all-gather MiB/step | reduce-scatter MiB/step |"
+    lines = [head, "|" + "---|" * head.count(" |")]
     for impl, r in results.items():
         st = r["state"]
-        lines.append(
+        predicted = est["peak"] if impl == "fsdp2" and est and est.get("peak") else None
+        row = (
             f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | "
-            f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | "
-            f"{_fmt_mib(r.get('peak_alloc') if on_gpu else r['rss_delta'])} | "
-            f"{_fmt_mib(r['comm']['all_gather'])} | {_fmt_mib(r['comm']['reduce_scatter'])} |"
+            f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | {_fmt_mib(r.get('peak_alloc'))} |"
         )
+        row += "" if on_gpu else f" {_fmt_mib(r['rss_delta'])} |"
+        row += f" {_fmt_mib(predicted)} | {r['peak_alloc'] / predicted:.3f} |" if predicted and r.get("peak_alloc") else " - | - |"
+        row += f" {_fmt_mib(r['comm']['all_gather'])} | {_fmt_mib(r['comm']['reduce_scatter'])} |"
+        lines.append(row)
     out = ["\n".join(lines), ""]
 
     def ratio(a: str, b: str, key) -> str:
@@ -328,10 +356,9 @@ def render(args: dict, results: dict[str, dict]) -> str:
 
     t = lambda r: r["median_s"]  # noqa: E731
     s = lambda r: sum(r["state"].values())  # noqa: E731
-    p = (lambda r: r["peak_alloc"]) if on_gpu else (lambda r: r["rss_delta"])  # noqa: E731
-    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, state {ratio('fsdp2', 'torch', s)}, {peak_name} {ratio('fsdp2', 'torch', p)}")
-    out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, {peak_name} {ratio('fsdp2', 'unsharded', p)}")
-    est = results.get("fsdp2", {}).get("estimate")
+    p = lambda r: r["peak_alloc"]  # noqa: E731
+    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}")
+    out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, peak alloc {ratio('fsdp2', 'unsharded', p)}")
     if est:
         f = results["fsdp2"]
         out.append(
@@ -339,7 +366,8 @@ def render(args: dict, results: dict[str, dict]) -> str:
             f"(measured {_fmt_mib(sum(f['state'].values()))}); comm all-gather {_fmt_mib(est['comm']['all_gather'])} / "
             f"reduce-scatter {_fmt_mib(est['comm']['reduce_scatter'])} MiB (counted "
             f"{_fmt_mib(f['comm']['all_gather'])} / {_fmt_mib(f['comm']['reduce_scatter'])}); "
-            f"total excl. activations {_fmt_mib(est['total'])} MiB"
+            f"activations saved for backward {_fmt_mib(est['activations'])} MiB; "
+            f"predicted step peak {_fmt_mib(est['peak'])} MiB (measured {_fmt_mib(f.get('peak_alloc'))})"
         )
     return "\n".join(out)
 
@@ -349,7 +377,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", choices=["cpu-gloo", "gpu", "fake"], required=True)
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--world-size", type=int, default=None, help="cpu-gloo: 2; gpu: 1; fake: 8")
-    parser.add_argument("--batch", type=int, default=None, help="sequences per rank (small: 4, 1b: 4)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (CPU: 10, GPU: 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,

@@ -9,15 +9,25 @@
 ``groups`` says which submodules the user passes to ``fully_shard`` (a predicate on modules or a
 list of module names from ``named_modules()``); the root is a group too (``fully_shard(model)``)
 unless ``root=False``. As with fully_shard applied bottom-up, a parameter belongs to its innermost
-group. No tensor is created: only shapes, dtypes and ``requires_grad`` are read.
+group. Without ``sample_input`` no tensor is created: only shapes, dtypes and ``requires_grad``
+are read.
 
 Exact (checked against real runs in tests/test_estimate.py):
     sharded parameters, sharded gradients, optimizer state, communication bytes per step.
-Modelled from fsdp2's schedule (upper bounds; validated only on a GPU allocator):
+Modelled from fsdp2's schedule (upper bounds of each term on its own):
     peak gathered parameters, peak unsharded gradients, reduce-scatter buffers.
-Not included: activations, autograd temporaries, optimizer-step temporaries, allocator
-fragmentation, communication-library workspaces. ``total`` sums the fields, which is an upper
-bound of the parameter-related memory since not all peaks coincide in time.
+``total`` sums those fields: an upper bound of the parameter-related memory (not all peaks
+coincide in time), activations not included.
+
+With ``sample_input`` (one rank's batch) the estimate also runs the step dry on meta
+(fsdp2/meta_step.py) and fills:
+    ``activations``: bytes of the distinct storages autograd saves for backward (not params);
+    ``peak``: the predicted per-rank allocator peak of a training step (forward, backward,
+    optimizer step), everything that is alive at that moment: sharded state, activations,
+    gathered params, unsharded grads, fsdp2's buffers. Checked against the CPU allocator peak
+    measured by fsdp2.memory_meter in a fake process group (tests/test_estimate.py).
+Never included: allocator caching/fragmentation, communication-library workspaces, kernel
+scratch memory outside PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class GroupEstimate:
     unsharded_grad_bytes: int  # full gradients in param_dtype, before reduction
     reduce_scatter_bytes: int  # reduce-scatter input (world x numel_per_rank) + output, reduce_dtype
     reduce_scatter_input_bytes: int
+    sharded_grad_bytes: int = 0  # this rank's gradient shards, in the parameters' own dtypes
 
 
 @dataclass
@@ -73,6 +84,11 @@ class MemoryEstimate:
     peak_unsharded_grads: int
     reduce_scatter_buffers: int
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+    # With a sample input only (None otherwise): see estimate_memory.
+    largest_param_shard: int = 0  # bytes of the largest local shard of one parameter
+    activations: int | None = None
+    peak: int | None = None
+    peak_phase: str | None = None
 
     @property
     def sharded_state(self) -> int:
@@ -81,6 +97,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Sum of the parameter-related terms (each at its own peak); no activations. See ``peak``."""
         return self.sharded_state + self.peak_gathered_params + self.peak_unsharded_grads + self.reduce_scatter_buffers
 
     def __str__(self) -> str:
@@ -93,6 +110,8 @@ class MemoryEstimate:
             ("reduce-scatter buffers", self.reduce_scatter_buffers),
             ("total (excl. activations)", self.total),
         ]
+        if self.peak is not None:
+            rows += [("activations (saved for backward)", self.activations), (f"predicted step peak ({self.peak_phase})", self.peak)]
         width = max(len(r[0]) for r in rows)
         lines = [
             f"fsdp2 memory estimate: {self.num_params / 1e6:.2f}M params, {len(self.groups)} groups, "
@@ -173,8 +192,20 @@ def estimate_memory(
     optimizer: str = "adamw",
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     rank: int | None = None,
+    sample_input: tuple | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
 ) -> MemoryEstimate:
-    """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh)."""
+    """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh).
+
+    ``sample_input``: one rank's batch (a tuple of model arguments, meta tensors or not) for a
+    dry run of forward + backward on meta, which fills ``activations`` and ``peak`` (see
+    fsdp2.meta_step). ``loss_fn(model, *sample_input)`` returns the loss; default
+    ``model(*sample_input)``, summed if not a scalar.
+    """
+    if sample_input is not None and not isinstance(sample_input, tuple):
+        raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
+    if loss_fn is not None and sample_input is None:
+        raise ValueError("estimate_memory: loss_fn needs sample_input")
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
     world, mesh_rank = _shard_size_and_rank(mesh_or_world_size)
@@ -185,7 +216,7 @@ def estimate_memory(
     members = _group_members(model, groups, root)
     group_params = _assign_params(model, members)
     estimates: list[GroupEstimate] = []
-    sharded_params = sharded_grads = optimizer_state = 0
+    sharded_params = sharded_grads = optimizer_state = largest_param_shard = 0
     for (name, _), params in zip(members, group_params):
         g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0)
         per_rank_reduce = 0  # numel_per_rank * elem of the reduce buffers, summed over dtypes
@@ -208,6 +239,8 @@ def estimate_memory(
                 g.unsharded_grad_bytes += p.numel() * param_elem
                 per_rank_reduce += layout.padded_shard_numel * reduce_elem
                 sharded_grads += local
+                g.sharded_grad_bytes += local
+                largest_param_shard = max(largest_param_shard, local)
                 optimizer_state += n_states * local + (_STEP_BYTES if has_step else 0)
         g.all_gather_bytes = g.gathered_bytes
         g.reduce_scatter_input_bytes = world * per_rank_reduce
@@ -217,7 +250,7 @@ def estimate_memory(
 
     root_group = estimates[0] if root else None
     others = estimates[1:] if root else estimates
-    return MemoryEstimate(
+    est = MemoryEstimate(
         world_size=world,
         rank=rank,
         num_params=sum(g.num_params for g in estimates),
@@ -225,11 +258,46 @@ def estimate_memory(
         sharded_params=sharded_params,
         sharded_grads=sharded_grads,
         optimizer_state=optimizer_state,
+        largest_param_shard=largest_param_shard,
         peak_gathered_params=_peak_gathered(root_group, others, reshard_after_forward),
         peak_unsharded_grads=_peak_unsharded_grads(root_group, others),
         reduce_scatter_buffers=_peak_reduce_scatter(estimates),
         comm_bytes_per_step=_comm_per_step(root_group, others, reshard_after_forward),
     )
+    if sample_input is not None:
+        _add_step_peak(est, model, groups, root, mp_policy, reshard_after_forward, sample_input, loss_fn)
+    return est
+
+
+# Extra bytes torch.optim.AdamW's per-parameter (non-foreach: the CPU default) step allocates
+# at once, in units of the largest local parameter shard: exp_avg_sq.sqrt() and its division.
+# A rough bound, not validated: the optimizer step was never the peak in our measurements.
+_OPTIMIZER_STEP_TEMPS = 2
+
+
+def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_after_forward, sample_input, loss_fn) -> None:
+    """Fill ``activations``/``peak`` from a meta dry run of one step (fsdp2.meta_step).
+
+    The peak of a step = what is held between steps (sharded params + optimizer state) plus the
+    higher of: the dry run's peak (activations, autograd's gradients, gathered params and
+    fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
+    optimizer step (sharded grads + its temporaries).
+    """
+    from fsdp2.meta_step import GroupBytes, dry_run_step, meta_copy
+
+    twin = meta_copy(model, mp_policy.param_dtype)
+    members = _group_members(twin, groups, root)
+    params = _assign_params(twin, members)
+    sizes = [GroupBytes(g.gathered_bytes, g.reduce_scatter_bytes, g.sharded_grad_bytes) for g in est.groups]
+    profile = dry_run_step(
+        twin, [m for _, m in members], params, sizes, sample_input,
+        root=root, reshard_after_forward=reshard_after_forward, loss_fn=loss_fn,
+        cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
+    )
+    optimizer_step = est.sharded_grads + _OPTIMIZER_STEP_TEMPS * est.largest_param_shard
+    est.activations = profile.saved_activations
+    est.peak = est.sharded_params + est.optimizer_state + max(profile.peak, optimizer_step)
+    est.peak_phase = profile.peak_phase if profile.peak >= optimizer_step else "optimizer step"
 
 
 def _peak_gathered(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> int:

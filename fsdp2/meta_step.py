@@ -1,0 +1,310 @@
+"""A dry run of one fully_shard training step on the meta device: the bytes alive over time.
+
+Used by :func:`fsdp2.estimate.estimate_memory` when given a sample input. Nothing is allocated:
+the model (a meta copy, parameters cast to the mixed-precision ``param_dtype``) runs forward
+and backward on meta tensors, and we follow two kinds of memory at once:
+
+- *real* meta storages created by the model's ops (activations, autograd's gradients, the
+  unsharded parameter gradients): a TorchDispatchMode sees every op's outputs, and a
+  ``weakref.finalize`` on each output's storage tells when autograd lets go of it (PyTorch keeps
+  a storage's Python object alive exactly as long as the storage, so the callback fires when
+  the storage dies, also when only C++ still held it);
+- *virtual* bytes for what fsdp2 allocates around the ops and a meta run cannot show:
+  all-gather buffers, gathered (unsharded) parameters, reduce-scatter buffers, sharded grads.
+  Module hooks replay fsdp2's schedule (see fsdp2/hook_state.py and fsdp2/param_group.py):
+  gather before a group's forward, reshard after it (not the root), re-gather in backward when
+  the gradient reaches the group's output, prefetch the previous group, reduce-scatter once all
+  of a group's gradients have accumulated, at most two groups' reductions in flight.
+
+The peak of real + virtual bytes over the run is what the step adds on top of the sharded
+parameters and optimizer state held between steps. Parameters' own storages are not counted
+(they stand for the gathered parameters, which the virtual bytes count with fsdp2's padding).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+@dataclass
+class GroupBytes:
+    """What fsdp2 allocates for one fully_shard group, per rank (from fsdp2.estimate)."""
+
+    gathered: int  # unsharded params (== all-gather output buffer: same padded layout)
+    reduce_scatter: int  # reduce-scatter input + output buffers
+    sharded_grads: int  # this rank's gradient shards, once reduced
+
+
+@dataclass
+class StepProfile:
+    """Result of a dry run: peaks in bytes, on top of the sharded state held between steps."""
+
+    peak: int  # highest real + virtual bytes over forward + backward
+    saved_activations: int  # distinct storages saved for backward (not parameters), end of forward
+    peak_phase: str  # "forward" or "backward": when the peak happened
+    sharded_grads: int  # sharded grads alive after the step (the optimizer step's extra input)
+
+
+class _Ledger:
+    """Running real + virtual bytes and their peak."""
+
+    def __init__(self) -> None:
+        self.real = 0
+        self.virtual = 0
+        self.peak = 0
+        self.peak_phase = "forward"
+        self.phase = "forward"
+
+    def note(self, transient: int = 0) -> None:
+        """Record the current total (plus ``transient`` bytes alive only for a moment) as a peak candidate."""
+        total = self.real + self.virtual + transient
+        if total > self.peak:
+            self.peak, self.peak_phase = total, self.phase
+
+    def add_virtual(self, nbytes: int) -> None:
+        self.virtual += nbytes
+        self.note()
+
+
+class _TrackStorages(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates, until the storage dies."""
+
+    def __init__(self, ledger: _Ledger, untracked: Sequence[torch.Tensor]):
+        super().__init__()
+        self.ledger = ledger
+        self.live: dict[int, int] = {}  # id(storage object) -> nbytes; ids only of live objects
+        # Parameters: views of them (``weight.t()``) must not count as new memory. Holding the
+        # storage objects keeps their ids from being reused.
+        self._untracked = [t.untyped_storage() for t in untracked]
+        self._untracked_ids = {id(s) for s in self._untracked}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self.live or key in self._untracked_ids or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.ledger.real += storage.nbytes()
+        self.ledger.note()
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.ledger.real -= self.live.pop(key)
+
+
+class _ScheduleReplay:
+    """fsdp2's unshard/reshard/reduce-scatter decisions, replayed as virtual bytes via module hooks."""
+
+    def __init__(self, ledger: _Ledger, modules: list[nn.Module], params: list[list[nn.Parameter]],
+                 sizes: list[GroupBytes], root: bool, reshard_after_forward: bool):
+        self.ledger = ledger
+        self.sizes = sizes
+        self.root_index = 0 if root else None
+        self.reshard_after_forward = reshard_after_forward
+        self.gathered: set[int] = set()
+        self.forward_order: list[int] = []
+        self.prefetched: set[int] = set()  # all-gather buffer allocated, not yet copied out
+        self.in_pre_backward: set[int] = set()
+        self.reducing: list[int] = []
+        self.reduced: set[int] = set()
+        self.sharded_grads = 0
+        self.pending = [sum(p.requires_grad for p in ps) for ps in params]
+        self.params = params
+        for index, (module, ps) in enumerate(zip(modules, params)):
+            module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i), prepend=True)
+            module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
+            for p in ps:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p, i=index: self._grad_ready(i))
+
+    # -- gathers -----------------------------------------------------------------------------
+
+    def _unshard(self, i: int) -> None:
+        """Copy out of the all-gather buffer into per-parameter storage: both alive for a moment."""
+        if i in self.gathered:
+            return
+        g = self.sizes[i].gathered
+        if i in self.prefetched:  # buffer already allocated by the prefetch
+            self.prefetched.discard(i)
+            self.ledger.add_virtual(g)  # + parameters, buffer still alive
+            self.ledger.virtual -= g  # buffer freed
+        else:
+            self.ledger.virtual += g
+            self.ledger.note(transient=g)
+        self.gathered.add(i)
+
+    def _prefetch(self, i: int) -> None:
+        if i in self.gathered or i in self.prefetched:
+            return
+        self.prefetched.add(i)
+        self.ledger.add_virtual(self.sizes[i].gathered)
+
+    def _reshard(self, i: int) -> None:
+        if i in self.gathered:
+            self.gathered.discard(i)
+            self.ledger.virtual -= self.sizes[i].gathered
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _pre_forward(self, i: int) -> None:
+        self._unshard(i)
+        self.forward_order.append(i)
+
+    def _post_forward(self, i: int, output: Any) -> None:
+        if i != self.root_index and self.reshard_after_forward:
+            self._reshard(i)
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i: int) -> None:
+        self.ledger.phase = "backward"
+        if i in self.in_pre_backward:
+            return
+        self.in_pre_backward.add(i)
+        self._unshard(i)
+        position = self.forward_order.index(i)
+        if position > 0:
+            self._prefetch(self.forward_order[position - 1])
+
+    def _grad_ready(self, i: int) -> None:
+        self.pending[i] -= 1
+        if self.pending[i] == 0:
+            self._post_backward(i)
+
+    def _post_backward(self, i: int) -> None:
+        """Reduce-scatter buffers join the unsharded grads, then the grads go and the group reshards."""
+        self.reduced.add(i)
+        self.ledger.add_virtual(self.sizes[i].reduce_scatter)
+        for p in self.params[i]:
+            p.grad = None  # fsdp2 hands the unsharded gradient to the reduce-scatter and drops it
+        self._reshard(i)
+        self.reducing.append(i)
+        while len(self.reducing) > 2:
+            self._finish_reduce(self.reducing.pop(0))
+
+    def _finish_reduce(self, i: int) -> None:
+        self.ledger.virtual -= self.sizes[i].reduce_scatter
+        self.ledger.add_virtual(self.sizes[i].sharded_grads)
+        self.sharded_grads += self.sizes[i].sharded_grads
+
+    def finish_backward(self) -> None:
+        for i in reversed(range(len(self.sizes))):
+            if i not in self.reduced and any(p.grad is not None for p in self.params[i]):
+                self._post_backward(i)
+            self._reshard(i)
+        for i in self.reducing:
+            self._finish_reduce(i)
+        self.reducing.clear()
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Run scaled_dot_product_attention as the fused (flash) kernel, as CPU and CUDA do.
+
+    On meta, SDPA's backend choice falls back to the math path, which materializes the
+    ``T x T`` attention weights and saves them for backward; the real run uses a fused kernel
+    that saves only the output and a log-sum-exp per row. Its meta kernel has the same outputs.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = self._fused(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa or query.dim() != 4 or key.shape != query.shape or value.shape != query.shape:
+            return None  # shapes the flash kernel does not take: keep the default path
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+
+
+def meta_copy(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+    """A meta-device copy of ``model`` whose floating parameters are in ``param_dtype``."""
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError("estimate_memory(sample_input=...): build the model on the meta device (with torch.device('meta'))")
+    twin = copy.deepcopy(model)
+    if param_dtype is not None:
+        cast: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+        for module in twin.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    if id(p) not in cast:
+                        cast[id(p)] = nn.Parameter(p.detach().to(param_dtype), requires_grad=p.requires_grad)
+                    module._parameters[name] = cast[id(p)]
+    return twin
+
+
+def _to_meta(tree: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _default_loss(model: nn.Module, *inputs: Any) -> torch.Tensor:
+    out = model(*inputs)
+    return out if out.numel() == 1 else out.float().sum()
+
+
+def dry_run_step(
+    model: nn.Module,
+    modules: list[nn.Module],
+    params: list[list[nn.Parameter]],
+    sizes: list[GroupBytes],
+    sample_input: tuple,
+    *,
+    root: bool,
+    reshard_after_forward: bool,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    cast_inputs_to: torch.dtype | None = None,
+) -> StepProfile:
+    """Forward + backward of ``model`` (a meta copy; ``modules``/``params`` its groups) on meta inputs."""
+    ledger = _Ledger()
+    replay = _ScheduleReplay(ledger, modules, params, sizes, root, reshard_after_forward)
+    if cast_inputs_to is not None:  # fsdp2 casts floating inputs of each group to param_dtype
+        for module in modules:
+            module.register_forward_pre_hook(
+                lambda m, args: tree_map(
+                    lambda t: t.to(cast_inputs_to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args
+                )
+            )
+    inputs = _to_meta(tuple(sample_input))
+    saved: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # hold saved tensors so storage ids stay unique while counting
+    param_storages = {id(s) for s in (p.untyped_storage() for p in model.parameters())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if id(s) not in param_storages:
+            saved[id(s)] = s.nbytes()
+            keep.append(t)
+        return t
+
+    with _FusedAttention(), _TrackStorages(ledger, list(model.parameters())):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = (loss_fn or _default_loss)(model, *inputs)
+        saved_bytes = sum(saved.values())
+        del keep[:]
+        ledger.phase = "backward"
+        loss.backward()
+        del loss
+        replay.finish_backward()
+    return StepProfile(ledger.peak, saved_bytes, ledger.peak_phase, replay.sharded_grads)
