@@ -62,7 +62,7 @@ class GroupEstimate:
     num_params: int  # elements of the full (unsharded) parameters
     sharded_bytes: int  # this rank's shards, in the parameters' own dtypes
     gathered_bytes: int  # unsharded parameters in param_dtype, padded as fsdp2 stores them
-    all_gather_bytes: int  # all-gather output buffers (== gathered_bytes: same padded layout)
+    all_gather_bytes: int  # all-gather output buffers (== gathered_bytes: same padded layout; 0 at world 1)
     unsharded_grad_bytes: int  # full gradients in param_dtype, before reduction
     reduce_scatter_bytes: int  # reduce-scatter input (world x numel_per_rank) + output, reduce_dtype
     reduce_scatter_input_bytes: int
@@ -242,9 +242,16 @@ def estimate_memory(
                 g.sharded_grad_bytes += local
                 largest_param_shard = max(largest_param_shard, local)
                 optimizer_state += n_states * local + (_STEP_BYTES if has_step else 0)
-        g.all_gather_bytes = g.gathered_bytes
-        g.reduce_scatter_input_bytes = world * per_rank_reduce
-        g.reduce_scatter_bytes = (world + 1) * per_rank_reduce
+        if world == 1:
+            # A one-rank shard group communicates nothing: no all-gather buffer, and the
+            # reduce-scatter input is its own output.
+            g.all_gather_bytes = 0
+            g.reduce_scatter_input_bytes = 0
+            g.reduce_scatter_bytes = per_rank_reduce
+        else:
+            g.all_gather_bytes = g.gathered_bytes
+            g.reduce_scatter_input_bytes = world * per_rank_reduce
+            g.reduce_scatter_bytes = (world + 1) * per_rank_reduce
         sharded_params += g.sharded_bytes
         estimates.append(g)
 
@@ -288,7 +295,12 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
     params = _assign_params(twin, members)
-    sizes = [GroupBytes(g.gathered_bytes, g.reduce_scatter_bytes, g.sharded_grad_bytes) for g in est.groups]
+    sizes = [GroupBytes(
+            gathered=g.gathered_bytes,
+            gather_buffer=g.all_gather_bytes,
+            reduce_scatter=g.reduce_scatter_bytes,
+            sharded_grads=g.sharded_grad_bytes,
+        ) for g in est.groups]
     profile = dry_run_step(
         twin, [m for _, m in members], params, sizes, sample_input,
         root=root, reshard_after_forward=reshard_after_forward, loss_fn=loss_fn,

@@ -40,7 +40,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 class GroupBytes:
     """What fsdp2 allocates for one fully_shard group, per rank (from fsdp2.estimate)."""
 
-    gathered: int  # unsharded params (== all-gather output buffer: same padded layout)
+    gathered: int  # unsharded params, padded as fsdp2 stores them
+    gather_buffer: int  # all-gather output (== gathered; 0 for a one-rank shard group)
     reduce_scatter: int  # reduce-scatter input + output buffers
     sharded_grads: int  # this rank's gradient shards, once reduced
 
@@ -139,21 +140,24 @@ class _ScheduleReplay:
         """Copy out of the all-gather buffer into per-parameter storage: both alive for a moment."""
         if i in self.gathered:
             return
-        g = self.sizes[i].gathered
+        g, buffer = self.sizes[i].gathered, self.sizes[i].gather_buffer
         if i in self.prefetched:  # buffer already allocated by the prefetch
             self.prefetched.discard(i)
             self.ledger.add_virtual(g)  # + parameters, buffer still alive
-            self.ledger.virtual -= g  # buffer freed
+            self.ledger.virtual -= buffer  # buffer freed
         else:
             self.ledger.virtual += g
-            self.ledger.note(transient=g)
+            self.ledger.note(transient=buffer)
         self.gathered.add(i)
 
     def _prefetch(self, i: int) -> None:
         if i in self.gathered or i in self.prefetched:
             return
+        if not self.sizes[i].gather_buffer:
+            self._unshard(i)  # nothing to communicate: a prefetch unshards right away
+            return
         self.prefetched.add(i)
-        self.ledger.add_virtual(self.sizes[i].gathered)
+        self.ledger.add_virtual(self.sizes[i].gather_buffer)
 
     def _reshard(self, i: int) -> None:
         if i in self.gathered:

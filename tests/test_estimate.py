@@ -193,7 +193,7 @@ def _predict_and_measure(world_size: int, bf16: bool):
     return est, held + meter.peak_bytes
 
 
-@pytest.mark.parametrize("world_size", [8, 64, 1024])
+@pytest.mark.parametrize("world_size", [1, 8, 64, 1024])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_predicted_peak_within_10_percent_of_measured(fake_world, world_size, bf16):
     fake_world(world_size)
