@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 from enum import Enum, auto
 
 import torch
@@ -82,10 +83,26 @@ class PendingReduce:
     output: torch.Tensor
 
 
-def _copy_shards_in(bucket: FlatBucket, own_slot: torch.Tensor) -> None:
-    """Copy (and cast) every shard of ``bucket`` into this rank's slot: one fused copy."""
-    slots = torch.split_with_sizes(own_slot, bucket.sizes)
-    pairs = [p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots)]
+def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -> torch.Tensor:
+    """``world x numel_per_rank`` buffer of ``bucket``'s full gradients, each split into padded rank rows."""
+    inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
+    if bucket.all_dim0_even and all(g is not None for g in grads):
+        # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
+        # rank (ShardLayout's dim-0 layout). Only without padding: padding makes the CPU
+        # kernel build padded temporaries first (measured: +10% step peak at 1024 ranks).
+        torch._chunk_cat(grads, 0, world, out=inp)
+        return inp
+    for (p, block), grad in zip(bucket.columns(inp), grads):
+        if grad is not None:
+            p.layout.copy_full_in(grad, block)  # zeroes its padding too
+        else:
+            # Unused in this forward on this rank: its slot still takes part in the sum.
+            block.zero_()
+    return inp
+
+
+def _copy_pairs(pairs) -> None:
+    """One fused (casting) copy of every ``(destination, shard)`` pair; ``None`` pairs are skipped."""
     pairs = [pair for pair in pairs if pair is not None]
     if pairs:
         destinations, shards = zip(*pairs)
@@ -93,8 +110,18 @@ def _copy_shards_in(bucket: FlatBucket, own_slot: torch.Tensor) -> None:
         torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
 
 
+def _copy_shards_in(bucket: FlatBucket, own_slot: torch.Tensor) -> None:
+    """Copy every shard of ``bucket`` into its place in this rank's all-gather slot."""
+    slots = torch.split_with_sizes(own_slot, bucket.sizes)
+    _copy_pairs(p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots))
+
+
 class ParamGroup:
     """All-gathers a group's shards in one collective per dtype and reduce-scatters its grads."""
+
+    # A one-rank shard group skips its collectives; tests and benchmarks/gpu_check.py turn this
+    # off to run the full collective (and stream) path at world size 1.
+    one_rank_shortcut: ClassVar[bool] = True
 
     def __init__(self, params: list[ShardedParam], dp: DataParallelMesh):
         self.params = params
@@ -131,7 +158,7 @@ class ParamGroup:
         """
         if self.state not in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED):
             return
-        if self.dp.shard_size == 1:
+        if self.dp.shard_size == 1 and self.one_rank_shortcut:
             self._unshard_locally()
             return
         side = self.streams.all_gather
@@ -163,10 +190,7 @@ class ParamGroup:
         """Shard group of one rank: the shard is the whole parameter, so skip the all-gather and
         its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
         self._check_not_meta()
-        pairs = [p.copy_in_pair(p.unsharded_storage()) for p in self.params]
-        destinations, shards = zip(*[pair for pair in pairs if pair is not None]) if any(pairs) else ((), ())
-        if destinations:
-            torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
+        _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
         for p in self.params:
             p.hold_unsharded()
         self.state = GroupState.UNSHARDED
@@ -281,25 +305,13 @@ class ParamGroup:
         if all(g is None for g in grads.values()):
             return
         world = self.dp.shard_size
+        local = world == 1 and self.one_rank_shortcut  # nothing to communicate across shards
         pending = []
         for bucket in self.reduce_buckets():
-            inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
-            bucket_grads = [grads[id(p)] for p in bucket.params]
-            if bucket.all_dim0_even and all(g is not None for g in bucket_grads):
-                # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
-                # rank (ShardLayout's dim-0 layout). Only without padding: padding makes the CPU
-                # kernel build padded temporaries first (measured: +10% step peak at 1024 ranks).
-                torch._chunk_cat(bucket_grads, 0, world, out=inp)
-            else:
-                for (p, block), grad in zip(bucket.columns(inp), bucket_grads):
-                    if grad is not None:
-                        p.layout.copy_full_in(grad, block)  # zeroes its padding too
-                    else:
-                        # Unused in this forward on this rank: its slot still takes part in the sum.
-                        block.zero_()
-            if bucket.dtype == torch.float16:
+            inp = _reduce_scatter_input(bucket, [grads[id(p)] for p in bucket.params], world, self.dp.device)
+            if bucket.dtype == torch.float16 and self._divide_factor != 1:
                 inp.div_(self._divide_factor)  # fp16 would overflow summing before dividing
-            if world == 1:
+            if local:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
                 out = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
@@ -310,7 +322,7 @@ class ParamGroup:
         completion = Completion(side)
         with side.active():
             for p in pending:
-                if world > 1:
+                if not local:
                     work = collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
                     if side.async_op:
                         completion.works.append(work)
@@ -324,7 +336,7 @@ class ParamGroup:
         """Across replicas (HSDP) and the average, once the reduce-scatter's result is there."""
         if self.dp.is_hybrid:
             collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
-        if pending.bucket.dtype != torch.float16:
+        if pending.bucket.dtype != torch.float16 and self._divide_factor != 1:
             pending.output.div_(self._divide_factor)
 
     def reduce_buckets(self) -> list[FlatBucket]:

@@ -218,3 +218,28 @@ def test_training_on_streams_matches_unsharded(worlds):
 
 def test_hsdp_on_streams_matches_unsharded(worlds):
     worlds.run(4, _parity_on_streams, True)
+
+
+def _one_rank(rank, ws, shortcut):
+    from fsdp2.comm_stats import count_comm
+    from fsdp2.param_group import ParamGroup
+
+    log = StreamLog()
+    ParamGroup.one_rank_shortcut = shortcut
+    try:
+        with _recorded(log), count_comm() as stats:
+            model, ref = _gpt_pair()
+            _train_parity(rank, ws, model, ref)
+            del model
+            gc.collect()
+    finally:
+        ParamGroup.one_rank_shortcut = True
+    assert not log.violations, log.violations
+    return stats.bytes["all_gather"], stats.bytes["reduce_scatter"]
+
+
+def test_one_rank_shard_group_skips_collectives(worlds):
+    """World size 1: no collective by default; forced through the full stream path, same results."""
+    assert worlds.run(1, _one_rank, True) == [(0, 0)]
+    gathered, reduced = worlds.run(1, _one_rank, False)[0]
+    assert gathered > 0 and reduced > 0
