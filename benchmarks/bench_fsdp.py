@@ -13,6 +13,11 @@ optimizer.step() + zero_grad(set_to_none=True); we report the median (and min) o
 steps after --warmup steps, pooled over --rounds fresh runs of every implementation
 (order alternating between rounds, which evens out load from other processes).
 
+``CPU ms/step`` is the process's CPU time per step (all its threads, ``time.process_time``):
+on a machine shared with other jobs it moves far less than wall-clock time, so it is the
+better comparison of fsdp2's and PyTorch FSDP2's own overhead in fake mode (where no real
+communication is waited on). With real ranks it leaves out time spent waiting for peers.
+
 Memory columns:
 - ``state``: bytes this rank holds between steps for params + grads + optimizer state (exact);
 - ``peak alloc``: the allocator's peak over one training step, activations included. On GPU
@@ -259,8 +264,9 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, cpu_times = [], []
     for _ in range(args["steps"]):
+        c0 = time.process_time()
         if on_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -272,10 +278,12 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     sync()
     result = dict(
         impl=impl,
         times=times,
+        cpu_times=cpu_times,
         median_s=statistics.median(times),
         min_s=min(times),
         state=state,
@@ -331,7 +339,7 @@ def _fmt_mib(n: int | None) -> str:
 def render(args: dict, results: dict[str, dict]) -> str:
     on_gpu = args["device"] == "cuda"
     est = results.get("fsdp2", {}).get("estimate")
-    head = "| impl | step ms (median) | step ms (min) | state MiB (params+grads+optim) | peak alloc MiB |"
+    head = "| impl | step ms (median) | step ms (min) | CPU ms/step (median) | state MiB (params+grads+optim) | peak alloc MiB |"
     head += "" if on_gpu else " max RSS delta MiB |"
     head += " predicted peak MiB | measured / predicted | all-gather MiB/step | reduce-scatter MiB/step |"
     lines = [head, "|" + "---|" * head.count(" |")]
@@ -339,7 +347,7 @@ def render(args: dict, results: dict[str, dict]) -> str:
         st = r["state"]
         predicted = est["peak"] if impl == "fsdp2" and est and est.get("peak") else None
         row = (
-            f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | "
+            f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * statistics.median(r['cpu_times']):.1f} | "
             f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | {_fmt_mib(r.get('peak_alloc'))} |"
         )
         row += "" if on_gpu else f" {_fmt_mib(r['rss_delta'])} |"
@@ -355,9 +363,10 @@ def render(args: dict, results: dict[str, dict]) -> str:
         return f"{x / y:.2f}x" if y else "-"
 
     t = lambda r: r["median_s"]  # noqa: E731
+    c = lambda r: statistics.median(r["cpu_times"])  # noqa: E731
     s = lambda r: sum(r["state"].values())  # noqa: E731
     p = lambda r: r["peak_alloc"]  # noqa: E731
-    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}")
+    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, CPU time {ratio('fsdp2', 'torch', c)}, state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}")
     out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, peak alloc {ratio('fsdp2', 'unsharded', p)}")
     if est:
         f = results["fsdp2"]
@@ -435,6 +444,7 @@ def main(argv=None) -> None:
                 results[impl] = res  # memory and comm figures: first round
             else:
                 results[impl]["times"] += res["times"]
+                results[impl]["cpu_times"] += res["cpu_times"]
     for res in results.values():  # step times pooled over rounds
         res["median_s"], res["min_s"] = statistics.median(res["times"]), min(res["times"])
     print(f"# {results[impls[0]]['num_params'] / 1e6:.2f}M params")

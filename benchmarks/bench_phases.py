@@ -1,0 +1,99 @@
+"""Where a step's time goes: CPU ms of forward, backward and optimizer step, per implementation.
+
+    python benchmarks/bench_phases.py --world-size 8            # fake process group, rank 0 of 8
+
+Each implementation (fsdp2, PyTorch FSDP2, unsharded) runs in a fresh process on the small GPT
+of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which other
+load on a shared machine moves little) of each phase over --steps steps after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+IMPLS = ("fsdp2", "torch", "unsharded")
+
+
+def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int) -> dict[str, float]:
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fsdp import MODELS
+
+    from fsdp2.models import GPT, GPTConfig
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # gathered buffers hold garbage in a fake world
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    cfg = GPTConfig(**MODELS["small"])
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if impl != "unsharded":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if impl == "fsdp2":
+            from fsdp2 import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for i in range(warmup + steps):
+        c0 = time.process_time()
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        c1 = time.process_time()
+        loss.backward()
+        c2 = time.process_time()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        c3 = time.process_time()
+        if i >= warmup:
+            for name, seconds in zip(phases, (c1 - c0, c2 - c1, c3 - c2)):
+                phases[name].append(seconds)
+    dist.destroy_process_group()
+    return {name: 1e3 * statistics.median(values) for name, values in phases.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process
+    ns = parser.parse_args(argv)
+    if ns.impl:
+        print(json.dumps(_run(ns.impl, ns.world_size, ns.steps, ns.warmup, ns.threads)))
+        return
+    results = {}
+    for impl in IMPLS:
+        cmd = [sys.executable, __file__, "--impl", impl] + [f"--{k.replace('_', '-')}={v}" for k, v in
+               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads).items()]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        results[impl] = json.loads(out.strip().splitlines()[-1])
+    print(f"# fake world {ns.world_size}, small GPT, CPU ms per step (median of {ns.steps})")
+    print("| phase | " + " | ".join(IMPLS) + " |")
+    print("|---|" + "---:|" * len(IMPLS))
+    for phase in ("forward", "backward", "optimizer"):
+        print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in IMPLS) + " |")
+    total = {i: sum(results[i].values()) for i in IMPLS}
+    print(f"| total | " + " | ".join(f"{total[i]:.1f}" for i in IMPLS) + " |")
+    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
