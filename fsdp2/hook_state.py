@@ -26,7 +26,9 @@ class RootContext:
 
     def __init__(self, states: list["FSDPState"]):
         self.states = states  # every FSDPState under the root, in module (pre-)order
-        self.forward_order: list[FSDPState] = []  # order groups ran forward this iteration
+        # Order in which groups *finished* forward this iteration: backward runs it in reverse
+        # (the root, finishing last, is first in backward and prefetches the last block).
+        self.post_forward_order: list[FSDPState] = []
         self.in_backward = False
         self.is_last_backward = True
         self._reducing: list[ParamGroup] = []  # groups with reduce-scatters in flight
@@ -40,7 +42,7 @@ class RootContext:
     def begin_forward(self) -> None:
         if self.in_backward:
             return
-        self.forward_order.clear()
+        self.post_forward_order.clear()
         if self.streams is not None:
             self.streams.all_gather.wait_for_compute()  # the optimizer step wrote the shards
             self.gathers_may_run_ahead = True
@@ -126,8 +128,6 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard(async_op=True, wait_for_compute=not run_ahead)
             self.group.wait_for_unshard()
-            if not self.root.in_backward:
-                self.root.forward_order.append(self)
         for other in self.forward_prefetch:
             if other.group is not None:
                 other.group.unshard(async_op=True, wait_for_compute=not run_ahead)
@@ -139,6 +139,8 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.group is not None and self._should_reshard_after_forward():
             self.group.reshard(after_forward=torch.is_grad_enabled())
+        if self.group is not None and not self.root.in_backward:
+            self.root.post_forward_order.append(self)
         if torch.is_grad_enabled():
             for tensor in _floating_tensors(output):
                 if tensor.requires_grad:
@@ -176,7 +178,7 @@ class FSDPState:
     def _backward_prefetch_targets(self) -> list["FSDPState"]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        order = self.root.forward_order
+        order = self.root.post_forward_order
         if self in order:
             index = order.index(self)
             if index > 0:

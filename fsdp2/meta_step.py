@@ -168,11 +168,11 @@ class _ScheduleReplay:
 
     def _pre_forward(self, i: int) -> None:
         self._unshard(i)
-        self.forward_order.append(i)
 
     def _post_forward(self, i: int, output: Any) -> None:
         if i != self.root_index and self.reshard_after_forward:
             self._reshard(i)
+        self.forward_order.append(i)  # post-forward order: backward prefetches in its reverse
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda grad, i=i: self._pre_backward(i))

@@ -447,6 +447,35 @@ def test_explicit_prefetch(worlds):
     worlds.run(2, _prefetch)
 
 
+def _implicit_backward_prefetch(rank, ws):
+    from fsdp2.param_group import GroupState, ParamGroup
+
+    model, _ = _gpt_pair()
+    names = {id(block._fsdp_state.group): f"blocks.{i}" for i, block in enumerate(model.blocks)}
+    calls = []
+    original = ParamGroup.unshard
+
+    def logged(group, *args, **kwargs):
+        calls.append((names.get(id(group), "root"), group.state))
+        return original(group, *args, **kwargs)
+
+    ParamGroup.unshard = logged
+    try:
+        loss = model.loss(*_global_batch(0, 1))
+        calls.clear()
+        loss.backward()
+    finally:
+        ParamGroup.unshard = original
+    # Every block's all-gather was already in flight when its own pre-backward asked for it:
+    # the root (first in backward) prefetches the last block, each block the one before it.
+    in_flight = {name for name, state in calls if state == GroupState.UNSHARDING}
+    assert in_flight == set(names.values()), calls
+
+
+def test_implicit_backward_prefetch_covers_every_block(worlds):
+    worlds.run(2, _implicit_backward_prefetch)
+
+
 class _GenGPT(GPT):
     def greedy_next(self, tokens):
         """A non-forward entry point that uses the root's own params directly."""
