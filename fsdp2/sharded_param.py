@@ -149,7 +149,8 @@ class ShardedParam:
         padded_inside = self.layout.dim != 0 and self.layout.local_rows < self.layout.chunk
         if padded_inside or not shard.is_contiguous():
             return self.layout.shard_rows(slot), shard  # not a flat prefix of the slot
-        if self._flat_shard_of is not shard:  # cached: the shard tensor changes only on _apply
+        # Cached: the shard tensor (or its storage, under swap_tensors) changes only on _apply.
+        if self._flat_shard_of is not shard or self._flat_shard.data_ptr() != shard.data_ptr():
             self._flat_shard_of, self._flat_shard = shard, shard.reshape(-1)
         numel = self._flat_shard.numel()
         return (slot if numel == slot.numel() else slot[:numel]), self._flat_shard
