@@ -28,6 +28,9 @@ from typing import Any, Callable
 # gloo gives up on a stuck collective after this long; the harness waits a bit longer.
 COLLECTIVE_TIMEOUT_S = 90
 DEFAULT_CALL_TIMEOUT_S = 240
+# Spawning ranks that each import torch: slow, not stuck, on a loaded 2-core machine (a 4-rank
+# world once took over 90 s to start there while benchmarks ran beside the tests).
+WORLD_START_TIMEOUT_S = 300
 
 
 class RankFailure(AssertionError):
@@ -96,9 +99,9 @@ class World:
             self._conns.append(parent)
             self._procs.append(proc)
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(COLLECTIVE_TIMEOUT_S):
+            if not conn.poll(WORLD_START_TIMEOUT_S):
                 self.close()
-                raise RuntimeError(f"rank {rank} of a {self.size}-rank test world did not start")
+                raise RuntimeError(f"rank {rank} of a {self.size}-rank test world did not start in {WORLD_START_TIMEOUT_S} s")
             conn.recv()
 
     def run(self, fn: Callable, *args, timeout: float = DEFAULT_CALL_TIMEOUT_S, **kwargs) -> list:
