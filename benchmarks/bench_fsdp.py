@@ -190,9 +190,16 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
                 sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y),
             )
             del meta_model
+        shard_kwargs = dict(mesh=mesh, mp_policy=mp_policy)
+        if args["offload"]:
+            if impl == "fsdp2":
+                from fsdp2 import CPUOffloadPolicy
+            else:
+                from torch.distributed.fsdp import CPUOffloadPolicy
+            shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=on_gpu)  # pinning needs an accelerator
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(block, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
     elif bf16:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -395,6 +402,9 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
+    parser.add_argument("--offload", action="store_true",
+                        help="CPUOffloadPolicy (pinned on GPU) for both FSDP implementations (shards and "
+                             "optimizer step on the host; meaningful with --device cuda)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
     parser.add_argument("--json", default="", help="also write raw results here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for one implementation")
