@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import ClassVar
 from enum import Enum, auto
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -35,18 +36,15 @@ class FlatBucket:
     all_dim0_even: bool = field(init=False)  # every parameter sharded on dim 0 without padding
 
     def __post_init__(self) -> None:
-        self.offsets, total = [], 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += p.layout.padded_shard_numel
-        self.numel_per_rank = total
         self.sizes = [p.layout.padded_shard_numel for p in self.params]
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.numel_per_rank = sum(self.sizes)
         self.all_dim0_even = all(p.layout.dim == 0 and p.layout.is_even for p in self.params)
 
     def columns(self, buffer_2d: torch.Tensor):
         """Yield (param, its ``world x padded_shard_numel`` block of a ``world x numel_per_rank`` buffer)."""
-        for p, off in zip(self.params, self.offsets):
-            yield p, buffer_2d[:, off : off + p.layout.padded_shard_numel]
+        for p, off, size in zip(self.params, self.offsets, self.sizes):
+            yield p, buffer_2d[:, off : off + size]
 
 
 def _buckets(params: list[ShardedParam], dtype_of) -> list[FlatBucket]:
@@ -216,10 +214,7 @@ class ParamGroup:
         self._kept_rows = []
 
     def _issue_gather(self, completion: Completion, output, own_slot, group, pending: PendingGather) -> None:
-        side = completion.side
-        work = collectives.all_gather(output, own_slot, group, async_op=side.async_op)
-        if side.async_op:
-            completion.works.append(work)
+        completion.add(collectives.all_gather(output, own_slot, group, async_op=completion.side.async_op))
         self._pending_gathers.append(pending)
 
     def wait_for_unshard(self) -> None:
@@ -323,9 +318,9 @@ class ParamGroup:
         with side.active():
             for p in pending:
                 if not local:
-                    work = collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
-                    if side.async_op:
-                        completion.works.append(work)
+                    completion.add(
+                        collectives.reduce_scatter_sum(p.output, p.input.view(-1), self.dp.shard_group, async_op=side.async_op)
+                    )
                 if not side.async_op:
                     self._finish_reduction(p)  # queued on the reduce-scatter stream, after the collective
             completion.event = side.record()

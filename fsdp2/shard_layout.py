@@ -86,14 +86,6 @@ class ShardLayout:
 
     # -- all-gather: shard -> padded slot -> full ---------------------------------------------
 
-    def copy_shard_in(self, slot: torch.Tensor, shard: torch.Tensor) -> None:
-        """Write this rank's ``shard`` into its padded all-gather input ``slot`` (1-D, casting).
-
-        Padding rows are left as they are: they only land in padding of the gathered tensor.
-        """
-        if self.local_rows:
-            self.shard_rows(slot).copy_(shard)
-
     def copy_full_out(self, gathered: torch.Tensor, padded_full: torch.Tensor) -> torch.Tensor:
         """Rebuild the full tensor from ``gathered`` (``world x padded_shard_numel``, may be strided).
 

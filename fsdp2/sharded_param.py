@@ -204,7 +204,7 @@ class ShardedParam:
         """The unsharded parameter as ``world x padded_shard_numel`` rank slots (as all-gathered)."""
         world, n = self.layout.world, self.layout.padded_shard_numel
         if self.layout.dim == 0:
-            return self._padded_full.view(world, n)  # already laid out by rank
+            return self._gather_rows  # already laid out by rank
         slots = torch.empty(world, n, dtype=self.param_dtype, device=self.device)
         self.layout.copy_full_in(self._padded_full[: self.layout.full_numel].view(self.layout.full_shape), slots)
         return slots

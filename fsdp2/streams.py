@@ -39,6 +39,11 @@ class Completion:
     works: list[Any] = field(default_factory=list)  # async c10d work handles (no streams)
     event: Any = None  # recorded on the side stream after the collectives (streams)
 
+    def add(self, work: Any) -> None:
+        """A collective just issued on ``side``: keep its work handle if that is how we wait."""
+        if self.side.async_op:
+            self.works.append(work)
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -62,10 +67,14 @@ class SideStream:
         """What to pass to c10d: with a stream the collective is ordered by the stream instead."""
         return self.stream is None
 
+    def _compute(self) -> Any:
+        """The compute stream: whatever is current on the caller's side."""
+        return self._module.current_stream(self.device)
+
     def wait_for_compute(self) -> None:
         """Everything queued on the compute stream so far happens before what we queue next."""
         if self.stream is not None:
-            self.stream.wait_stream(self._module.current_stream(self.device))
+            self.stream.wait_stream(self._compute())
 
     def wait_event(self, event: Any) -> None:
         if self.stream is not None and event is not None:
@@ -85,13 +94,16 @@ class SideStream:
         return self.stream.record_event() if self.stream is not None else None
 
     def compute_waits_for(self, event: Any) -> None:
-        self._module.current_stream(self.device).wait_event(event)
+        self._compute().wait_event(event)
 
     def compute_event(self) -> Any:
         """An event after everything queued on the compute stream so far (None without streams)."""
-        if self.stream is None:
-            return None
-        return self._module.current_stream(self.device).record_event()
+        return self._compute().record_event() if self.stream is not None else None
+
+    def host_waits_for_compute(self) -> None:
+        """Block the host until the compute stream is done (no-op without streams)."""
+        if self.stream is not None:
+            self._compute().synchronize()
 
 
 class GatherBuffers:
@@ -128,9 +140,7 @@ class CommStreams:
 
     def host_waits_for_compute(self) -> None:
         """Block the host until the compute stream is done (e.g. before a CPU optimizer step)."""
-        side = self.all_gather
-        if side.stream is not None:
-            side._module.current_stream(side.device).synchronize()
+        self.all_gather.host_waits_for_compute()
 
     @staticmethod
     @functools.cache

@@ -47,7 +47,7 @@ def test_gather_then_reduce_round_trip(case):
     # All-gather: every rank writes its padded slot; the gathered rows rebuild the full tensor.
     gathered = torch.full((world, n), float("nan"))
     for layout in layouts:
-        layout.copy_shard_in(gathered[layout.rank], layout.local_slice(full).clone())
+        layout.shard_rows(gathered[layout.rank]).copy_(layout.local_slice(full))
     rebuilt = layouts[0].copy_full_out(gathered, torch.empty(world * n))
     assert torch.equal(rebuilt, full)
 
