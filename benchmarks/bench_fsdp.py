@@ -152,6 +152,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         )
 
     from fsdp2.estimate import local_bytes as _local_bytes
+    from fsdp2.estimate import optimizer_state_bytes
     from fsdp2.models import GPT, GPTConfig
     from fsdp2.models.gpt import Block
 
@@ -250,7 +251,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     state = dict(
         params=_local_bytes(params),
         grads=_local_bytes(p.grad for p in params if p.grad is not None),
-        optimizer=_local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+        optimizer=optimizer_state_bytes(optimizer),
     )
     optimizer.zero_grad(set_to_none=True)
     del loss

@@ -99,7 +99,7 @@ def _fake_world_case(device):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp2 import MixedPrecisionPolicy
-    from fsdp2.estimate import estimate_memory, local_bytes
+    from fsdp2.estimate import estimate_memory, local_bytes, optimizer_state_bytes
     from fsdp2.memory_meter import PeakMemory
     from fsdp2.models import GPT, GPTConfig
     from fsdp2.models.gpt import Block
@@ -117,7 +117,7 @@ def _fake_world_case(device):
             opt.zero_grad(set_to_none=True)
         # Held between steps; DTensor optimizer state counts its local shard only.
         held = local_bytes(model.parameters())
-        held += local_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        held += optimizer_state_bytes(opt)
         with PeakMemory(device.type) as meter:
             model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
             opt.step()

@@ -133,6 +133,11 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds for ``optimizer``'s state tensors (what ``optimizer_state`` predicts)."""
+    return local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
 def _shard_size_and_rank(mesh_or_world_size) -> tuple[int, int]:
     if isinstance(mesh_or_world_size, int):
         return mesh_or_world_size, 0
@@ -295,12 +300,15 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
     params = _assign_params(twin, members)
-    sizes = [GroupBytes(
+    sizes = [
+        GroupBytes(
             gathered=g.gathered_bytes,
             gather_buffer=g.all_gather_bytes,
             reduce_scatter=g.reduce_scatter_bytes,
             sharded_grads=g.sharded_grad_bytes,
-        ) for g in est.groups]
+        )
+        for g in est.groups
+    ]
     profile = dry_run_step(
         twin, [m for _, m in members], params, sizes, sample_input,
         root=root, reshard_after_forward=reshard_after_forward, loss_fn=loss_fn,

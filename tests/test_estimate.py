@@ -8,6 +8,7 @@ from fsdp2.estimate import estimate_memory
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.models.gpt import Block
 from fsdp2.estimate import local_bytes as _local_bytes
+from fsdp2.estimate import optimizer_state_bytes
 
 # Uneven (67 vocab rows, 36 wide) so rank 0 and rank 1 hold different amounts.
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=3, n_heads=3)
@@ -40,11 +41,10 @@ def _measure(rank: int, world_size: int, bf16: bool, tie: bool, optimizer: str):
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
     params = list(model.parameters())
-    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     measured = dict(
         sharded_params=_local_bytes(params),
         sharded_grads=_local_bytes(p.grad for p in params if p.grad is not None),
-        optimizer_state=_local_bytes(state),
+        optimizer_state=optimizer_state_bytes(opt),
         comm=dict(stats.bytes),
     )
     predicted = dict(
@@ -187,9 +187,7 @@ def _predict_and_measure(world_size: int, bf16: bool):
     step()  # creates the optimizer state: from here on a step starts from the held state
     with PeakMemory("cpu") as meter:
         step()
-    held = _local_bytes(model.parameters()) + _local_bytes(
-        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
-    )
+    held = _local_bytes(model.parameters()) + optimizer_state_bytes(opt)
     return est, held + meter.peak_bytes
 
 
