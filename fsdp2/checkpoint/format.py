@@ -101,6 +101,11 @@ class Region:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
 
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> "Region":
+        """The box covering a whole tensor of ``shape``."""
+        return cls((0,) * len(shape), tuple(shape))
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)

@@ -69,7 +69,7 @@ class _Target:
 
 def _target_region(value: torch.Tensor) -> Region | None:
     if not isinstance(value, DTensor):
-        return Region((0,) * value.dim(), tuple(value.shape))
+        return Region.whole(value.shape)
     coord = value.device_mesh.get_coordinate()
     if coord is None:
         return None
@@ -171,11 +171,11 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
                 plan.add(key, entry, _target_region(template))
                 plan.dtensor_templates[key] = template
             else:
-                plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+                plan.add(key, entry, Region.whole(entry.shape))
     for group in saved_groups:
         for key in tensor_refs(group):
             entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
-            plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+            plan.add(key, entry, Region.whole(entry.shape))
     return saved
 
 
@@ -183,7 +183,7 @@ def _plan_extra(plan: _Plan) -> Any:
     encoded = plan.manifest.objects.get("extra")
     for key in tensor_refs(encoded):
         entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
-        plan.add(key, entry, Region((0,) * len(entry.shape), entry.shape))
+        plan.add(key, entry, Region.whole(entry.shape))
     return encoded
 
 

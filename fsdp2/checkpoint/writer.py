@@ -78,7 +78,7 @@ def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
     """The box this rank must write for ``value``, or None if another rank writes it."""
     if not isinstance(value, DTensor):
         # Plain tensors are the same on every rank: the lowest rank writes them.
-        return Region((0,) * value.dim(), tuple(value.shape)) if rank == 0 else None
+        return Region.whole(value.shape) if rank == 0 else None
     mesh = value.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
