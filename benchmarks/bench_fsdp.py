@@ -47,6 +47,7 @@ the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -167,8 +168,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         model = GPT(cfg)
 
     estimate = None
-    comm_counter = None
-    autocast = None
+    autocast = contextlib.nullcontext()  # the unsharded bf16 baseline autocasts instead
     if impl in ("fsdp2", "torch"):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,10 +207,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def step():
-        if autocast is not None:
-            with autocast:
-                loss = model.loss(inputs, targets)
-        else:
+        with autocast:
             loss = model.loss(inputs, targets)
         loss.backward()
         optimizer.step()
@@ -243,10 +240,8 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     # State held between steps: grads exist right after backward, before zero_grad.
     params = list(model.parameters())
-    loss = model.loss(inputs, targets) if autocast is None else None
-    if autocast is not None:
-        with autocast:
-            loss = model.loss(inputs, targets)
+    with autocast:
+        loss = model.loss(inputs, targets)
     loss.backward()
     state = dict(
         params=_local_bytes(params),
