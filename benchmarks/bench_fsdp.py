@@ -23,13 +23,13 @@ Memory columns:
 - ``peak alloc``: the allocator's peak over one training step, activations included. On GPU
   ``torch.cuda.max_memory_allocated`` over the timed steps. On CPU (exact too) the state held
   between steps (params + optimizer state) plus the highest allocation above it during one
-  extra, untimed step, measured by ``fsdp2.memory_meter.PeakMemory`` from the CPU allocator's
+  extra, untimed step, measured by ``fsdp2.tools.memory_meter.PeakMemory`` from the CPU allocator's
   profiler events (every allocation, free and storage resize). Allocator caching, oneDNN/BLAS
   scratch and Python objects are not in it;
 - ``max RSS delta`` (CPU): the process's max RSS minus its RSS before the model was built (rough:
   allocator caching, thread arenas and the import-time high-water mark blur it).
-For fsdp2 the ``predicted`` peak is ``fsdp2.estimate.estimate_memory(..., sample_input=...)``
-on a meta copy of the model (a dry run of the step on meta; see fsdp2/meta_step.py), printed
+For fsdp2 the ``predicted`` peak is ``fsdp2.tools.estimate.estimate_memory(..., sample_input=...)``
+on a meta copy of the model (a dry run of the step on meta; see fsdp2/tools/meta_step.py), printed
 with measured/predicted.
 
 Modes:
@@ -86,7 +86,7 @@ def _max_rss_bytes() -> int:
 class _TorchCommCounter:
     """Counts PyTorch FSDP2's collectives by wrapping the c10d functions it calls (bench only).
 
-    Same convention as fsdp2.comm_stats: all-gather output bytes, reduce-scatter input bytes.
+    Same convention as fsdp2.tools.comm_stats: all-gather output bytes, reduce-scatter input bytes.
     """
 
     def __init__(self):
@@ -152,8 +152,8 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             timeout=datetime.timedelta(seconds=300),
         )
 
-    from fsdp2.estimate import local_bytes as _local_bytes
-    from fsdp2.estimate import optimizer_state_bytes
+    from fsdp2.tools.estimate import local_bytes as _local_bytes
+    from fsdp2.tools.estimate import optimizer_state_bytes
     from fsdp2.models import GPT, GPTConfig
     from fsdp2.models.gpt import Block
 
@@ -182,7 +182,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         )
         if impl == "fsdp2":
             from fsdp2 import MixedPrecisionPolicy as MP
-            from fsdp2.estimate import estimate_memory
+            from fsdp2.tools.estimate import estimate_memory
 
             with torch.device("meta"):
                 meta_model = GPT(cfg)
@@ -227,7 +227,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     # Comm bytes of one step (counted outside the timed steps).
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     if impl == "fsdp2":
-        from fsdp2.comm_stats import count_comm
+        from fsdp2.tools.comm_stats import count_comm
 
         with count_comm() as stats:
             step()
@@ -257,7 +257,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     if not on_gpu:
         # One untimed step under the meter (the profiler slows it down), from the quiet point
         # after zero_grad: nothing older is freed inside it, which keeps the measurement exact.
-        from fsdp2.memory_meter import PeakMemory
+        from fsdp2.tools.memory_meter import PeakMemory
 
         with PeakMemory("cpu") as meter:
             step()
@@ -374,7 +374,7 @@ def render(args: dict, results: dict[str, dict]) -> str:
     if est:
         f = results["fsdp2"]
         out.append(
-            f"fsdp2 estimate (fsdp2.estimate, rank 0): state {_fmt_mib(est['sharded_state'])} MiB "
+            f"fsdp2 estimate (fsdp2.tools.estimate, rank 0): state {_fmt_mib(est['sharded_state'])} MiB "
             f"(measured {_fmt_mib(sum(f['state'].values()))}); comm all-gather {_fmt_mib(est['comm']['all_gather'])} / "
             f"reduce-scatter {_fmt_mib(est['comm']['reduce_scatter'])} MiB (counted "
             f"{_fmt_mib(f['comm']['all_gather'])} / {_fmt_mib(f['comm']['reduce_scatter'])}); "

@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py --device cuda     # one GPU, NCCL, world size 1 (+ fake world 8)
     python benchmarks/gpu_check.py --device cpu      # the same checks on CPU (gloo), as a dry run
 
-CI has no GPU, so the CUDA stream path (fsdp2/streams.py) is only checked there by
+CI has no GPU, so the CUDA stream path (fsdp2/runtime/streams.py) is only checked there by
 tests/test_streams.py with recording stand-in streams. Here it runs for real: one rank trains
 a small GPT with fsdp2 for a few AdamW steps next to an unsharded copy on the same device, and
 every parameter must match. At world size 1 a shard group normally skips its collectives; the
@@ -48,7 +48,7 @@ def _models(device, **shard_kwargs):
 
 def _parity_case(device, name, shortcut, mp=False, offload=False, prefetch=False):
     from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy
-    from fsdp2.param_group import ParamGroup
+    from fsdp2.runtime.param_group import ParamGroup
 
     kwargs = {}
     if mp:
@@ -99,8 +99,8 @@ def _fake_world_case(device):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp2 import MixedPrecisionPolicy
-    from fsdp2.estimate import estimate_memory, local_bytes, optimizer_state_bytes
-    from fsdp2.memory_meter import PeakMemory
+    from fsdp2.tools.estimate import estimate_memory, local_bytes, optimizer_state_bytes
+    from fsdp2.tools.memory_meter import PeakMemory
     from fsdp2.models import GPT, GPTConfig
     from fsdp2.models.gpt import Block
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from fsdp2 import fully_shard
 from fsdp2.models import GPT, GPTConfig
-from fsdp2.estimate import local_bytes
+from fsdp2.tools.estimate import local_bytes
 
 MiB = 2**20
 

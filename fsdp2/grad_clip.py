@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp2 import compat
+
 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
@@ -42,6 +44,6 @@ def clip_grad_norm_(
     # Scaling every local tensor by one coefficient is exact for any placement.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in grads_by_mesh.values():
-        locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        locals_ = [compat.local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))
     return total

@@ -20,7 +20,7 @@ def make_model(seed: int = 0) -> nn.Module:
 
 
 def shard(model: nn.Module, mesh) -> nn.Module:
-    """fsdp2.fully_shard each Linear, then the root (Shard(0), or (Replicate, Shard(0)) for HSDP)."""
+    """fsdp2.runtime.fully_shard each Linear, then the root (Shard(0), or (Replicate, Shard(0)) for HSDP)."""
     from fsdp2 import fully_shard
 
     for layer in model:

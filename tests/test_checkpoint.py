@@ -97,7 +97,7 @@ def _region_matches_dtensor(rank, ws):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from fsdp2.checkpoint.format import shard_region
+    from fsdp2.layout.regions import shard_region
 
     cases = []
     for mesh in (mesh_1d(ws), mesh_2d(2, 2)):

@@ -1,4 +1,4 @@
-"""fsdp2.comm_stats: one training step moves exactly the bytes the sharding layout predicts."""
+"""fsdp2.tools.comm_stats: one training step moves exactly the bytes the sharding layout predicts."""
 
 import math
 
@@ -20,7 +20,7 @@ def _step_bytes(rank: int, world_size: int, bf16: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2 import MixedPrecisionPolicy, fully_shard
-    from fsdp2.comm_stats import count_comm
+    from fsdp2.tools.comm_stats import count_comm
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -75,8 +75,8 @@ def test_one_step_bytes_match_prediction(worlds, bf16):
 
 
 def test_counters_nest_and_detach():
-    from fsdp2 import collectives
-    from fsdp2.comm_stats import count_comm
+    from fsdp2.runtime import collectives
+    from fsdp2.tools.comm_stats import count_comm
 
     with count_comm() as outer:
         with count_comm() as inner:

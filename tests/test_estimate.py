@@ -1,14 +1,14 @@
-"""fsdp2.estimate: exact sharded-state bytes against real 2-rank runs; nothing allocated on meta."""
+"""fsdp2.tools.estimate: exact sharded-state bytes against real 2-rank runs; nothing allocated on meta."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp2.estimate import estimate_memory
+from fsdp2.tools.estimate import estimate_memory
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.models.gpt import Block
-from fsdp2.estimate import local_bytes as _local_bytes
-from fsdp2.estimate import optimizer_state_bytes
+from fsdp2.tools.estimate import local_bytes as _local_bytes
+from fsdp2.tools.estimate import optimizer_state_bytes
 
 # Uneven (67 vocab rows, 36 wide) so rank 0 and rank 1 hold different amounts.
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=3, n_heads=3)
@@ -20,7 +20,7 @@ def _measure(rank: int, world_size: int, bf16: bool, tie: bool, optimizer: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2 import MixedPrecisionPolicy, fully_shard
-    from fsdp2.comm_stats import count_comm
+    from fsdp2.tools.comm_stats import count_comm
 
     cfg = dataclasses.replace(CFG, tie_weights=tie)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -159,7 +159,7 @@ def _predict_and_measure(world_size: int, bf16: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2 import MixedPrecisionPolicy, fully_shard
-    from fsdp2.memory_meter import PeakMemory
+    from fsdp2.tools.memory_meter import PeakMemory
 
     assert dist.is_initialized()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()

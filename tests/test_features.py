@@ -230,7 +230,7 @@ def test_frozen_params(worlds):
 
 
 def _frozen_after_fully_shard(rank, ws):
-    from fsdp2 import collectives
+    from fsdp2.runtime import collectives
 
     model, ref = _gpt_pair()
     _train_parity(rank, ws, model, ref, steps=1)  # gradients flowed everywhere once
@@ -448,7 +448,7 @@ def test_explicit_prefetch(worlds):
 
 
 def _implicit_backward_prefetch(rank, ws):
-    from fsdp2.param_group import GroupState, ParamGroup
+    from fsdp2.runtime.param_group import GroupState, ParamGroup
 
     model, _ = _gpt_pair()
     names = {id(block._fsdp_state.group): f"blocks.{i}" for i, block in enumerate(model.blocks)}

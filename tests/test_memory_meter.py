@@ -1,9 +1,9 @@
-"""fsdp2.memory_meter.PeakMemory: the CPU peak is exact, storage resizes included."""
+"""fsdp2.tools.memory_meter.PeakMemory: the CPU peak is exact, storage resizes included."""
 
 import pytest
 import torch
 
-from fsdp2.memory_meter import PeakMemory
+from fsdp2.tools.memory_meter import PeakMemory
 
 MiB = 2**20
 

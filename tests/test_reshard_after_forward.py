@@ -13,8 +13,9 @@ def _forward_then_backward(rank, world_size, k):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from fsdp2 import collectives, fully_shard
-    from fsdp2.param_group import GroupState
+    from fsdp2 import fully_shard
+    from fsdp2.runtime import collectives
+    from fsdp2.runtime.param_group import GroupState
 
     model = GPT(CFG)
     mesh = init_device_mesh("cpu", (world_size,))

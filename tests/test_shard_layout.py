@@ -9,7 +9,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2.shard_layout import ShardLayout
+from fsdp2.layout.shard_layout import ShardLayout
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=4)
 

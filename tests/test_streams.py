@@ -1,4 +1,4 @@
-"""The stream protocol of fsdp2.streams, checked on CPU with recording stand-in streams.
+"""The stream protocol of fsdp2.runtime.streams, checked on CPU with recording stand-in streams.
 
 CI has no GPU, so the CUDA path (collectives on side streams ordered by events) cannot run here.
 These tests swap in ``RecordingStream``s that take that path (``async_op=False`` collectives
@@ -25,9 +25,9 @@ import weakref
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp2 import collectives
+from fsdp2.runtime import collectives
 from fsdp2.models.gpt import GPT
-from fsdp2.streams import CommStreams, GatherBuffers, SideStream
+from fsdp2.runtime.streams import CommStreams, GatherBuffers, SideStream
 from tests.test_features import CFG, _gpt_pair, _shard_gpt, _train_parity
 
 
@@ -221,8 +221,8 @@ def test_hsdp_on_streams_matches_unsharded(worlds):
 
 
 def _one_rank(rank, ws, shortcut):
-    from fsdp2.comm_stats import count_comm
-    from fsdp2.param_group import ParamGroup
+    from fsdp2.tools.comm_stats import count_comm
+    from fsdp2.runtime.param_group import ParamGroup
 
     log = StreamLog()
     ParamGroup.one_rank_shortcut = shortcut

@@ -143,7 +143,7 @@ def _assemble(path: str, entry: TensorEntry, handle) -> torch.Tensor:
     out = torch.empty(entry.shape, dtype=entry.torch_dtype)
     for c in entry.chunks:
         part = handle(c.file).get_tensor(c.key)
-        out[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))] = part
+        out[c.region.slices()] = part
         del part
     return out
 

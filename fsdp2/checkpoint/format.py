@@ -38,6 +38,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from fsdp2.layout.regions import Region
+
 from .errors import CheckpointError
 
 FORMAT_NAME = "fsdp2-checkpoint"
@@ -91,103 +93,12 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     return _DTYPES[dtype]
 
 
-# ---------------------------------------------------------------- regions
-
-
-@dataclass(frozen=True)
-class Region:
-    """A box inside a tensor: ``offsets`` and ``shape`` per dimension."""
-
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @classmethod
-    def whole(cls, shape: Sequence[int]) -> "Region":
-        """The box covering a whole tensor of ``shape``."""
-        return cls((0,) * len(shape), tuple(shape))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def intersect(self, other: "Region") -> "Region | None":
-        offs, shape = [], []
-        for a0, an, b0, bn in zip(self.offsets, self.shape, other.offsets, other.shape):
-            lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
-            if hi <= lo:
-                return None
-            offs.append(lo)
-            shape.append(hi - lo)
-        return Region(tuple(offs), tuple(shape))
-
-    def slices_within(self, outer: "Region") -> tuple[slice, ...]:
-        """Index of this region inside a tensor holding ``outer``."""
-        return tuple(slice(o - oo, o - oo + n) for o, n, oo in zip(self.offsets, self.shape, outer.offsets))
-
-
-def shard_region(global_shape: Sequence[int], mesh_shape: Sequence[int],
-                 coordinate: Sequence[int], placements: Sequence) -> Region:
-    """The global box a DTensor's local shard covers, from metadata alone.
-
-    Equivalent of DTensor's own sharding rule: each ``Shard(d)`` mesh dim splits the
-    current extent of tensor dim ``d`` into ``ceil(n / mesh_size)``-sized pieces (the
-    last ones may be short or empty); ``Replicate()`` leaves it whole. Mesh dims are
-    applied in order, so ``(Shard(0), Shard(0))`` nests.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    offsets = [0] * len(global_shape)
-    shape = list(global_shape)
-    for mesh_dim in _split_order(placements, mesh_shape, len(global_shape)):
-        d = placements[mesh_dim].dim % len(global_shape)
-        size, parts, index = shape[d], mesh_shape[mesh_dim], coordinate[mesh_dim]
-        piece = -(-size // parts)
-        start = min(index * piece, size)
-        stop = min(start + piece, size)
-        offsets[d] += start
-        shape[d] = stop - start
-    return Region(tuple(offsets), tuple(shape))
-
-
-def _split_order(placements: Sequence, mesh_shape: Sequence[int], ndim: int) -> list[int]:
-    """Mesh dims in the order their splits apply.
-
-    ``Shard`` dims split in mesh order. ``_StridedShard(d, split_factor=f)`` (fully_shard on a
-    tensor that tensor parallelism already split along ``d``) splits *after* the later
-    ``Shard(d)`` dims whose sizes multiply to ``f``: TP cuts first, FSDP cuts each TP piece,
-    so every rank still holds one box.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    order: list[int] = []
-    deferred: list[int] = []
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Replicate):
-            continue
-        if isinstance(placement, _StridedShard):
-            d = placement.dim % ndim
-            later = [
-                m for m in range(mesh_dim + 1, len(placements))
-                if type(placements[m]) is Shard and placements[m].dim % ndim == d
-            ]
-            if math.prod(mesh_shape[m] for m in later) != placement.split_factor:
-                raise CheckpointError(
-                    f"placement {placement!r} is not supported by fsdp2.checkpoint: its split factor does not "
-                    "match the later Shard dims on the same tensor dim; redistribute the tensor first")
-            deferred.append(mesh_dim)
-            continue
-        if type(placement) is not Shard:
-            raise CheckpointError(
-                f"placement {placement!r} is not supported by fsdp2.checkpoint "
-                "(only Shard(d), Replicate() and fully_shard's _StridedShard); redistribute the tensor first")
-        order.append(mesh_dim)
-    return order + deferred
+# ---------------------------------------------------------------- tiling
 
 
 def check_tiling(key: str, shape: Sequence[int], regions: Sequence[Region]) -> None:
     """Raise unless ``regions`` cover ``shape`` exactly: in bounds, disjoint, no gaps."""
-    whole = Region(tuple(0 for _ in shape), tuple(shape))
+    whole = Region.whole(shape)
     for r in regions:
         if len(r.shape) != len(shape) or r.numel == 0 or r.intersect(whole) != r:
             raise CheckpointError(f"chunk {r} of {key!r} lies outside its tensor of shape {list(shape)}")

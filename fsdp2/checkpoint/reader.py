@@ -24,7 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from . import _dist
 from .errors import CheckpointError
-from .format import MANIFEST_NAME, Manifest, Region, TensorEntry, safetensors_dtype, shard_region
+from fsdp2 import compat
+from fsdp2.layout.regions import LayoutError, Region, local_region
+
+from .format import MANIFEST_NAME, Manifest, TensorEntry, safetensors_dtype
 from .safetensors_io import file_crc32
 from .state import decode, model_key, optimizer_param_fqns, tensor_refs
 
@@ -68,16 +71,10 @@ class _Target:
 
 
 def _target_region(value: torch.Tensor) -> Region | None:
-    if not isinstance(value, DTensor):
-        return Region.whole(value.shape)
-    coord = value.device_mesh.get_coordinate()
-    if coord is None:
-        return None
-    region = shard_region(tuple(value.shape), tuple(value.device_mesh.shape), coord, value.placements)
-    if tuple(value.to_local().shape) != region.shape:
-        raise CheckpointError(f"local shard of a DTensor with placements {value.placements} has shape "
-                              f"{list(value.to_local().shape)}, expected {list(region.shape)}")
-    return region
+    try:
+        return local_region(value)
+    except LayoutError as e:
+        raise CheckpointError(f"cannot load into a DTensor: {e}") from None
 
 
 class _Plan:
@@ -246,13 +243,6 @@ def _read_targets(plan: _Plan, stats: LoadStats) -> None:
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
 
 
-def _as_dtensor_like(template: DTensor, local: torch.Tensor) -> DTensor:
-    shape = tuple(template.shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local.to(template.to_local().device), template.device_mesh, template.placements,
-                              run_check=False, shape=torch.Size(shape), stride=stride)
-
-
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          verify: bool = True, strict: bool = True, stats: LoadStats | None = None) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``); returns the saved ``extra``.
@@ -293,7 +283,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     tensors = {}
     for key, t in plan.targets.items():
         template = plan.dtensor_templates.get(key)
-        tensors[key] = _as_dtensor_like(template, t.buffer) if template is not None else t.buffer
+        tensors[key] = compat.dtensor_like(template, t.buffer.to(compat.local_tensor(template).device)) if template is not None else t.buffer
     with torch.no_grad():
         for fqn, value in model_sd.items():
             target = plan.targets.get(model_key(fqn))

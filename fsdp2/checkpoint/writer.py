@@ -34,8 +34,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from . import _dist
 from .errors import CheckpointError
-from .format import (MANIFEST_NAME, Chunk, FileEntry, Manifest, Region, TensorEntry, dtype_name,
-                     generation_dir, rank_file_name, shard_region)
+from fsdp2 import compat
+from fsdp2.layout.regions import LayoutError, Region, local_region
+
+from .format import (MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir,
+                     rank_file_name)
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, fsync_dir
 from .state import flatten
 
@@ -65,7 +68,7 @@ def _first_among_sibling_meshes(mesh) -> bool:
     A DTensor on ``mesh["dp"]`` of a (dp, tp) mesh -- e.g. a norm weight that tensor parallelism
     left alone -- is held identically by every tp peer; the peer at tp coordinate 0 writes it.
     """
-    root = mesh._get_root_mesh()
+    root = compat.root_mesh(mesh)
     if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
         return True
     root_coord = root.get_coordinate()
@@ -79,21 +82,16 @@ def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
     if not isinstance(value, DTensor):
         # Plain tensors are the same on every rank: the lowest rank writes them.
         return Region.whole(value.shape) if rank == 0 else None
-    mesh = value.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return None  # this rank is not part of the tensor's mesh
+    coord = value.device_mesh.get_coordinate()
     # Replicas along a Replicate mesh dim are identical: coordinate 0 writes.
-    if any(isinstance(p, Replicate) and c != 0 for p, c in zip(value.placements, coord)):
+    if coord is not None and any(isinstance(p, Replicate) and c != 0 for p, c in zip(value.placements, coord)):
         return None
-    if not _first_among_sibling_meshes(mesh):
+    if not _first_among_sibling_meshes(value.device_mesh):
         return None
-    region = shard_region(tuple(value.shape), tuple(mesh.shape), coord, value.placements)
-    local_shape = tuple(value.to_local().shape)
-    if local_shape != region.shape:
-        raise CheckpointError(f"local shard shape {list(local_shape)} of a DTensor does not match the "
-                              f"layout computed from its placements {value.placements} ({list(region.shape)})")
-    return region
+    try:
+        return local_region(value)
+    except LayoutError as e:
+        raise CheckpointError(f"cannot save a DTensor: {e}") from None
 
 
 def plan_local_shards(tensors: dict[str, torch.Tensor], rank: int) -> tuple[list[LocalShard], dict]:

@@ -10,8 +10,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.errors import FSDPUsageError
-from fsdp2.hook_state import FSDPState
-from fsdp2.param_group import GroupState
+from fsdp2.layout.regions import local_part_like
+from fsdp2.runtime.hook_state import FSDPState
+from fsdp2.runtime.param_group import GroupState
 
 
 class UnshardHandle:
@@ -124,8 +125,15 @@ class FSDPModule:
         self._require_sharded(".load_state_dict: call reshard() first")
         current = self.state_dict()
         _check_compatible(type(self).__name__, current, state_dict, strict)
-        converted = {k: _as_local_dtensor(current[k], v) if k in current else v for k, v in state_dict.items()}
+        converted = {k: _local_part(current[k], v) if k in current else v for k, v in state_dict.items()}
         return super().load_state_dict(converted, strict=strict, assign=assign)
+
+
+def _local_part(current: Any, value: Any) -> Any:
+    """A full tensor for a sharded entry becomes this rank's box of it (no communication)."""
+    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return local_part_like(current, value)
+    return value
 
 
 def _states_of(modules: Iterable[Any], method: str) -> list[FSDPState]:
@@ -161,23 +169,6 @@ def _check_compatible(owner: str, current: Mapping[str, Any], incoming: Mapping[
             )
     if problems:
         raise FSDPUsageError(f"{owner}.load_state_dict: nothing was loaded:\n  " + "\n  ".join(problems))
-
-
-def _as_local_dtensor(current: Any, value: Any) -> Any:
-    """A full tensor for a sharded entry becomes a DTensor of this rank's box (no communication)."""
-    if not isinstance(current, DTensor) or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
-        return value
-    # The general placements -> region map (Shard, Replicate, and TP + FSDP's _StridedShard),
-    # the same one checkpoints use to decide which bytes a rank owns.
-    from fsdp2.checkpoint.format import shard_region
-
-    mesh = current.device_mesh
-    region = shard_region(tuple(value.shape), tuple(mesh.shape), mesh.get_coordinate(), current.placements)
-    local = value[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.shape))]
-    return DTensor.from_local(
-        local.to(current._local_tensor.device), mesh, current.placements, run_check=False,
-        shape=current.shape, stride=current.stride(),
-    )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -10,14 +10,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2.dp_mesh import DataParallelMesh
-from fsdp2.dtensor_spec import ShardedSpec, sharded_spec
+from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.errors import FSDPUsageError
-from fsdp2.fsdp_module import FSDPModule
-from fsdp2.hook_state import FSDPState
-from fsdp2.param_group import ParamGroup
+from fsdp2.runtime.fsdp_module import FSDPModule
+from fsdp2.runtime.hook_state import FSDPState
+from fsdp2.runtime.param_group import ParamGroup
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.sharded_param import ParamSlot, ShardedParam, managed_by
+from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
 
 _FSDP_CLASSES: dict[type, type] = {}
 

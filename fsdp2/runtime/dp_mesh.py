@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 
 # Subgroups for reshard_after_forward=k, by (root mesh, shard dim, k): creating process groups
@@ -76,7 +77,7 @@ class DataParallelMesh:
         Collective over the whole job: every rank must call it, in the same order, because
         creating a process group is.
         """
-        root = self.mesh._get_root_mesh()
+        root = compat.root_mesh(self.mesh)
         names = self.mesh.mesh_dim_names
         shard_dim = root.mesh_dim_names.index(names[-1]) if names else self.mesh.ndim - 1
         key = (id(root), shard_dim, ranks_per_group)

@@ -10,11 +10,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from fsdp2 import collectives
-from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.runtime import collectives
+from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.errors import FSDPUsageError
-from fsdp2.sharded_param import ShardedParam
-from fsdp2.streams import CommStreams, Completion
+from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.streams import CommStreams, Completion
 
 
 class GroupState(Enum):

@@ -1,6 +1,6 @@
 """Count the bytes fsdp2 hands to its collectives, per kind.
 
-    from fsdp2.comm_stats import count_comm
+    from fsdp2.tools.comm_stats import count_comm
 
     with count_comm() as stats:
         model.loss(x, y).backward()
@@ -14,7 +14,7 @@ What is counted, per call on this rank:
 
 These are buffer sizes, not bytes on the wire: a ring all-gather or reduce-scatter moves
 ``(group_size - 1) / group_size`` of the buffer through each rank's link. Only collectives
-issued through :mod:`fsdp2.collectives` are seen (not DTensor ops such as ``full_tensor()``, nor
+issued through :mod:`fsdp2.runtime.collectives` are seen (not DTensor ops such as ``full_tensor()``, nor
 user calls to ``torch.distributed``). Counters nest; with none active the collectives do one
 empty-list check and nothing else.
 """
@@ -25,7 +25,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from fsdp2 import collectives
+from fsdp2.runtime import collectives
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -1,7 +1,7 @@
 """How one tensor is split into per-rank shards, and the copies in and out of flat comm buffers.
 
-We follow ``torch.chunk`` semantics (as DTensor's ``Shard`` does): along ``dim`` every rank gets
-``chunk = ceil(size / world)`` rows except the tail, so high ranks may get fewer rows or none.
+Along ``dim`` every rank gets the rows :func:`fsdp2.layout.regions.chunk_extent` gives it (``torch.chunk``
+and DTensor's ``Shard`` rule: ``chunk = ceil(size / world)`` rows, high ranks fewer or none).
 In communication buffers every rank's shard is padded to ``chunk`` rows, so all ranks send
 equal-sized pieces and one all-gather / reduce-scatter serves a whole group of parameters.
 
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp2.layout.regions import chunk_extent
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -38,11 +40,11 @@ class ShardLayout:
     @functools.cached_property
     def chunk(self) -> int:
         """Rows along ``dim`` of every padded shard."""
-        return math.ceil(self.full_shape[self.dim] / self.world)
+        return -(-self.full_shape[self.dim] // self.world)
 
     def rows_of(self, rank: int) -> int:
         """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
-        return max(0, min(self.chunk, self.full_shape[self.dim] - rank * self.chunk))
+        return chunk_extent(self.full_shape[self.dim], self.world, rank)[1]
 
     @functools.cached_property
     def local_rows(self) -> int:
@@ -51,7 +53,7 @@ class ShardLayout:
     @functools.cached_property
     def local_offset(self) -> int:
         """Global index along ``dim`` of this rank's first row."""
-        return min(self.rank * self.chunk, self.full_shape[self.dim])
+        return chunk_extent(self.full_shape[self.dim], self.world, self.rank)[0]
 
     @functools.cached_property
     def local_shape(self) -> torch.Size:

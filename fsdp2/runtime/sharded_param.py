@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2.dp_mesh import DataParallelMesh
-from fsdp2.dtensor_spec import ShardedSpec
+from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.dtensor_spec import ShardedSpec
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.shard_layout import ShardLayout
+from fsdp2.layout.shard_layout import ShardLayout
 
 
 class ParamState(Enum):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Byte counters currently recording (see fsdp2.comm_stats); empty means no bookkeeping at all.
+# Byte counters currently recording (see fsdp2.tools.comm_stats); empty means no bookkeeping at all.
 active_counters: list = []
 
 

@@ -1,6 +1,6 @@
 """A dry run of one fully_shard training step on the meta device: the bytes alive over time.
 
-Used by :func:`fsdp2.estimate.estimate_memory` when given a sample input. Nothing is allocated:
+Used by :func:`fsdp2.tools.estimate.estimate_memory` when given a sample input. Nothing is allocated:
 the model (a meta copy, parameters cast to the mixed-precision ``param_dtype``) runs forward
 and backward on meta tensors, and we follow two kinds of memory at once:
 
@@ -11,7 +11,7 @@ and backward on meta tensors, and we follow two kinds of memory at once:
   the storage dies, also when only C++ still held it);
 - *virtual* bytes for what fsdp2 allocates around the ops and a meta run cannot show:
   all-gather buffers, gathered (unsharded) parameters, reduce-scatter buffers, sharded grads.
-  Module hooks replay fsdp2's schedule (see fsdp2/hook_state.py and fsdp2/param_group.py):
+  Module hooks replay fsdp2's schedule (see fsdp2/runtime/hook_state.py and fsdp2/runtime/param_group.py):
   gather before a group's forward, reshard after it (not the root), re-gather in backward when
   the gradient reaches the group's output, prefetch the previous group, reduce-scatter once all
   of a group's gradients have accumulated, at most two groups' reductions in flight.
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 @dataclass
 class GroupBytes:
-    """What fsdp2 allocates for one fully_shard group, per rank (from fsdp2.estimate)."""
+    """What fsdp2 allocates for one fully_shard group, per rank (from fsdp2.tools.estimate)."""
 
     gathered: int  # unsharded params, padded as fsdp2 stores them
     gather_buffer: int  # all-gather output (== gathered; 0 for a one-rank shard group)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
-from fsdp2.dp_mesh import DataParallelMesh
+from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 
 
@@ -38,7 +39,7 @@ class TensorParallelSpec:
         if isinstance(grad, DTensor):
             if tuple(grad.placements) != self.placements:
                 grad = grad.redistribute(self.mesh, self.placements)
-            return grad._local_tensor
+            return compat.local_tensor(grad)
         return grad
 
 
@@ -59,17 +60,17 @@ def sharded_spec(fqn: str, param: torch.Tensor, dp: DataParallelMesh, shard_dim:
     tp = TensorParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride())
     tp_splits = 1
     for placement, size in zip(param.placements, tp_mesh.shape):
-        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == shard_dim:
+        if isinstance(placement, (Shard, compat.StridedShard)) and placement.dim == shard_dim:
             tp_splits *= size
         elif not isinstance(placement, (Shard, Replicate)):
             raise FSDPUsageError(
                 f"fully_shard: parameter {fqn} has TP placement {placement}; only Shard and Replicate "
                 "tensor-parallel parameters can be further sharded."
             )
-    fsdp = _StridedShard(shard_dim, split_factor=tp_splits) if tp_splits > 1 else Shard(shard_dim)
+    fsdp = compat.StridedShard(shard_dim, split_factor=tp_splits) if tp_splits > 1 else Shard(shard_dim)
     dp_placements = (Replicate(), fsdp) if dp.is_hybrid else (fsdp,)
     mesh = _combined_mesh(fqn, dp.mesh, tp_mesh)
-    return ShardedSpec(mesh, dp_placements + tuple(param.placements), param._local_tensor.detach(), tp)
+    return ShardedSpec(mesh, dp_placements + tuple(param.placements), compat.local_tensor(param).detach(), tp)
 
 
 def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
@@ -82,8 +83,8 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
             "mesh: mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], "
             "plan); fully_shard(m, mesh=mesh['dp'])."
         )
-    root = dp_mesh._get_root_mesh()
-    if root != tp_mesh._get_root_mesh():  # equal, not identical: DeviceMesh caches slices
+    root = compat.root_mesh(dp_mesh)
+    if root != compat.root_mesh(tp_mesh):  # equal, not identical: DeviceMesh caches slices
         raise FSDPUsageError(
             f"fully_shard: parameter {fqn} is tensor-parallel on a mesh that is not a sibling of the "
             "data-parallel mesh; slice both from one DeviceMesh (init_device_mesh(..., mesh_dim_names=...))."

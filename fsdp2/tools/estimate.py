@@ -20,12 +20,12 @@ Modelled from fsdp2's schedule (upper bounds of each term on its own):
 coincide in time), activations not included.
 
 With ``sample_input`` (one rank's batch) the estimate also runs the step dry on meta
-(fsdp2/meta_step.py) and fills:
+(fsdp2/tools/meta_step.py) and fills:
     ``activations``: bytes of the distinct storages autograd saves for backward (not params);
     ``peak``: the predicted per-rank allocator peak of a training step (forward, backward,
     optimizer step), everything that is alive at that moment: sharded state, activations,
     gathered params, unsharded grads, fsdp2's buffers. Checked against the CPU allocator peak
-    measured by fsdp2.memory_meter in a fake process group (tests/test_estimate.py).
+    measured by fsdp2.tools.memory_meter in a fake process group (tests/test_estimate.py).
 Never included: allocator caching/fragmentation, communication-library workspaces, kernel
 scratch memory outside PyTorch's allocator.
 """
@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2.policies import MixedPrecisionPolicy
-from fsdp2.shard_layout import ShardLayout
+from fsdp2.layout.shard_layout import ShardLayout
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
 # tensor is kept per parameter (torch.optim's Adam/AdamW keep a float32 0-dim tensor).
@@ -204,7 +204,7 @@ def estimate_memory(
 
     ``sample_input``: one rank's batch (a tuple of model arguments, meta tensors or not) for a
     dry run of forward + backward on meta, which fills ``activations`` and ``peak`` (see
-    fsdp2.meta_step). ``loss_fn(model, *sample_input)`` returns the loss; default
+    fsdp2.tools.meta_step). ``loss_fn(model, *sample_input)`` returns the loss; default
     ``model(*sample_input)``, summed if not a scalar.
     """
     if sample_input is not None and not isinstance(sample_input, tuple):
@@ -288,14 +288,14 @@ _OPTIMIZER_STEP_TEMPS = 2
 
 
 def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_after_forward, sample_input, loss_fn) -> None:
-    """Fill ``activations``/``peak`` from a meta dry run of one step (fsdp2.meta_step).
+    """Fill ``activations``/``peak`` from a meta dry run of one step (fsdp2.tools.meta_step).
 
     The peak of a step = what is held between steps (sharded params + optimizer state) plus the
     higher of: the dry run's peak (activations, autograd's gradients, gathered params and
     fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
     optimizer step (sharded grads + its temporaries).
     """
-    from fsdp2.meta_step import GroupBytes, dry_run_step, meta_copy
+    from fsdp2.tools.meta_step import GroupBytes, dry_run_step, meta_copy
 
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
@@ -361,7 +361,7 @@ def _peak_reduce_scatter(groups: list[GroupEstimate]) -> int:
 
 
 def _comm_per_step(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> dict[str, int]:
-    """Buffer bytes of one forward+backward, counted as fsdp2.comm_stats counts them."""
+    """Buffer bytes of one forward+backward, counted as fsdp2.tools.comm_stats counts them."""
     gathers = (2 if reshard_after_forward else 1) * sum(g.all_gather_bytes for g in blocks)
     gathers += root.all_gather_bytes if root else 0
     groups = ([root] if root else []) + blocks

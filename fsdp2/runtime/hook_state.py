@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp2.param_group import ParamGroup
+from fsdp2.runtime.param_group import ParamGroup
 from fsdp2.policies import MixedPrecisionPolicy
 
 

@@ -1,0 +1,57 @@
+"""Every private PyTorch API fsdp2 relies on, in one place.
+
+These are underscore names of DTensor, DeviceMesh and autograd that have no public equivalent in
+torch 2.11 and 2.13. Keeping them here means a torch release that moves one breaks one file, and
+reading this file tells what fsdp2 assumes beyond the public API.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+# fully_shard on a tensor-parallel parameter split along the same dim: "every tp-th block".
+StridedShard = _StridedShard
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it is not a slice)."""
+    return mesh._get_root_mesh()
+
+
+def local_tensor(dtensor: DTensor) -> torch.Tensor:
+    """The local shard of ``dtensor`` itself, not an autograd view of it (``to_local`` is one)."""
+    return dtensor._local_tensor
+
+
+def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
+    """A DTensor with ``template``'s mesh, placements, shape and stride around ``local``.
+
+    Unlike ``DTensor.from_local`` this neither moves ``local`` to the mesh's device type (a CPU
+    offloaded shard must stay on the CPU while the mesh is on CUDA) nor builds an autograd node.
+    """
+    return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool = False,
+) -> DTensor:
+    """A DTensor around ``local`` with the given global shape and stride, ``local`` left where it is."""
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once autograd has finished the current backward pass."""
+    Variable._execution_engine.queue_callback(fn)
