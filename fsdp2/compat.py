@@ -35,7 +35,10 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
 
     Unlike ``DTensor.from_local`` this neither moves ``local`` to the mesh's device type (a CPU
     offloaded shard must stay on the CPU while the mesh is on CUDA) nor builds an autograd node.
+    The template's spec is shared when the dtype matches (cheap: gradients are made every step).
     """
+    if local.dtype == template.dtype:
+        return DTensor(local, template._spec, requires_grad=requires_grad)
     return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
 
 

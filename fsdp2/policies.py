@@ -1,39 +1,33 @@
-"""User-facing policies: mixed precision and CPU offload (same fields as PyTorch FSDP2)."""
+"""The policies ``fully_shard`` takes, and the dtype rules they imply.
+
+The policy classes are PyTorch's own (``torch.distributed.fsdp``), re-exported: code written for
+PyTorch's FSDP2 passes the same objects to fsdp2, and one policy object serves both.
+
+- ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``: the
+  sharded (master) parameters keep their own dtype; compute and all-gathers use ``param_dtype``,
+  gradient reduction ``reduce_dtype`` (default: ``param_dtype``).
+- ``OffloadPolicy()``: no offloading. ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters
+  and gradients live on the CPU (the optimizer steps there); each all-gather copies the shard to
+  the mesh device first, each reduced gradient shard is copied back.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "param_dtype_of", "reduce_dtype_of"]
 
 
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes used around forward/backward; sharded (master) parameters keep their own dtype.
-
-    - ``param_dtype``: dtype of the all-gathered (unsharded) parameters used in compute.
-    - ``reduce_dtype``: dtype in which gradients are reduce-scattered (defaults to ``param_dtype``).
-    - ``output_dtype``: floating-point outputs of the module are cast to this dtype.
-    - ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype``.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+def param_dtype_of(param: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype ``param`` is gathered and computed in (its own unless the policy casts floats)."""
+    if param.is_floating_point() and mp_policy.param_dtype is not None:
+        return mp_policy.param_dtype
+    return param.dtype
 
 
-@dataclass(frozen=True)
-class OffloadPolicy:
-    """No offloading: sharded parameters, gradients and optimizer state live on the mesh device."""
-
-
-@dataclass(frozen=True)
-class CPUOffloadPolicy(OffloadPolicy):
-    """Sharded parameters and gradients live on CPU, so the optimizer steps on CPU.
-
-    Each all-gather copies the shard to the mesh device first; each reduced gradient shard is
-    copied back. ``pin_memory`` pins the CPU shards so these copies can be asynchronous.
-    """
-
-    pin_memory: bool = True
+def reduce_dtype_of(param: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype ``param``'s gradient is reduce-scattered in (default: its compute dtype)."""
+    if param.is_floating_point() and mp_policy.reduce_dtype is not None:
+        return mp_policy.reduce_dtype
+    return param_dtype_of(param, mp_policy)

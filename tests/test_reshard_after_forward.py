@@ -37,7 +37,7 @@ def _forward_then_backward(rank, world_size, k):
         group = model.blocks[0]._fsdp_state.group
         after_forward = group.state
         kept = sum(t.numel() for t in group._kept_rows)
-        gathered = world_size * sum(b.numel_per_rank for b in group.gather_buckets)
+        gathered = world_size * group.gather.gathered_numel_per_rank
         params_are_shards = all(isinstance(p, DTensor) for p in model.blocks[0].parameters())
         forward_sizes = list(gather_group_sizes)
         loss.backward()

@@ -222,18 +222,15 @@ def test_hsdp_on_streams_matches_unsharded(worlds):
 
 def _one_rank(rank, ws, shortcut):
     from fsdp2.tools.comm_stats import count_comm
-    from fsdp2.runtime.param_group import ParamGroup
+    from fsdp2.runtime import schedule
 
     log = StreamLog()
-    ParamGroup.one_rank_shortcut = shortcut
-    try:
-        with _recorded(log), count_comm() as stats:
+    with _recorded(log), count_comm() as stats:
+        with contextlib.nullcontext() if shortcut else schedule.always_communicate():
             model, ref = _gpt_pair()
-            _train_parity(rank, ws, model, ref)
-            del model
-            gc.collect()
-    finally:
-        ParamGroup.one_rank_shortcut = True
+        _train_parity(rank, ws, model, ref)
+        del model
+        gc.collect()
     assert not log.violations, log.violations
     return stats.bytes["all_gather"], stats.bytes["reduce_scatter"]
 

@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
+
+try:  # torch >= 2.13: name the data-parallel dims of a full SPMD mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11
+
+    @dataclass(frozen=True)
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """Which dims of a full SPMD mesh are data parallel (PyTorch 2.13's class, for older torch)."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return () if self.shard is None else (self.shard,) if isinstance(self.shard, str) else tuple(self.shard)
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            if self.replicate is None:
+                return ()
+            return (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate)
+
 
 # Subgroups for reshard_after_forward=k, by (root mesh, shard dim, k): creating process groups
 # is collective and slow, so every fully_shard call with the same k shares them.
@@ -27,19 +49,20 @@ class DataParallelMesh:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
+    # With dp_mesh_dims: the full SPMD mesh the parameters live on, and its non-data-parallel dims.
+    spmd_mesh: DeviceMesh | None = field(default=None, compare=False)
+    model_parallel_dims: tuple[str, ...] = ()
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh | None, module_name: str) -> "DataParallelMesh":
+    def from_mesh(
+        cls, mesh: DeviceMesh | None, module_name: str, dp_mesh_dims: DataParallelMeshDims | None = None
+    ) -> "DataParallelMesh":
         if mesh is None:
-            if not dist.is_initialized():
-                raise FSDPUsageError(
-                    f"fully_shard({module_name}): no mesh was given and torch.distributed is not "
-                    "initialized. Call torch.distributed.init_process_group() first or pass mesh=."
-                )
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+            mesh = _default_mesh(module_name)
         if not isinstance(mesh, DeviceMesh):
             raise FSDPUsageError(f"fully_shard({module_name}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if dp_mesh_dims is not None:
+            return cls._from_named_dims(mesh, dp_mesh_dims, module_name)
         if mesh.ndim == 1:
             return cls(mesh, mesh.get_group(0), mesh.size(0), mesh.get_local_rank(0), None, 1)
         if mesh.ndim == 2:
@@ -47,8 +70,51 @@ class DataParallelMesh:
         raise FSDPUsageError(
             f"fully_shard({module_name}): mesh has {mesh.ndim} dims {tuple(mesh.shape)}; expected a 1-D mesh "
             "(FSDP) or a 2-D (replicate, shard) mesh (HSDP). For FSDP + tensor parallel pass the data-parallel "
-            'sub-mesh, e.g. mesh["dp"].'
+            'sub-mesh, e.g. mesh["dp"], or the whole mesh with dp_mesh_dims=DataParallelMeshDims(shard="dp").'
         )
+
+    @classmethod
+    def _from_named_dims(cls, mesh: DeviceMesh, dims: DataParallelMeshDims, module_name: str) -> "DataParallelMesh":
+        names = mesh.mesh_dim_names
+        shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+        where = f"fully_shard({module_name}, dp_mesh_dims={dims})"
+        if not names:
+            raise FSDPUsageError(f"{where}: the mesh needs mesh_dim_names to be addressed by dp_mesh_dims")
+        unknown = [n for n in shard + replicate if n not in names]
+        if unknown:
+            raise FSDPUsageError(f"{where}: mesh dims {unknown} are not in the mesh's dims {names}")
+        if not shard:
+            raise FSDPUsageError(
+                f"{where}: replication without sharding (DDP) is not something fully_shard does in fsdp2; "
+                "name the dim to shard over in dp_mesh_dims.shard"
+            )
+        if len(shard) > 1 or len(replicate) > 1:
+            raise FSDPUsageError(f"{where}: fsdp2 takes one mesh dim each for shard and replicate; flatten the mesh first")
+        dp_names = replicate + shard
+        dp = cls.from_mesh(mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]], module_name)
+        rest = tuple(n for n in names if n not in dp_names)
+        return cls(dp.mesh, dp.shard_group, dp.shard_size, dp.shard_rank, dp.replicate_group, dp.replicate_size, mesh, rest)
+
+    def tensor_parallel_view(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` as fully_shard's TP composition expects it: a DTensor on the model-parallel
+        dims only (or a plain tensor). With dp_mesh_dims parameters live on the whole SPMD mesh,
+        replicated on the data-parallel dims; the local tensor is shared, nothing is copied."""
+        if self.spmd_mesh is None or not isinstance(param, DTensor) or param.device_mesh != self.spmd_mesh:
+            return param
+        names = self.spmd_mesh.mesh_dim_names
+        dp_names = set(names) - set(self.model_parallel_dims)
+        for name, placement in zip(names, param.placements):
+            if name in dp_names and not isinstance(placement, Replicate):
+                raise FSDPUsageError(
+                    f"a parameter is {placement} on data-parallel mesh dim {name!r}; with dp_mesh_dims parameters must be "
+                    "Replicate() on the data-parallel dims"
+                )
+        local = compat.local_tensor(param)
+        if not self.model_parallel_dims:
+            return local  # replicated on every dim: the full tensor
+        placements = tuple(p for n, p in zip(names, param.placements) if n in self.model_parallel_dims)
+        sub = self.spmd_mesh[self.model_parallel_dims]
+        return compat.make_dtensor(local, sub, placements, param.shape, param.stride())
 
     @property
     def is_hybrid(self) -> bool:
@@ -61,9 +127,9 @@ class DataParallelMesh:
 
     @property
     def device(self) -> torch.device:
-        if self.mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.mesh.device_type)
+        if self.mesh.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.mesh.device_type, torch.get_device_module(self.mesh.device_type).current_device())
 
     def placements(self, shard_dim: int) -> tuple:
         """DTensor placements of a parameter sharded on ``shard_dim`` on this mesh."""
@@ -94,3 +160,19 @@ class DataParallelMesh:
                 )
             _SUBGROUPS[key] = (mine, position)
         return _SUBGROUPS[key]
+
+
+def _default_mesh(module_name: str) -> DeviceMesh:
+    """As PyTorch's fully_shard: the default process group (initialized from the environment,
+    e.g. by torchrun, if nobody did yet) as a 1-D mesh on the accelerator if there is one."""
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group()
+        except ValueError as e:  # FSDPUsageError is a ValueError too: callers catching either still do
+            raise FSDPUsageError(
+                f"fully_shard({module_name}): no mesh was given and torch.distributed could not be initialized from the environment "
+                f"({e}). Launch with torchrun, call torch.distributed.init_process_group() first, or pass mesh=."
+            ) from e
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))

@@ -1,18 +1,22 @@
-"""``FSDPModule``: the methods a fully_shard'ed module gains (its class is swapped to include them)."""
+"""``FSDPModule``: the methods a fully_shard'ed module gains (its class is swapped to include them).
+
+The method set and signatures are PyTorch FSDP2's (``torch.distributed.fsdp.FSDPModule``);
+tests/test_api_parity.py compares them by introspection against the installed torch.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Mapping
+import warnings
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.errors import FSDPUsageError
-from fsdp2.layout.regions import local_part_like
-from fsdp2.runtime.hook_state import FSDPState
-from fsdp2.runtime.param_group import GroupState
+from fsdp2.runtime.hooks import FSDPState
 
 
 class UnshardHandle:
@@ -22,8 +26,7 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        if self._state.group is not None:
-            self._state.group.wait_for_unshard()
+        self._state.group.wait_for_unshard()
 
 
 class FSDPModule:
@@ -31,18 +34,36 @@ class FSDPModule:
 
     _fsdp_state: FSDPState
 
+    def __new__(cls, *args, **kwargs):
+        # Constructing a fully_shard'ed class anew (slicing an nn.Sequential or a ModuleList does
+        # ``type(self)(...)``) builds the original class: the new module is not sharded.
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        module = original.__new__(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo):
+        raise FSDPUsageError(
+            f"{type(self).__name__}: a fully_shard'ed module cannot be deep-copied (its parameters are shards "
+            "tied to process groups); deep-copy the model before fully_shard, or copy its state_dict()."
+        )
+
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._fsdp_state]
-        return [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)]
+        states: list[FSDPState] = []
+        for module in self.modules():
+            state = module.__dict__.get("_fsdp_state")
+            if state is not None and state not in states:
+                states.append(state)
+        return states
 
     # -- manual control -------------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (e.g. ahead of its forward)."""
         state = self._fsdp_state
-        if state.group is not None:
-            state.group.unshard(async_op=async_op)
+        state.group.unshard(async_op=async_op)
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -50,44 +71,135 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this module's gathered parameters; only the shards remain."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.reshard()
+        """Free this module's gathered parameters; only the shards remain. Not recursive."""
+        self._fsdp_state.group.reshard()
 
-    # -- settings ---------------------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: reshard everything, forget the
+        iteration (its gradient reductions are discarded), so the next one starts clean.
+        Call it on the root module."""
+        state = self._fsdp_state
+        if state.root is None:
+            return  # no forward ran yet: nothing to reset
+        if not state.is_root:
+            raise FSDPUsageError(f"{type(self).__name__}.reset_iter_state: call it on the root fully_shard module")
+        state.root.reset()
+
+    # -- gradient reduction -------------------------------------------------------------------------
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+            state.group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across
+        replicas (accumulation); the next all-reduce includes them."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+            state.group.reduce.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size.
+        Not recursive (as in PyTorch): call it on each module whose factor should change."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        self._fsdp_state.group.reduce.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """``hook(reduce_output)`` runs on each reduced gradient bucket of this module (after the
+        HSDP all-reduce and the division), before it is added to ``.grad``. ``stream`` is accepted
+        for compatibility: the hook runs where the reduction runs."""
+        if not callable(hook):
+            raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        self._fsdp_state.group.reduce.all_reduce_hook = hook
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True: parameters without a gradient this backward are reduced as zeros, so ranks whose
+        control flow used different parameters still issue matching reduce-scatters. Default
+        False (as PyTorch): such parameters keep ``.grad`` None."""
+        for state in self._fsdp_states(recurse):
+            state.group.reduce.include_unused = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many groups' reductions may be in flight under this module's root (default 2)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise FSDPUsageError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
+        state = self._fsdp_state
+        state.settings.max_reduces_in_flight = max_input_buffers
+        if state.root is not None:
+            state.root.reduce_window.limit = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run reduce-scatters on a process group of their own (collective: call it on every rank)."""
+        groups: dict[tuple[int, ...], Any] = {}
+        for state in self._fsdp_states(recurse):
+            reduce = state.group.reduce
+            if not enable:
+                reduce.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(reduce.dp.shard_group))
+            if ranks not in groups:
+                groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            reduce.reduce_scatter_group = groups[ranks]
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Use ``comm`` (``allocate(size, *, dtype, device)`` and ``comm(output, input, group,
+        async_op)``) for this module's all-gathers instead of c10d's."""
+        _check_comm(comm, "set_custom_all_gather")
+        self._fsdp_state.group.gather.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, async_op)``, summing)
+        for this module's reduce-scatters instead of c10d's."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        self._fsdp_state.group.reduce.custom_reduce_scatter = comm
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for compatibility: fsdp2 always reduces with SUM and divides separately."""
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's
+        caching allocator (use set_custom_all_gather/set_custom_reduce_scatter to choose)."""
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise FSDPUsageError(
+            f"{type(self).__name__}.set_symm_mem_for_comm: fsdp2 does not allocate all-gather buffers in NCCL "
+            "symmetric memory; use set_custom_all_gather with an allocator of your choice instead."
+        )
+
+    # -- resharding and backward ----------------------------------------------------------------------
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free (True) or keep (False) parameters after forward from now on; overrides the
+        fully_shard argument, also the root's default and an int (no 1/k copy is kept)."""
         if not isinstance(reshard_after_forward, bool):
             raise FSDPUsageError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+            state.group.reshard_after_forward.set(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for state in self._fsdp_states(recurse):
+            state.group.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not gather this module's parameters (none is needed to compute
+        its gradients, e.g. an embedding); its gradients are still reduced."""
+        self._fsdp_state.group.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """False: the next backward does not wait for its gradient reductions (microbatching)."""
-        root = self._fsdp_state.root
-        if root is None:
-            raise FSDPUsageError(f"{type(self).__name__}.set_is_last_backward: run a forward first")
-        root.is_last_backward = is_last_backward
+        """False: the next backward does not wait for its gradient reductions (microbatching).
+        May be called before the first forward."""
+        self._fsdp_state.settings.is_last_backward = is_last_backward
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        # 0 would silently fall back to the world size (``factor or world``), negatives flip signs.
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
-        for state in self._fsdp_states(recurse=True):
-            if state.group is not None:
-                state.group.gradient_divide_factor = factor
+    def set_post_optim_event(self, event: Any) -> None:
+        """The root's next forward orders its all-gathers after ``event`` (recorded after the
+        optimizer step) instead of everything queued on the compute stream. No effect on CPU."""
+        self._fsdp_state.settings.post_optim_event = event
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue these modules' all-gathers at the start of this module's forward."""
@@ -97,43 +209,33 @@ class FSDPModule:
         """Issue these modules' all-gathers at the start of this module's backward."""
         self._fsdp_state.backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
 
-    def _require_sharded(self, error_suffix: str) -> list[FSDPState]:
-        """Every FSDP state below this module, after checking none holds gathered parameters."""
-        states = self._fsdp_states(recurse=True)
-        if any(s.group is not None and s.group.state != GroupState.SHARDED for s in states):
-            raise FSDPUsageError(f"{type(self).__name__}{error_suffix}")
-        return states
-
     # -- nn.Module overrides ------------------------------------------------------------------------
 
     def _apply(self, fn, recurse: bool = True):
-        # to()/to_empty()/cuda() replace parameter contents; re-read our sharded references.
-        states = self._require_sharded(": cannot move or convert while parameters are unsharded; call reshard() first")
+        # to()/to_empty()/cuda() replace parameter contents: reshard first so the shards are
+        # what is registered, then re-read them (dtypes may have changed).
+        states = self._fsdp_states(recurse=True)
+        for state in states:
+            state.group.reshard()
         result = super()._apply(fn, recurse)
         for state in states:
-            if state.group is not None:
-                for param in state.group.params:
-                    param.refresh_after_apply()
+            state.group.refresh_params()
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Like ``nn.Module.load_state_dict``, but checks everything before changing anything.
 
         Values may be DTensors sharded like ours (no communication) or full tensors (each rank
-        copies its own rows, no communication).
+        copies its own box, no communication).
         """
-        self._require_sharded(".load_state_dict: call reshard() first")
-        current = self.state_dict()
+        current = self.state_dict()  # reshards every group (as loading does)
         _check_compatible(type(self).__name__, current, state_dict, strict)
-        converted = {k: _local_part(current[k], v) if k in current else v for k, v in state_dict.items()}
-        return super().load_state_dict(converted, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _local_part(current: Any, value: Any) -> Any:
-    """A full tensor for a sharded entry becomes this rank's box of it (no communication)."""
-    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        return local_part_like(current, value)
-    return value
+def _check_comm(comm: Any, method: str) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise FSDPUsageError(f"{method}: expected an object with allocate(size, *, dtype, device) and __call__, got {comm!r}")
 
 
 def _states_of(modules: Iterable[Any], method: str) -> list[FSDPState]:
@@ -172,9 +274,12 @@ def _check_compatible(owner: str, current: Mapping[str, Any], incoming: Mapping[
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>()`` unshard/reshard like ``forward`` does (e.g. ``generate``)."""
+    """Make ``module.<method_name>()`` unshard/reshard like ``forward`` does (e.g. ``generate``).
+
+    A no-op on a module that is not fully_shard'ed, so the same code runs with or without FSDP.
+    """
     if not isinstance(module, FSDPModule):
-        raise FSDPUsageError(f"register_fsdp_forward_method: {type(module).__name__} is not fully_shard'ed")
+        return
     method = getattr(module, method_name, None)
     if not callable(method):
         raise FSDPUsageError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2.runtime.dp_mesh import DataParallelMesh
-from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime.fsdp_module import FSDPModule
-from fsdp2.runtime.hook_state import FSDPState
-from fsdp2.runtime.param_group import ParamGroup
+from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.runtime import schedule
+from fsdp2.runtime.dp_mesh import DataParallelMesh, DataParallelMeshDims
+from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
+from fsdp2.runtime.fsdp_module import FSDPModule
+from fsdp2.runtime.gather import Subgroup
+from fsdp2.runtime.hooks import FSDPState
+from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
 from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -26,66 +30,97 @@ _FSDP_CLASSES: dict[type, type] = {}
 class _ParamPlan:
     """What fully_shard will do with one parameter, decided before anything is changed."""
 
-    fqn: str
-    param: nn.Parameter
-    slots: list[ParamSlot]
+    managed: schedule.ManagedParam
     shard_dim: int = 0
     spec: ShardedSpec | None = None
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters (those not already managed by a fully_shard'ed submodule).
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+) -> Any:
+    """Shard the parameters of ``module`` (or of a list of modules, as one group) that no
+    fully_shard'ed submodule already manages.
 
     Apply it bottom-up: to each block first, then to the root. Every managed parameter becomes an
     ``nn.Parameter`` wrapping a DTensor (``Shard(0)`` on ``mesh`` unless ``shard_placement_fn``
     says otherwise). Forward and backward all-gather the parameters just in time and
-    reduce-scatter the gradients. Returns ``module``, whose class now also derives from
-    :class:`FSDPModule`.
+    reduce-scatter the gradients. ``reshard_after_forward`` None (default) frees the parameters
+    after forward except in the root, True frees them, False keeps them, ``k`` keeps 1/k of them
+    for backward. Returns ``module``, whose class now also derives from :class:`FSDPModule`.
     """
-    name = type(module).__name__
-    if not isinstance(module, nn.Module):
-        raise FSDPUsageError(f"fully_shard expects an nn.Module, got {name}")
-    if isinstance(module, FSDPModule):
-        raise FSDPUsageError(f"fully_shard was already applied to this {name}; apply it once per module")
+    modules = _modules_of(module)
+    name = "+".join(type(m).__name__ for m in modules)
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise FSDPUsageError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
     _check_policies(mp_policy, offload_policy, name)
-    dp = DataParallelMesh.from_mesh(mesh, name)
-    reshard, post_forward_ranks = _resolve_reshard_after_forward(reshard_after_forward, dp, name)
-    plans = _plan_params(module, set(ignored_params or ()), name)
+    dp = DataParallelMesh.from_mesh(mesh, name, dp_mesh_dims)
+    _check_reshard_after_forward(reshard_after_forward, dp, name)
+    plans = _plan_params(modules, set(ignored_params or ()), name)
     _check_devices(plans, dp, name)
     for plan in plans:
         plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
-        plan.spec = sharded_spec(plan.fqn, plan.param, dp, plan.shard_dim)
-
-    post_forward_subgroup = None
-    if post_forward_ranks is not None and plans:
-        subgroup, position = dp.subgroup(post_forward_ranks)  # collective: before any change
-        post_forward_subgroup = (subgroup, position, post_forward_ranks)
+        plan.spec = sharded_spec(plan.managed.fqn, dp.tensor_parallel_view(plan.managed.param), dp, plan.shard_dim)
+    subgroup = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
+        if 1 < reshard_after_forward < dp.shard_size:
+            group, position = dp.subgroup(reshard_after_forward)  # collective: before any change
+            subgroup = Subgroup(group, position, reshard_after_forward)
 
     # Validation is over: from here on we change the module.
-    def on_grad_ready(param: ShardedParam) -> None:
-        module._fsdp_state.on_grad_ready(param)
-
     sharded = [
-        ShardedParam(p.fqn, p.param, p.slots, dp, p.shard_dim, p.spec, mp_policy, offload_policy, on_grad_ready, owner=name)
+        ShardedParam(
+            p.managed.fqn, p.managed.param, [ParamSlot(m, n) for m, n in p.managed.places], dp, p.shard_dim,
+            p.spec, mp_policy, offload_policy, owner=name,
+        )
         for p in plans
     ]
-    _move_buffers(module, dp)
-    group = ParamGroup(sharded, dp) if sharded else None
-    if group is not None and post_forward_subgroup is not None:
-        group.post_forward_subgroup = post_forward_subgroup
-    state = FSDPState(module, group, mp_policy, reshard)
-    module.__dict__["_fsdp_state"] = state
-    module.__class__ = _fsdp_class(type(module))
+    for m in modules:
+        _move_buffers(m, dp)
+    group = ParamGroup(sharded, dp, ReshardAfterForward(reshard_after_forward, dp.shard_size, subgroup))
+    state = FSDPState(modules, group, mp_policy)
+    for m in modules:
+        m.__dict__["_fsdp_state"] = state
+        m.__class__ = _fsdp_class(type(m))
+    _register_state_dict_hooks(group)
     return module
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """The fully_shard state of ``module`` (None if fully_shard was not applied to it)."""
+    return module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+
+
+# Like PyTorch's ``fully_shard.state(module)``.
+fully_shard.state = _state_of
+
+
+def _modules_of(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        return (module,)
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        # Modules inside another listed module belong to that one's group anyway.
+        roots = [m for m in module if not any(m is not o and _contains(o, m) for o in module)]
+        unique: list[nn.Module] = []
+        for m in roots:
+            if not any(m is u for u in unique):
+                unique.append(m)
+        return tuple(unique)
+    raise FSDPUsageError(
+        f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, got {type(module).__name__}"
+    )
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def _fsdp_class(cls: type) -> type:
@@ -107,62 +142,42 @@ def _check_policies(mp_policy, offload_policy, name: str) -> None:
         )
 
 
-def _resolve_reshard_after_forward(value: bool | int, dp: DataParallelMesh, name: str) -> tuple[bool, int | None]:
-    """(reshard after forward?, size of the post-forward subgroup or None for a full reshard)."""
-    if isinstance(value, bool):
-        return value, None
+def _check_reshard_after_forward(value: Any, dp: DataParallelMesh, name: str) -> None:
+    if value is None or isinstance(value, bool):
+        return
     if isinstance(value, int) and 1 <= value <= dp.shard_size and dp.shard_size % value == 0:
-        if value == 1:
-            return False, None  # every rank keeps a full copy
-        if value == dp.shard_size:
-            return True, None
-        return True, value
+        return
     raise FSDPUsageError(
-        f"fully_shard({name}): reshard_after_forward={value!r}; expected True, False, or an int that divides "
-        f"the shard world size {dp.shard_size} (the number of ranks to reshard over after forward)."
+        f"fully_shard({name}): reshard_after_forward={value!r}; expected None, True, False, or an int that "
+        f"divides the shard world size {dp.shard_size} (the number of ranks to reshard over after forward)."
     )
 
 
-def _plan_params(module: nn.Module, ignored: set[nn.Parameter], name: str) -> list[_ParamPlan]:
+def _plan_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], name: str) -> list[_ParamPlan]:
     """Parameters this call manages: not ignored, not inside an already fully_shard'ed submodule."""
-    plans: dict[nn.Parameter, _ParamPlan] = {}
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        prefix, mod = stack.pop()
-        for pname, param in mod._parameters.items():
-            if param is None or param in ignored:
-                continue
-            fqn = f"{prefix}{pname}"
-            owner = managed_by(param)
-            if owner is not None:
-                raise FSDPUsageError(
-                    f"fully_shard({name}): parameter {fqn} is already managed by fully_shard({owner}). "
-                    "Apply fully_shard bottom-up (submodules before their parents). A parameter shared "
-                    "between modules must be sharded once: apply fully_shard to their common ancestor "
-                    "only, or pass it in ignored_params."
-                )
-            if param.dim() == 0:
-                raise FSDPUsageError(
-                    f"fully_shard({name}): parameter {fqn} is a scalar and cannot be sharded; give it shape (1,) "
-                    "or pass it in ignored_params."
-                )
-            plan = plans.get(param)
-            if plan is None:
-                plans[param] = _ParamPlan(fqn, param, [ParamSlot(mod, pname)])
-            else:
-                plan.slots.append(ParamSlot(mod, pname))  # tied: same parameter, another place
-        for cname, child in reversed(list(mod._modules.items())):
-            if child is not None and not isinstance(child, FSDPModule):
-                stack.append((f"{prefix}{cname}.", child))
-    # Keep parameters() order so buffers are laid out as the user declared the model.
-    order = {id(p): i for i, p in enumerate(module.parameters())}
-    return sorted(plans.values(), key=lambda p: order.get(id(p.param), -1))
+    plans = []
+    for managed in schedule.managed_params(modules, lambda m: isinstance(m, FSDPModule), ignored):
+        owner = managed_by(managed.param)
+        if owner is not None:
+            raise FSDPUsageError(
+                f"fully_shard({name}): parameter {managed.fqn} is already managed by fully_shard({owner}). "
+                "Apply fully_shard bottom-up (submodules before their parents). A parameter shared "
+                "between modules must be sharded once: apply fully_shard to their common ancestor "
+                "only, or pass it in ignored_params."
+            )
+        if managed.param.dim() == 0:
+            raise FSDPUsageError(
+                f"fully_shard({name}): parameter {managed.fqn} is a scalar and cannot be sharded; give it shape (1,) "
+                "or pass it in ignored_params."
+            )
+        plans.append(_ParamPlan(managed))
+    return plans
 
 
 def _check_devices(plans: list[_ParamPlan], dp: DataParallelMesh, name: str) -> None:
     devices = {}
     for plan in plans:
-        devices.setdefault(plan.param.device.type, plan.fqn)
+        devices.setdefault(plan.managed.param.device.type, plan.managed.fqn)
     if len(devices) > 1:
         where = ", ".join(f"{fqn} on {dev}" for dev, fqn in devices.items())
         raise FSDPUsageError(
@@ -177,18 +192,19 @@ def _check_devices(plans: list[_ParamPlan], dp: DataParallelMesh, name: str) -> 
 
 
 def _shard_dim(plan: _ParamPlan, shard_placement_fn, name: str) -> int:
-    placement = shard_placement_fn(plan.param) if shard_placement_fn is not None else None
+    param, fqn = plan.managed.param, plan.managed.fqn
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
         raise FSDPUsageError(
-            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {plan.fqn}; expected Shard(dim) or None"
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim) or None"
         )
-    ndim = plan.param.dim()
+    ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
         raise FSDPUsageError(
-            f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for {plan.fqn} of shape "
-            f"{tuple(plan.param.shape)}; the dim must be in [{-ndim}, {ndim})."
+            f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
+            f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})."
         )
     return placement.dim % ndim
 
@@ -198,3 +214,32 @@ def _move_buffers(module: nn.Module, dp: DataParallelMesh) -> None:
         for bname, buf in mod._buffers.items():
             if buf is not None and buf.device.type not in ("meta", dp.device.type):
                 mod._buffers[bname] = buf.to(dp.device)
+
+
+def _register_state_dict_hooks(group: ParamGroup) -> None:
+    """On every module holding one of the group's parameters: ``state_dict()`` and
+    ``load_state_dict()`` see the shards (the group reshards first, as in PyTorch); a full
+    tensor being loaded becomes this rank's box of it (no communication); parameters a load
+    with ``assign=True`` replaced are taken over."""
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, ShardedParam]]]] = {}
+    for p in group.params:
+        for slot in p.slots:
+            by_module.setdefault(id(slot.module), (slot.module, []))[1].append((slot.name, p))
+
+    def reshard(*_: Any) -> None:
+        group.reshard()
+
+    for module, named in by_module.values():
+
+        def to_local_boxes(module, state_dict, prefix, *_, named=named) -> None:
+            group.reshard()
+            for name, p in named:
+                key = prefix + name
+                value = state_dict.get(key)
+                ours = p.sharded_param
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == ours.shape:
+                    state_dict[key] = local_part_like(ours, value)
+
+        module.register_state_dict_pre_hook(reshard)
+        module.register_load_state_dict_pre_hook(to_local_boxes)
+        module.register_load_state_dict_post_hook(lambda *_: group.refresh_params())

@@ -10,10 +10,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError
+from fsdp2.layout.shard_layout import ShardLayout
+from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, param_dtype_of, reduce_dtype_of
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.dtensor_spec import ShardedSpec
-from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.layout.shard_layout import ShardLayout
 
 
 class ParamState(Enum):
@@ -55,9 +57,10 @@ class ShardedParam:
     """A parameter sharded along ``shard_dim`` over the mesh's shard dim.
 
     The sharded form is an ``nn.Parameter`` wrapping a DTensor; it is what the optimizer sees
-    and what ``state_dict()`` returns. The unsharded form is one persistent ``nn.Parameter``
-    whose storage is allocated on unshard and freed (resized to 0) on reshard: keeping the same
-    tensor object lets autograd's saved references stay valid across reshard/unshard cycles.
+    and what ``state_dict()`` returns. Its local tensor lives on the mesh device, or on the CPU
+    under ``CPUOffloadPolicy``. The unsharded form is one persistent ``nn.Parameter`` whose
+    storage is allocated on unshard and freed (resized to 0) on reshard: keeping the same tensor
+    object lets autograd's saved references stay valid across reshard/unshard cycles.
     """
 
     def __init__(
@@ -70,32 +73,24 @@ class ShardedParam:
         spec: ShardedSpec,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
-        on_grad_ready: Callable[["ShardedParam"], None],
         owner: str = "",
     ):
         self.fqn = fqn
         self.owner = owner
         self.slots = slots
-        self.dp = dp
-        self.orig_dtype = param.dtype
-        self.param_dtype = mp_policy.param_dtype if param.is_floating_point() and mp_policy.param_dtype else param.dtype
-        self.reduce_dtype = mp_policy.reduce_dtype if param.is_floating_point() and mp_policy.reduce_dtype else self.param_dtype
-        self.device = dp.device
+        self.mp_policy = mp_policy
+        self.device = dp.device  # where it is gathered and computed on
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self._pin = self.offload and offload_policy.pin_memory and torch.cuda.is_available()
+        self.storage_device = torch.device("cpu") if self.offload else self.device
         self.tensor_parallel = spec.tensor_parallel  # None unless composed with TP
         self.layout = ShardLayout(spec.fsdp_input.shape, shard_dim, dp.shard_size, dp.shard_rank)
-        self._on_grad_ready = on_grad_ready
+        self._on_grad_ready: Callable[["ShardedParam"], None] | None = None
         self.state = ParamState.SHARDED
 
         # clone(): the shard must own its memory so the full tensor can be freed.
-        local = self.layout.local_slice(spec.fsdp_input).clone()
-        if local.device.type != "meta":
-            local = local.to("cpu" if self.offload else self.device)
-            if self.offload and offload_policy.pin_memory and torch.cuda.is_available():
-                local = local.pin_memory()
-        dtensor = DTensor.from_local(
-            local, spec.mesh, spec.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        local = self._to_storage(self.layout.local_slice(spec.fsdp_input).clone())
+        dtensor = compat.make_dtensor(local, spec.mesh, spec.placements, param.shape, param.stride())
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         mark_managed(param, owner)
         mark_managed(self.sharded_param, owner)
@@ -105,19 +100,37 @@ class ShardedParam:
         self._accumulated_grad: torch.Tensor | None = None
         self._flat_shard_of: torch.Tensor | None = None  # the local shard _flat_shard views
         self._flat_shard: torch.Tensor | None = None
+        self._read_dtypes()
         self.hold_sharded()
+
+    def bind_grad_ready(self, on_grad_ready: Callable[["ShardedParam"], None]) -> None:
+        """``on_grad_ready(self)`` runs when autograd has accumulated this parameter's gradient."""
+        self._on_grad_ready = on_grad_ready
 
     @property
     def requires_grad(self) -> bool:
         # Read live: users freeze or unfreeze the (sharded) parameter after fully_shard.
         return self.sharded_param.requires_grad
 
+    def _read_dtypes(self) -> None:
+        """Dtypes follow the shard: ``module.to(dtype)`` after fully_shard changes them."""
+        shard = self.local_shard
+        self.orig_dtype = shard.dtype
+        self.param_dtype = param_dtype_of(shard, self.mp_policy)
+        self.reduce_dtype = reduce_dtype_of(shard, self.mp_policy)
+
+    def _to_storage(self, local: torch.Tensor) -> torch.Tensor:
+        if local.device.type == "meta":
+            return local
+        local = local.to(self.storage_device)
+        return local.pin_memory() if self._pin and not local.is_pinned() else local
+
     # -- views the modules see ----------------------------------------------------------------
 
     @property
     def local_shard(self) -> torch.Tensor:
         # Read through the DTensor every time: to_empty()/_apply swap its contents in place.
-        return self.sharded_param._local_tensor
+        return compat.local_tensor(self.sharded_param)
 
     def hold_sharded(self) -> None:
         for slot in self.slots:
@@ -130,10 +143,52 @@ class ShardedParam:
             slot.hold(self.unsharded_param)
         self.state = ParamState.UNSHARDED
 
-    def refresh_after_apply(self) -> None:
-        """Re-read the sharded parameter after nn.Module._apply (``to``, ``to_empty``, ...)."""
-        self.sharded_param = self.slots[0].current()
+    def refresh(self) -> None:
+        """Re-read the parameter after something outside fsdp2 replaced or converted it.
+
+        ``load_state_dict(assign=True)`` or ``module.weight = nn.Parameter(...)`` register a new
+        parameter; ``module.to(dtype)``/``to_empty`` swap a new tensor into ours. Take the
+        registered one over (a DTensor sharded like ours, or the full tensor, which we shard),
+        put it in every place the parameter is tied to, and follow its dtype.
+        """
+        current = self.slots[0].current()
+        if current is not self.sharded_param and current is not self.unsharded_param:
+            self.sharded_param = self._adopt(current)
+            for slot in self.slots:
+                slot.hold(self.sharded_param)
         mark_managed(self.sharded_param, self.owner)  # a tensor swap replaced its __dict__
+        param_dtype = self.param_dtype
+        self._read_dtypes()
+        if self.param_dtype != param_dtype and self.unsharded_param is not None:
+            # The gathered storage has the old dtype: build it anew at the next unshard.
+            self.free_unsharded()
+            self.unsharded_param = self._padded_full = None
+
+    def _adopt(self, new: torch.Tensor) -> nn.Parameter:
+        ours = self.sharded_param
+        if isinstance(new, DTensor):
+            if new.device_mesh != ours.device_mesh or tuple(new.placements) != tuple(ours.placements) or new.shape != ours.shape:
+                raise FSDPUsageError(
+                    f"parameter {self.fqn} was replaced by a DTensor with mesh {new.device_mesh}, placements "
+                    f"{tuple(new.placements)} and shape {tuple(new.shape)}; fully_shard({self.owner}) shards it as "
+                    f"{tuple(ours.placements)} on {ours.device_mesh} with shape {tuple(ours.shape)}. Assign a "
+                    "DTensor laid out like model.state_dict() gives, or a full tensor."
+                )
+            local = compat.local_tensor(new)
+        elif isinstance(new, torch.Tensor) and new.shape == ours.shape and self.tensor_parallel is None:
+            local = self.layout.local_slice(new.detach())
+        else:
+            raise FSDPUsageError(
+                f"parameter {self.fqn} was replaced by a {type(new).__name__} of shape {tuple(new.shape)}; fully_shard"
+                f"({self.owner}) expects a DTensor like model.state_dict() gives or a full tensor of shape "
+                f"{tuple(ours.shape)}."
+            )
+        # Own the memory: a view (a box of a full tensor) would keep the whole tensor alive.
+        if local._base is not None or not local.is_contiguous():
+            local = local.clone(memory_format=torch.contiguous_format)
+        local = self._to_storage(local.detach())
+        dtensor = compat.dtensor_like(ours, local)
+        return nn.Parameter(dtensor, requires_grad=new.requires_grad)
 
     # -- all-gather -----------------------------------------------------------------------------
 
@@ -186,7 +241,9 @@ class ShardedParam:
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
-            self.unsharded_param = nn.Parameter(full, requires_grad=False)
+            # Created with its final requires_grad: setting it later is an in-place change that
+            # functorch transforms (torch.func.jvp) refuse on a tensor from outside the transform.
+            self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
             self._grad_hook_registered = False
         elif self._padded_full.untyped_storage().size() == 0:
             self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
@@ -197,8 +254,12 @@ class ShardedParam:
         if self.unsharded_param.requires_grad != wanted:
             self.unsharded_param.requires_grad_(wanted)
         if wanted and not self._grad_hook_registered:
-            self.unsharded_param.register_post_accumulate_grad_hook(lambda _: self._on_grad_ready(self))
+            self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
             self._grad_hook_registered = True
+
+    def _grad_accumulated(self, _: torch.Tensor) -> None:
+        if self._on_grad_ready is not None:
+            self._on_grad_ready(self)
 
     def gathered_rank_rows(self) -> torch.Tensor:
         """The unsharded parameter as ``world x padded_shard_numel`` rank slots (as all-gathered)."""
@@ -245,7 +306,11 @@ class ShardedParam:
         return self.tensor_parallel.local_grad(grad)
 
     def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
-        """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor)."""
+        """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor).
+
+        The gradient lives where the shard lives: on the CPU under offload, whatever the mesh's
+        device, so the optimizer steps on the CPU.
+        """
         local = self.layout.shard_rows(reduced_slot)
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
@@ -253,10 +318,8 @@ class ShardedParam:
         if self.offload:
             # A fresh gradient may arrive asynchronously (the root syncs the host once at the
             # end of backward); one the host adds to right away must be there now.
-            local = local.to("cpu", non_blocking=existing is None)
+            local = local.to(self.storage_device, non_blocking=existing is None and self._pin)
         if existing is None:
-            # The gradient has exactly the parameter's DTensor spec: reuse it rather than
-            # building a new one per parameter per step (measurable at high world sizes).
-            self.sharded_param.grad = DTensor(local.contiguous(), self.sharded_param._spec, requires_grad=False)
+            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, local.contiguous())
         else:
-            existing._local_tensor.add_(local)
+            compat.local_tensor(existing).add_(local)

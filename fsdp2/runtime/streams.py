@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -33,21 +33,39 @@ def _has_streams(device: torch.device) -> bool:
 
 @dataclass
 class Completion:
-    """Collectives issued on a side stream; ``wait()`` orders the caller's stream after them."""
+    """Collectives issued on a side stream, and the work that needs their results.
+
+    Made by ``SideStream.launch()``. ``wait()`` makes their results usable on the caller's
+    stream: on an accelerator the compute stream waits for the side stream's event; on CPU the
+    work handles are waited on and the follow-up work runs then.
+    """
 
     side: "SideStream"
     works: list[Any] = field(default_factory=list)  # async c10d work handles (no streams)
-    event: Any = None  # recorded on the side stream after the collectives (streams)
+    followups: list[Callable[[], None]] = field(default_factory=list)  # run at wait() (no streams)
+    event: Any = None  # recorded on the side stream after everything launched (streams)
 
-    def add(self, work: Any) -> None:
-        """A collective just issued on ``side``: keep its work handle if that is how we wait."""
+    def collective(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Issue ``fn(*args, async_op=...)``, a c10d collective, ordered as this side requires."""
+        work = fn(*args, async_op=self.side.async_op)
         if self.side.async_op:
             self.works.append(work)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """``fn`` needs the collectives' results: queue it on the side stream behind them, or
+        (no streams) run it in ``wait()`` once the work handles completed."""
+        if self.side.async_op:
+            self.followups.append(fn)
+        else:
+            fn()
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
         self.works.clear()
+        for fn in self.followups:
+            fn()
+        self.followups.clear()
         if self.event is not None:
             self.side.compute_waits_for(self.event)
             self.event = None
@@ -88,6 +106,21 @@ class SideStream:
             return
         with self._module.stream(self.stream):
             yield
+
+    @contextlib.contextmanager
+    def launch(self, wait_for_compute: bool = True) -> Iterator[Completion]:
+        """Issue collectives on this stream: ``with side.launch() as completion: completion.collective(...)``.
+
+        ``wait_for_compute`` first orders them after everything queued on the compute stream (the
+        inputs were written there); ``False`` lets them run ahead, only safe when nothing queued
+        since the last such wait writes their inputs.
+        """
+        if wait_for_compute:
+            self.wait_for_compute()
+        completion = Completion(self)
+        with self.active():
+            yield completion
+            completion.event = self.record()
 
     def record(self) -> Any:
         """An event after everything queued on this stream so far (None without streams)."""

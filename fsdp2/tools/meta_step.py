@@ -11,7 +11,7 @@ and backward on meta tensors, and we follow two kinds of memory at once:
   the storage dies, also when only C++ still held it);
 - *virtual* bytes for what fsdp2 allocates around the ops and a meta run cannot show:
   all-gather buffers, gathered (unsharded) parameters, reduce-scatter buffers, sharded grads.
-  Module hooks replay fsdp2's schedule (see fsdp2/runtime/hook_state.py and fsdp2/runtime/param_group.py):
+  Module hooks replay fsdp2's schedule (see fsdp2/runtime/schedule.py, hooks.py and param_group.py):
   gather before a group's forward, reshard after it (not the root), re-gather in backward when
   the gradient reaches the group's output, prefetch the previous group, reduce-scatter once all
   of a group's gradients have accumulated, at most two groups' reductions in flight.

@@ -1,0 +1,169 @@
+"""The all-gather side of one group: shards in, one collective per dtype, full parameters out.
+
+Copy-in: every shard of a bucket is cast-copied into this rank's slot of the output buffer with
+one fused copy (the all-gather is in place: our input is our own slot). Copy-out: one
+``split_with_sizes_copy`` per bucket writes every dim-0 parameter's rows into its unsharded
+storage. With ``reshard_after_forward=k`` backward gathers over a k-rank subgroup from the rows
+kept after forward instead of from the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp2.errors import FSDPUsageError
+from fsdp2.runtime import collectives
+from fsdp2.runtime.buckets import FlatBucket, buckets_by_dtype
+from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.streams import CommStreams, Completion
+
+
+@dataclass(frozen=True)
+class Subgroup:
+    """The k ranks a group is re-gathered over after ``reshard_after_forward=k``, and our place in it."""
+
+    group: dist.ProcessGroup
+    position: int
+    size: int
+
+
+@dataclass
+class PendingGather:
+    bucket: FlatBucket
+    output: torch.Tensor
+    # Gathered from a k-rank subgroup: the output holds rank rows interleaved by k.
+    subgroup_size: int | None = None
+    # Compute-stream tensors the all-gather stream reads: freed only after compute waited for it.
+    inputs: torch.Tensor | None = None
+
+    def rank_rows(self, world: int) -> torch.Tensor:
+        """The output as ``world x numel_per_rank``, row r holding shard rank r's slot."""
+        n = self.bucket.numel_per_rank
+        if self.subgroup_size is None:
+            return self.output.view(world, n)
+        k = self.subgroup_size
+        # Subgroup member j kept rows j, j+k, j+2k, ...: undo the interleave.
+        return self.output.view(k, world // k, n).transpose(0, 1).reshape(world, n)
+
+    def copy_out(self, world: int) -> None:
+        """Write every parameter's gathered rows into its unsharded storage."""
+        rows = self.rank_rows(world)
+        targets = [p.gather_target() for p in self.bucket.params]
+        if all(t is not None for t in targets):
+            torch.split_with_sizes_copy(rows, self.bucket.sizes, dim=1, out=targets)  # one copy per bucket
+        else:
+            for p, block in self.bucket.columns(rows):
+                p.copy_gathered_out(block)
+
+
+def _copy_pairs(pairs) -> None:
+    """One fused (casting) copy of every ``(destination, shard)`` pair; ``None`` pairs are skipped."""
+    pairs = [pair for pair in pairs if pair is not None]
+    if pairs:
+        destinations, shards = zip(*pairs)
+        # Pinned CPU shards (offload) copy host-to-device without blocking the host.
+        torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
+
+
+def _check_not_meta(params: list[ShardedParam]) -> None:
+    for p in params:
+        # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
+        if p.local_shard.is_meta:
+            raise FSDPUsageError(
+                f"parameter {p.fqn} is on the meta device: call module.to_empty(device=...) and "
+                "initialize the parameters (e.g. reset_parameters()) before running the module"
+            )
+
+
+class GroupGather:
+    """Packs, all-gathers and unpacks one group's parameters; holds the gathers in flight."""
+
+    def __init__(self, params: list[ShardedParam], dp: DataParallelMesh, streams: CommStreams):
+        self.params = params
+        self.dp = dp
+        self.streams = streams
+        self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather
+        self.rebuild()
+        self._pending: list[PendingGather] = []
+        self._completion: Completion | None = None
+
+    def rebuild(self) -> None:
+        """Re-bucket by the parameters' current dtypes (they follow ``module.to(dtype)``)."""
+        self.buckets = buckets_by_dtype(self.params, lambda p: p.param_dtype)
+
+    @property
+    def gathered_numel_per_rank(self) -> int:
+        return sum(b.numel_per_rank for b in self.buckets)
+
+    # -- issue ------------------------------------------------------------------------------------
+
+    def unshard_locally(self) -> None:
+        """Shard group of one rank: the shard is the whole parameter, so skip the all-gather and
+        its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
+        _check_not_meta(self.params)
+        _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
+
+    def issue_from_shards(self, wait_for_compute: bool) -> None:
+        _check_not_meta(self.params)
+        world, rank = self.dp.shard_size, self.dp.shard_rank
+        with self.streams.all_gather.launch(wait_for_compute) as completion:
+            self.streams.gather_buffers.release_before_allocating()
+            for bucket in self.buckets:
+                output = self._allocate(world * bucket.numel_per_rank, bucket.dtype)
+                # In-place all-gather: our input is our own slot of the output, no separate buffer.
+                own_slot = output.narrow(0, rank * bucket.numel_per_rank, bucket.numel_per_rank)
+                slots = torch.split_with_sizes(own_slot, bucket.sizes)
+                _copy_pairs(p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots))
+                self._issue(completion, output, own_slot, self.dp.shard_group, PendingGather(bucket, output))
+        self._completion = completion
+
+    def issue_from_kept(self, kept_rows: list[torch.Tensor], subgroup: Subgroup) -> None:
+        """Re-gather over ``subgroup`` from the rows this rank kept after forward."""
+        with self.streams.all_gather.launch(wait_for_compute=True) as completion:
+            self.streams.gather_buffers.release_before_allocating()
+            for bucket, kept in zip(self.buckets, kept_rows):
+                output = self._allocate(subgroup.size * kept.numel(), bucket.dtype)
+                own_slot = output.narrow(0, subgroup.position * kept.numel(), kept.numel())
+                own_slot.copy_(kept.view(-1))
+                pending = PendingGather(bucket, output, subgroup_size=subgroup.size, inputs=kept)
+                self._issue(completion, output, own_slot, subgroup.group, pending)
+        self._completion = completion
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.custom_all_gather is not None:
+            return self.custom_all_gather.allocate((numel,), dtype=dtype, device=self.dp.device)
+        return torch.empty(numel, dtype=dtype, device=self.dp.device)
+
+    def _issue(self, completion: Completion, output, own_slot, group, pending: PendingGather) -> None:
+        comm = self.custom_all_gather if self.custom_all_gather is not None else collectives.all_gather
+        completion.collective(comm, output, own_slot, group)
+        self._pending.append(pending)
+
+    # -- finish -----------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for the issued all-gathers and copy them out into the unsharded parameters."""
+        self._completion.wait()
+        self._completion = None
+        for pending in self._pending:
+            pending.copy_out(self.dp.shard_size)
+        self.streams.gather_buffers.consumed(
+            [pending.output for pending in self._pending], self.streams.all_gather.compute_event()
+        )
+        self._pending.clear()
+
+    def keep_rows(self, subgroup: Subgroup) -> list[torch.Tensor]:
+        """This rank's 1/k of the gathered group (every k-th rank row), kept for backward."""
+        world, k = self.dp.shard_size, subgroup.size
+        kept_rows = []
+        for bucket in self.buckets:
+            kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+            for p, block in bucket.columns(kept):
+                block.copy_(p.gathered_rank_rows()[subgroup.position :: k])
+            kept_rows.append(kept)
+        return kept_rows

@@ -1,0 +1,219 @@
+"""Forward/backward hooks of one fully_shard call, and the root's per-iteration state.
+
+Each fully_shard call gets an :class:`FSDPState`: hooks on its module(s) that move its
+:class:`ParamGroup` through the step (``pre_forward`` ... ``finalize_backward``). The first
+state to run forward becomes the root (lazy init): it owns a :class:`Root` shared by every state
+below it, which orders backward prefetch, bounds reductions in flight and finishes backward.
+Calls flow downward: hooks -> group -> gather/reduce -> collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp2 import compat
+from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.runtime import schedule
+from fsdp2.runtime.activations import cast_floating, tensors_in
+from fsdp2.runtime.param_group import ParamGroup
+from fsdp2.runtime.reduce import ReduceWindow
+
+logger = logging.getLogger("fsdp2.runtime")
+
+
+class IterationSettings:
+    """Settings for the next iteration that users may set before the first forward.
+
+    Each state owns one until lazy init; then every state under a root shares the root's.
+    """
+
+    def __init__(self) -> None:
+        self.is_last_backward = True
+        self.post_optim_event: Any = None
+        self.max_reduces_in_flight = schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT
+
+
+class Root:
+    """What the root tracks for one forward/backward iteration of the whole tree."""
+
+    def __init__(self, states: list["FSDPState"], settings: IterationSettings):
+        self.states = states  # every FSDPState under the root, in module (pre-)order
+        self.settings = settings
+        # Order in which states *finished* forward this iteration: backward runs its reverse.
+        self.post_forward_order: list[FSDPState] = []
+        self.in_backward = False
+        self.reduce_window = ReduceWindow(settings.max_reduces_in_flight)
+        groups = [s.group for s in states]
+        self.streams = groups[0].streams
+        self._offloads = any(p.offload for g in groups for p in g.params)
+        # Inside the root's forward the all-gather stream need not wait for compute before
+        # each group (nothing there writes shards), so all-gathers run ahead: implicit prefetch.
+        self.gathers_may_run_ahead = False
+
+    def begin_forward(self, root_state: "FSDPState") -> None:
+        self.post_forward_order.clear()
+        for state in self.states:
+            if state is not root_state:
+                state.forget_forward()  # left over from a forward that raised
+        event, self.settings.post_optim_event = self.settings.post_optim_event, None
+        if event is not None:
+            self.streams.all_gather.wait_event(event)  # the user's post-optimizer-step event
+        else:
+            self.streams.all_gather.wait_for_compute()  # the optimizer step wrote the shards
+        self.gathers_may_run_ahead = True
+
+    def end_forward(self) -> None:
+        self.gathers_may_run_ahead = False
+        for state in self.states:
+            state.complete_unfinished_forward()
+
+    def begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        compat.queue_backward_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        logger.debug("finish backward (last=%s)", self.settings.is_last_backward)
+        for state in reversed(self.states):
+            state.group.finalize_backward()
+        if self.settings.is_last_backward:
+            self.reduce_window.drain()
+            if self._offloads:
+                self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
+        self.in_backward = False
+
+    def reset(self) -> None:
+        """Abandon the current iteration (``FSDPModule.reset_iter_state``)."""
+        for state in self.states:
+            state.group.reset_iteration()
+            state.forget_forward()
+        self.reduce_window.discard()
+        self.post_forward_order.clear()
+        self.in_backward = False
+        self.gathers_may_run_ahead = False
+
+
+class FSDPState:
+    """The hooks of one fully_shard call over ``modules`` (one, or several forming one group)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup, mp_policy: MixedPrecisionPolicy):
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.root: Root | None = None  # set on the first forward (lazy init)
+        self.is_root = False
+        self.settings = IterationSettings()
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None  # None: implicit (reverse forward order)
+        self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
+
+    @property
+    def name(self) -> str:
+        return "+".join(type(m).__name__ for m in self.modules)
+
+    # -- lazy init ----------------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """The first state to run forward becomes the root of every fully_shard'ed module below it."""
+        states: list[FSDPState] = []
+        for root_module in self.modules:
+            for module in root_module.modules():
+                state = module.__dict__.get("_fsdp_state")
+                if isinstance(state, FSDPState) and state not in states:
+                    states.append(state)
+        root = Root(states, self.settings)
+        for state in states:
+            state.root = root
+            state.is_root = state is self
+            state.settings = self.settings
+            state.group.reshard_after_forward.resolve(is_root=state.is_root)
+            state.group.reduce_window = root.reduce_window
+            state.group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
+        logger.debug("lazy init: root %s over %d fully_shard groups", self.name, len(states))
+
+    # -- forward --------------------------------------------------------------------------------------
+
+    # The hooks stay eager under torch.compile: they do communication and Python bookkeeping,
+    # and tracing them would only add graph breaks and recompilations.
+    @torch._dynamo.disable
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.root is None:
+            self.lazy_init()
+        if self.root.in_backward:
+            # Activation-checkpoint recompute: gather (a no-op after this group's pre-backward)
+            # and nothing else. Its forward may stop early, so it is not tracked as a forward.
+            self.group.unshard()
+        elif not self._modules_to_run:  # the first of this group's modules in this forward
+            self._modules_to_run = set(self.modules)
+            try:
+                self._begin_group_forward()
+            except BaseException:
+                self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
+                raise
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _begin_group_forward(self) -> None:
+        root = self.root
+        if self.is_root:
+            root.begin_forward(self)
+        logger.debug("pre-forward %s", self.name)
+        run_ahead = root.gathers_may_run_ahead
+        self.group.pre_forward(gathers_run_ahead=run_ahead)
+        for other in self.forward_prefetch:
+            other.group.unshard(async_op=True, wait_for_compute=not run_ahead)
+
+    @torch._dynamo.disable
+    def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            for tensor in tensors_in(output):
+                if tensor.requires_grad and tensor.is_floating_point():
+                    tensor.register_hook(self._pre_backward_hook)
+        if module in self._modules_to_run:
+            self._modules_to_run.discard(module)
+            if not self._modules_to_run:
+                if self.is_root:
+                    self.root.end_forward()  # before the root joins the order: it is first in backward
+                self._end_group_forward()
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _end_group_forward(self) -> None:
+        logger.debug("post-forward %s", self.name)
+        self.group.post_forward(grad_enabled=torch.is_grad_enabled())
+        self.root.post_forward_order.append(self)
+
+    def complete_unfinished_forward(self) -> None:
+        """Some of this group's modules never ran this forward: end the group's forward anyway."""
+        if self._modules_to_run:
+            self._modules_to_run.clear()
+            self._end_group_forward()
+
+    def forget_forward(self) -> None:
+        self._modules_to_run.clear()
+
+    # -- backward -----------------------------------------------------------------------------------
+
+    @torch._dynamo.disable
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.root.begin_backward()
+        if not self.group.pre_backward():
+            return  # already done for another output of this group
+        logger.debug("pre-backward %s", self.name)
+        for other in self._backward_prefetch_targets():
+            other.group.unshard(async_op=True)  # no-op unless it is (partially) sharded
+
+    def _backward_prefetch_targets(self) -> list["FSDPState"]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
