@@ -46,11 +46,10 @@ class Phase(Enum):
 
 
 class ReshardAfterForward:
-    """What a group keeps between its forward and its backward: one value, ``ranks``.
+    """What a group keeps between its forward and its backward: one value, ``action``.
 
-    After forward the group stays sharded over ``ranks`` ranks: 1 keeps it gathered, the shard
-    size keeps only the shard, ``k`` in between keeps 1/k and re-gathers over ``subgroup``.
-    ``setting`` is the user's value (``None``: decided when the root is known).
+    ``setting`` is the user's ``reshard_after_forward`` (None: decided when the root is known);
+    ``subgroup`` the k ranks a 1/k copy is re-gathered over.
     """
 
     def __init__(self, setting: bool | int | None, shard_size: int, subgroup: Subgroup | None = None):
@@ -60,12 +59,12 @@ class ReshardAfterForward:
         self.resolve(is_root=False)
 
     def resolve(self, is_root: bool) -> None:
-        self.ranks = schedule.reshard_after_forward_ranks(self.setting, is_root=is_root, shard_size=self.shard_size)
+        self.action = schedule.after_forward(self.setting, is_root=is_root, shard_size=self.shard_size)
 
     def set(self, reshard: bool) -> None:
-        """``set_reshard_after_forward``: all or nothing from now on (a k-rank copy is no longer kept)."""
+        """``set_reshard_after_forward``: all or nothing from now on (a 1/k copy is no longer kept)."""
         self.setting = reshard
-        self.ranks = self.shard_size if reshard else 1
+        self.resolve(is_root=False)
 
 
 class GradReadiness:
@@ -129,10 +128,10 @@ class ParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self, *, grad_enabled: bool) -> None:
-        ranks = schedule.ranks_after_forward(self.reshard_after_forward.ranks, self.dp.shard_size, grad_enabled=grad_enabled)
-        if ranks == self.dp.shard_size:
+        action = schedule.after_this_forward(self.reshard_after_forward.action, grad_enabled=grad_enabled)
+        if action is schedule.AfterForward.FREE:
             self.reshard()
-        elif ranks > 1:
+        elif action is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
             self._reshard_to_subgroup()
         self.phase = Phase.IDLE
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch.nn as nn
@@ -67,30 +68,33 @@ def managed_params(
 # -- what a group keeps between its forward and its backward ---------------------------------------
 
 
-def reshard_after_forward_ranks(setting: bool | int | None, *, is_root: bool, shard_size: int) -> int:
-    """How many ranks a group stays sharded over after forward: 1 keeps it gathered, the shard
-    size frees everything but the shard, ``k`` in between keeps 1/k (re-gathered over k ranks).
+class AfterForward(Enum):
+    """What a group does with its gathered parameters when its forward ends."""
 
-    ``None`` (PyTorch 2.13's default) frees every group except the root, whose backward starts
-    right after forward and would only gather it again.
-    """
+    KEEP = auto()  # stay gathered until backward
+    FREE = auto()  # keep only the shard; backward gathers again
+    KEEP_SUBGROUP_SHARD = auto()  # reshard_after_forward=k: keep 1/k, backward gathers over k ranks
+
+
+def after_forward(setting: bool | int | None, *, is_root: bool, shard_size: int) -> AfterForward:
+    """The user's ``reshard_after_forward`` as an action. ``None`` (PyTorch 2.13's default) frees
+    every group except the root, whose backward starts right after forward and would only gather
+    it again; an int ``k`` keeps 1/k (1: everything, the shard size: only the shard)."""
     if setting is None:
-        return 1 if is_root else shard_size
-    if setting is True:
-        return shard_size
-    if setting is False:
-        return 1
-    return int(setting)
+        return AfterForward.KEEP if is_root else AfterForward.FREE
+    if isinstance(setting, bool):
+        return AfterForward.FREE if setting else AfterForward.KEEP
+    if setting == 1:
+        return AfterForward.KEEP
+    if setting == shard_size:
+        return AfterForward.FREE
+    return AfterForward.KEEP_SUBGROUP_SHARD
 
 
-def ranks_after_forward(setting_ranks: int, shard_size: int, *, grad_enabled: bool) -> int:
-    """The reshard to apply at the end of one forward (see ``reshard_after_forward_ranks``).
-
-    Not applied to an activation-checkpoint recompute inside backward: backward needs the
-    parameters right then, and releases them itself after the group's gradients."""
-    if not grad_enabled:
-        return shard_size  # no backward follows: keep nothing gathered
-    return setting_ranks
+def after_this_forward(kept: AfterForward, *, grad_enabled: bool) -> AfterForward:
+    """The action at the end of one forward. Not applied to an activation-checkpoint recompute
+    inside backward: backward needs the parameters then, and frees them after the gradients."""
+    return kept if grad_enabled else AfterForward.FREE  # no backward follows: keep nothing gathered
 
 
 # -- what backward prefetches --------------------------------------------------------------------
@@ -103,7 +107,7 @@ def implicit_backward_prefetch(post_forward_order: Sequence[T], current: T) -> l
     that finished just before ``current`` (the root, finishing last, prefetches the last block).
     A group that ran forward several times is placed by its first finish."""
     for index, item in enumerate(post_forward_order):
-        if item is current:
+        if item == current:
             return [post_forward_order[index - 1]] if index > 0 else []
     return []
 

@@ -39,7 +39,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.policies import MixedPrecisionPolicy, param_dtype_of, reduce_dtype_of
+from fsdp2.runtime import schedule
 from fsdp2.layout.shard_layout import ShardLayout
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
@@ -165,25 +166,26 @@ def _group_members(model: nn.Module, groups, root: bool) -> list[tuple[str, nn.M
 
 
 def _assign_params(model: nn.Module, members: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
-    """Each parameter goes to its innermost group (fully_shard runs bottom-up); ties count once."""
-    owner: dict[int, int] = {}
-    # Later (deeper, in pre-order) groups overwrite their ancestors' claim.
-    for index, (_, module) in enumerate(members):
-        for p in module.parameters():
-            prev = owner.get(id(p))
-            if prev is None or _is_ancestor(members[prev][1], module):
-                owner[id(p)] = index
+    """Each parameter goes to its innermost group, as fully_shard applied bottom-up assigns it."""
+    group_modules = {id(m) for _, m in members}
+    claimed: set[int] = set()
     params: list[list[nn.Parameter]] = [[] for _ in members]
-    seen: set[int] = set()
-    for p in model.parameters():  # parameters() order, as fully_shard lays out its buffers
-        if id(p) in owner and id(p) not in seen:
-            seen.add(id(p))
-            params[owner[id(p)]].append(p)
+    for index in reversed(range(len(members))):  # innermost (latest in pre-order) first
+        module = members[index][1]
+        for managed in schedule.managed_params((module,), lambda m: id(m) in group_modules):
+            if id(managed.param) not in claimed:
+                claimed.add(id(managed.param))
+                params[index].append(managed.param)
     return params
 
 
-def _is_ancestor(a: nn.Module, b: nn.Module) -> bool:
-    return a is not b and any(m is b for m in a.modules())
+def _frees_after_forward(members: list, root: bool, setting, world: int) -> list[bool]:
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting not in (1, world):
+        raise ValueError(f"estimate_memory: reshard_after_forward={setting} (a subgroup) is not modelled; use None, True or False")
+    return [
+        schedule.after_forward(setting, is_root=root and i == 0, shard_size=world) is schedule.AfterForward.FREE
+        for i in range(len(members))
+    ]
 
 
 def estimate_memory(
@@ -193,7 +195,7 @@ def estimate_memory(
     groups: Callable[[nn.Module], bool] | Iterable[str] | None = None,
     root: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
     optimizer: str = "adamw",
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     rank: int | None = None,
@@ -220,6 +222,7 @@ def estimate_memory(
 
     members = _group_members(model, groups, root)
     group_params = _assign_params(model, members)
+    frees = _frees_after_forward(members, root, reshard_after_forward, world)
     estimates: list[GroupEstimate] = []
     sharded_params = sharded_grads = optimizer_state = largest_param_shard = 0
     for (name, _), params in zip(members, group_params):
@@ -231,10 +234,9 @@ def estimate_memory(
                 placement = shard_placement_fn(p)
                 dim = placement.dim % p.dim() if placement is not None else 0
             layout = ShardLayout(p.shape, dim, world, rank)
-            floating = p.is_floating_point()
             elem = p.dtype.itemsize
-            param_elem = mp_policy.param_dtype.itemsize if floating and mp_policy.param_dtype else elem
-            reduce_elem = mp_policy.reduce_dtype.itemsize if floating and mp_policy.reduce_dtype else param_elem
+            param_elem = param_dtype_of(p, mp_policy).itemsize
+            reduce_elem = reduce_dtype_of(p, mp_policy).itemsize
             local = math.prod(layout.local_shape) * elem
             padded_full = world * layout.padded_shard_numel
             g.num_params += p.numel()
@@ -271,13 +273,13 @@ def estimate_memory(
         sharded_grads=sharded_grads,
         optimizer_state=optimizer_state,
         largest_param_shard=largest_param_shard,
-        peak_gathered_params=_peak_gathered(root_group, others, reshard_after_forward),
+        peak_gathered_params=_peak_gathered(root_group, others, frees[-1] if others else False),
         peak_unsharded_grads=_peak_unsharded_grads(root_group, others),
         reduce_scatter_buffers=_peak_reduce_scatter(estimates),
-        comm_bytes_per_step=_comm_per_step(root_group, others, reshard_after_forward),
+        comm_bytes_per_step=_comm_per_step(estimates, frees),
     )
     if sample_input is not None:
-        _add_step_peak(est, model, groups, root, mp_policy, reshard_after_forward, sample_input, loss_fn)
+        _add_step_peak(est, model, groups, root, mp_policy, frees, sample_input, loss_fn)
     return est
 
 
@@ -287,7 +289,7 @@ def estimate_memory(
 _OPTIMIZER_STEP_TEMPS = 2
 
 
-def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_after_forward, sample_input, loss_fn) -> None:
+def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, frees, sample_input, loss_fn) -> None:
     """Fill ``activations``/``peak`` from a meta dry run of one step (fsdp2.tools.meta_step).
 
     The peak of a step = what is held between steps (sharded params + optimizer state) plus the
@@ -311,7 +313,7 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_
     ]
     profile = dry_run_step(
         twin, [m for _, m in members], params, sizes, sample_input,
-        root=root, reshard_after_forward=reshard_after_forward, loss_fn=loss_fn,
+        frees_after_forward=frees, loss_fn=loss_fn,
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
     )
     optimizer_step = est.sharded_grads + _OPTIMIZER_STEP_TEMPS * est.largest_param_shard
@@ -320,18 +322,18 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, reshard_
     est.peak_phase = profile.peak_phase if profile.peak >= optimizer_step else "optimizer step"
 
 
-def _peak_gathered(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> int:
+def _peak_gathered(root: GroupEstimate | None, blocks: list[GroupEstimate], blocks_free: bool) -> int:
     """Largest sum of live gathered parameters + all-gather output buffers over fsdp2's schedule.
 
-    The root group unshards first and stays gathered through forward and backward. Forward
-    gathers one group at a time; during copy-out a group's all-gather output and its unsharded
-    parameters coexist (2x). Backward unshards group i and prefetches group i-1 (forward order);
-    group i may still be gathered while i-1 copies out of its buffer. Without resharding after
-    forward every group stays gathered from its forward to its backward.
+    The root group unshards first and is gathered through backward (re-gathered first thing if
+    it freed after forward). Forward gathers one group at a time; during copy-out a group's
+    all-gather output and its unsharded parameters coexist (2x). Backward unshards group i and
+    prefetches group i-1 (forward order); group i may still be gathered while i-1 copies out of
+    its buffer. Blocks that keep their parameters after forward stay gathered until backward.
     """
     base = root.gathered_bytes if root else 0
     peaks = [2 * base]
-    if reshard_after_forward:
+    if blocks_free:
         for i, g in enumerate(blocks):
             peaks.append(base + 2 * g.gathered_bytes)
             if i > 0:
@@ -352,21 +354,21 @@ def _peak_unsharded_grads(root: GroupEstimate | None, blocks: list[GroupEstimate
 
 
 def _peak_reduce_scatter(groups: list[GroupEstimate]) -> int:
-    """fsdp2 keeps at most two groups' reductions in flight and issues the third before waiting
-    on the oldest: the three largest consecutive groups' buffers (backward order)."""
+    """fsdp2 keeps up to DEFAULT_MAX_REDUCES_IN_FLIGHT groups' reductions in flight and issues the
+    next before waiting on the oldest: the largest run of that many + 1 consecutive groups'
+    buffers (backward order)."""
+    window = schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT + 1
     sizes = [g.reduce_scatter_bytes for g in reversed(groups)]
-    if len(sizes) <= 3:
+    if len(sizes) <= window:
         return sum(sizes)
-    return max(sum(sizes[i : i + 3]) for i in range(len(sizes) - 2))
+    return max(sum(sizes[i : i + window]) for i in range(len(sizes) - window + 1))
 
 
-def _comm_per_step(root: GroupEstimate | None, blocks: list[GroupEstimate], reshard_after_forward: bool) -> dict[str, int]:
-    """Buffer bytes of one forward+backward, counted as fsdp2.tools.comm_stats counts them."""
-    gathers = (2 if reshard_after_forward else 1) * sum(g.all_gather_bytes for g in blocks)
-    gathers += root.all_gather_bytes if root else 0
-    groups = ([root] if root else []) + blocks
+def _comm_per_step(groups: list[GroupEstimate], frees: list[bool]) -> dict[str, int]:
+    """Buffer bytes of one forward+backward, counted as fsdp2.tools.comm_stats counts them: a
+    group that frees after forward is gathered again in backward."""
     return {
-        "all_gather": gathers,
+        "all_gather": sum((2 if free else 1) * g.all_gather_bytes for g, free in zip(groups, frees)),
         "reduce_scatter": sum(g.reduce_scatter_input_bytes for g in groups if g.reduce_scatter_input_bytes),
         "all_reduce": 0,
     }

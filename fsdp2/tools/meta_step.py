@@ -35,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fsdp2.runtime import schedule
+
 
 @dataclass
 class GroupBytes:
@@ -113,11 +115,10 @@ class _ScheduleReplay:
     """fsdp2's unshard/reshard/reduce-scatter decisions, replayed as virtual bytes via module hooks."""
 
     def __init__(self, ledger: _Ledger, modules: list[nn.Module], params: list[list[nn.Parameter]],
-                 sizes: list[GroupBytes], root: bool, reshard_after_forward: bool):
+                 sizes: list[GroupBytes], frees_after_forward: list[bool]):
         self.ledger = ledger
         self.sizes = sizes
-        self.root_index = 0 if root else None
-        self.reshard_after_forward = reshard_after_forward
+        self.frees_after_forward = frees_after_forward
         self.gathered: set[int] = set()
         self.forward_order: list[int] = []
         self.prefetched: set[int] = set()  # all-gather buffer allocated, not yet copied out
@@ -170,7 +171,7 @@ class _ScheduleReplay:
         self._unshard(i)
 
     def _post_forward(self, i: int, output: Any) -> None:
-        if i != self.root_index and self.reshard_after_forward:
+        if self.frees_after_forward[i]:
             self._reshard(i)
         self.forward_order.append(i)  # post-forward order: backward prefetches in its reverse
         for t in tree_flatten(output)[0]:
@@ -183,9 +184,8 @@ class _ScheduleReplay:
             return
         self.in_pre_backward.add(i)
         self._unshard(i)
-        position = self.forward_order.index(i)
-        if position > 0:
-            self._prefetch(self.forward_order[position - 1])
+        for j in schedule.implicit_backward_prefetch(self.forward_order, i):
+            self._prefetch(j)
 
     def _grad_ready(self, i: int) -> None:
         self.pending[i] -= 1
@@ -200,7 +200,7 @@ class _ScheduleReplay:
             p.grad = None  # fsdp2 hands the unsharded gradient to the reduce-scatter and drops it
         self._reshard(i)
         self.reducing.append(i)
-        while len(self.reducing) > 2:
+        while len(self.reducing) > schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self.reducing.pop(0))
 
     def _finish_reduce(self, i: int) -> None:
@@ -275,14 +275,13 @@ def dry_run_step(
     sizes: list[GroupBytes],
     sample_input: tuple,
     *,
-    root: bool,
-    reshard_after_forward: bool,
+    frees_after_forward: list[bool],
     loss_fn: Callable[..., torch.Tensor] | None = None,
     cast_inputs_to: torch.dtype | None = None,
 ) -> StepProfile:
     """Forward + backward of ``model`` (a meta copy; ``modules``/``params`` its groups) on meta inputs."""
     ledger = _Ledger()
-    replay = _ScheduleReplay(ledger, modules, params, sizes, root, reshard_after_forward)
+    replay = _ScheduleReplay(ledger, modules, params, sizes, frees_after_forward)
     if cast_inputs_to is not None:  # fsdp2 casts floating inputs of each group to param_dtype
         for module in modules:
             module.register_forward_pre_hook(
