@@ -1,13 +1,15 @@
 """fsdp2: fully sharded data parallel on DTensor, a drop-in for ``torch.distributed.fsdp.fully_shard``."""
 
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from fsdp2.runtime.fully_shard import fully_shard
 from fsdp2.grad_clip import clip_grad_norm_
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.runtime.dp_mesh import DataParallelMeshDims
+from fsdp2.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from fsdp2.runtime.fully_shard import fully_shard
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUsageError",
     "MixedPrecisionPolicy",
@@ -16,4 +18,5 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

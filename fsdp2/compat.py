@@ -7,9 +7,13 @@ reading this file tells what fsdp2 assumes beyond the public API.
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
 from typing import Callable
 
 import torch
+import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -53,6 +57,21 @@ def make_dtensor(
     """A DTensor around ``local`` with the given global shape and stride, ``local`` left where it is."""
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def outside_functorch() -> contextlib.AbstractContextManager:
+    """Run FSDP's own tensor work outside any active functorch transform (``torch.func.jvp``):
+    gathered parameters are plain tensors, not wrappers of the transform's level."""
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()
+    return contextlib.nullcontext()
+
+
+def mark_fully_sharded(module: nn.Module) -> None:
+    """List ``fully_shard`` in ``module``'s composable-API registry, which PyTorch's composable
+    APIs read: ``replicate()`` then leaves the module's parameters to us."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -138,7 +138,10 @@ def local_region(value: torch.Tensor) -> Region | None:
 def local_part_like(template: DTensor, full: torch.Tensor) -> DTensor:
     """This rank's box of the full tensor ``full``, as a DTensor laid out like ``template``.
 
-    No communication: every rank slices its own box out of the full tensor it already has.
+    No communication: every rank slices its own box out of the full tensor it already has. The
+    box goes where the template's shard is, unless that is the meta device (a model built on
+    meta and loaded with ``assign=True``): then it stays where ``full`` is.
     """
     local = full[local_region(template).slices()]
-    return compat.dtensor_like(template, local.to(compat.local_tensor(template).device))
+    device = compat.local_tensor(template).device
+    return compat.dtensor_like(template, local if device.type == "meta" else local.to(device))

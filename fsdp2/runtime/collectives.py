@@ -22,10 +22,17 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
         counter.record(kind, nbytes)
 
 
+# Dtypes every backend all-gathers natively; others (float8, unsigned ints beyond uint8, bool,
+# complex) travel as their bytes, which is exact for a gather (gloo rejects float8, for one).
+_NATIVE_GATHER_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64}
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """``output`` (``group_size * input.numel()``) receives every rank's ``input`` in rank order."""
     if active_counters:
         _record("all_gather", output)
+    if output.dtype not in _NATIVE_GATHER_DTYPES:
+        output, input = output.view(torch.uint8), input.view(torch.uint8)
     return _all_gather(output, input, group=group, async_op=async_op)
 
 

@@ -273,6 +273,12 @@ def _check_compatible(owner: str, current: Mapping[str, Any], incoming: Mapping[
         raise FSDPUsageError(f"{owner}.load_state_dict: nothing was loaded:\n  " + "\n  ".join(problems))
 
 
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (pipeline-parallel model chunks) share communication streams. fsdp2
+    already uses one set of streams per device for every root, so this only checks its input."""
+    _states_of(modules, "share_comm_ctx")
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>()`` unshard/reshard like ``forward`` does (e.g. ``generate``).
 

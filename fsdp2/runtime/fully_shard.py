@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -90,6 +91,7 @@ def fully_shard(
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
+        compat.mark_fully_sharded(m)
     _register_state_dict_hooks(group)
     return module
 

@@ -145,19 +145,20 @@ class FSDPState:
     # and tracing them would only add graph breaks and recompilations.
     @torch._dynamo.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.root is None:
-            self.lazy_init()
-        if self.root.in_backward:
-            # Activation-checkpoint recompute: gather (a no-op after this group's pre-backward)
-            # and nothing else. Its forward may stop early, so it is not tracked as a forward.
-            self.group.unshard()
-        elif not self._modules_to_run:  # the first of this group's modules in this forward
-            self._modules_to_run = set(self.modules)
-            try:
-                self._begin_group_forward()
-            except BaseException:
-                self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
-                raise
+        with compat.outside_functorch():
+            if self.root is None:
+                self.lazy_init()
+            if self.root.in_backward:
+                # Activation-checkpoint recompute: gather (a no-op after this group's pre-backward)
+                # and nothing else. Its forward may stop early, so it is not tracked as a forward.
+                self.group.unshard()
+            elif not self._modules_to_run:  # the first of this group's modules in this forward
+                self._modules_to_run = set(self.modules)
+                try:
+                    self._begin_group_forward()
+                except BaseException:
+                    self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
+                    raise
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
@@ -181,9 +182,10 @@ class FSDPState:
         if module in self._modules_to_run:
             self._modules_to_run.discard(module)
             if not self._modules_to_run:
-                if self.is_root:
-                    self.root.end_forward()  # before the root joins the order: it is first in backward
-                self._end_group_forward()
+                with compat.outside_functorch():
+                    if self.is_root:
+                        self.root.end_forward()  # before the root joins the order: it is first in backward
+                    self._end_group_forward()
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return output

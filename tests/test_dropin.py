@@ -1,0 +1,495 @@
+"""Drop-in: fsdp2 behaves like PyTorch's FSDP2 wherever a user or a library can tell.
+
+Behaviours are checked side by side: the same model is built twice from one seed, one copy
+sharded by ``torch.distributed.fsdp.fully_shard`` and one by ``fsdp2.fully_shard``, and both
+train on the same batches in the same gloo world. Losses and parameters must be bitwise equal
+and the collectives issued (counted by DTensor's ``CommDebugMode``, which sees every c10d call
+of both) must match. Defects are checked against an unsharded reference where PyTorch is not
+the point.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp2.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
+
+
+# -- side-by-side harness ---------------------------------------------------------------------------
+
+
+def _mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _shard_blocks_then_root(model, fully_shard, **kwargs):
+    mesh = _mesh()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _twins(build, shard):
+    """(PyTorch-sharded, fsdp2-sharded) copies of one model built from one seed."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(0)
+    base = build()
+    theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
+    shard(theirs, torch_fully_shard)
+    shard(ours, fully_shard)
+    return theirs, ours
+
+
+def _batch(step, rank, ws, cfg=CFG):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (2 * ws, cfg.seq_len + 1), generator=g)
+    local = tokens[2 * rank : 2 * rank + 2]
+    return local[:, :-1], local[:, 1:]
+
+
+def _step(model, opt, step, rank, ws, loss_fn=None):
+    """One training step; returns (loss, {collective: count})."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x, y = _batch(step, rank, ws)
+    with CommDebugMode() as comm:
+        loss = loss_fn(model, x, y) if loss_fn else model.loss(x, y)
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _assert_same_params(theirs, ours):
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+        assert torch.equal(_full(a), _full(b)), f"parameter {name} differs from PyTorch FSDP2"
+
+
+def _train_side_by_side(theirs, ours, rank, ws, steps=3, loss_fn=None, optimizer=torch.optim.AdamW, before_step=None):
+    their_opt, our_opt = optimizer(theirs.parameters(), lr=1e-2), optimizer(ours.parameters(), lr=1e-2)
+    for step in range(steps):
+        if before_step is not None:
+            before_step(theirs, step)
+            before_step(ours, step)
+        their_loss, their_comm = _step(theirs, their_opt, step, rank, ws, loss_fn)
+        our_loss, our_comm = _step(ours, our_opt, step, rank, ws, loss_fn)
+        assert torch.equal(their_loss, our_loss), (step, their_loss.item(), our_loss.item())
+        assert their_comm == our_comm, (step, their_comm, our_comm)
+        _assert_same_params(theirs, ours)
+
+
+# -- behaviour to match PyTorch 2.13 ------------------------------------------------------------------
+
+
+def _default_and_root_resharding(rank, ws):
+    from torch.distributed.tensor import DTensor
+
+    for setting in (None, True, False, 2):
+        kwargs = {} if setting is None else {"reshard_after_forward": setting}
+        theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, **kwargs))
+        _train_side_by_side(theirs, ours, rank, ws, steps=2)
+        x, y = _batch(9, rank, ws)
+        ours.loss(x, y)  # a grad-enabled forward: what stays gathered for backward?
+        theirs.loss(x, y)
+        for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+            assert isinstance(a, DTensor) == isinstance(b, DTensor), (setting, name)
+        root_kept = not isinstance(dict(ours.named_parameters())["lm_head.weight"], DTensor)
+        assert root_kept == (setting in (None, False)), setting
+        ours.reshard()
+        theirs.reshard()
+
+
+def test_reshard_after_forward_default_none_and_root_like_pytorch(worlds):
+    """None (the 2.13 default) keeps only the root gathered; True/int reshard the root too."""
+    worlds.run(2, _default_and_root_resharding)
+
+
+def _list_of_modules(rank, ws):
+    def shard(model, fully_shard):
+        mesh = _mesh()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard([model.ln_f, model.lm_head], mesh=mesh)  # torchtitan's [norm, output] group
+        fully_shard(model, mesh=mesh)
+
+    theirs, ours = _twins(lambda: GPT(CFG), shard)
+    assert ours.ln_f._fsdp_state is ours.lm_head._fsdp_state
+    _train_side_by_side(theirs, ours, rank, ws)
+
+
+def test_list_of_modules_is_one_group(worlds):
+    worlds.run(2, _list_of_modules)
+
+
+def _policies(rank, ws):
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp2
+
+    assert fsdp2.MixedPrecisionPolicy is torch_fsdp.MixedPrecisionPolicy
+    assert fsdp2.CPUOffloadPolicy is torch_fsdp.CPUOffloadPolicy
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+
+
+def test_pytorch_policy_objects_are_accepted(worlds):
+    worlds.run(2, _policies)
+
+
+def _divide_factor(rank, ws):
+    def before(model, step):
+        if step == 0:
+            model.set_force_sum_reduction_for_comms(True)  # PyTorch's PREMUL_SUM does not exist on gloo
+            model.set_gradient_divide_factor(1.0)  # on the root only: not recursive in PyTorch
+
+    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    _train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD, before_step=before)
+
+
+def test_gradient_divide_factor_is_not_recursive(worlds):
+    worlds.run(2, _divide_factor)
+
+
+def _last_backward_before_forward(rank, ws):
+    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    for model in (theirs, ours):
+        model.set_is_last_backward(False)  # 1F1B microbatching sets it before the first forward
+    x, y = _batch(0, rank, ws)
+    for model in (theirs, ours):
+        model.loss(x, y).backward()
+        model.set_is_last_backward(True)
+        model.loss(x, y).backward()
+    _assert_same_params(theirs, ours)
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+        assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
+
+
+def test_set_is_last_backward_before_first_forward(worlds):
+    worlds.run(2, _last_backward_before_forward)
+
+
+def _k_then_true(rank, ws):
+    from fsdp2.runtime.param_group import GroupState
+
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=2))
+    for model in (theirs, ours):
+        model.set_reshard_after_forward(True)
+    group = ours.blocks[0]._fsdp_state.group
+    x, y = _batch(0, rank, ws)
+    loss = ours.loss(x, y)
+    assert group.state == GroupState.SHARDED  # no 1/k copy kept any more
+    loss.backward()
+    theirs.loss(x, y).backward()  # the same extra gradients on both sides
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+
+
+def test_set_reshard_after_forward_true_drops_the_kth_copy(worlds):
+    worlds.run(4, _k_then_true)
+
+
+class _CheckpointedGPT(GPT):
+    def forward(self, tokens):
+        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.lm_head(self.ln_f(x))
+
+
+def _prefetch_with_checkpointing(rank, ws):
+    def shard(model, fully_shard):
+        _shard_blocks_then_root(model, fully_shard)
+        blocks = list(model.blocks)
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+
+    theirs, ours = _twins(lambda: _CheckpointedGPT(CFG), shard)
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+
+
+def test_forward_prefetch_with_activation_checkpointing_gathers_like_pytorch(worlds):
+    """The recompute in backward must not issue forward prefetches again (18 vs 12 gathers)."""
+    worlds.run(2, _prefetch_with_checkpointing)
+
+
+def _api_surface():
+    import inspect
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp2
+
+    public = lambda cls: {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}  # noqa: E731
+    missing = public(torch_fsdp.FSDPModule) - public(fsdp2.FSDPModule)
+    signatures = {}
+    for name in public(torch_fsdp.FSDPModule):
+        if name in missing:
+            continue
+        theirs = inspect.signature(getattr(torch_fsdp.FSDPModule, name))
+        ours = inspect.signature(getattr(fsdp2.FSDPModule, name))
+        if [(p.name, p.kind, p.default) for p in theirs.parameters.values()] != [
+            (p.name, p.kind, p.default) for p in ours.parameters.values()
+        ]:
+            signatures[name] = (str(theirs), str(ours))
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours = inspect.signature(fsdp2.fully_shard).parameters
+    args = [(n, p.kind, p.default) for n, p in theirs.items()] == [(n, p.kind, p.default) for n, p in ours.items()]
+    # FSDP2's exports, told from FSDP1's by the module that defines them.
+    fsdp2_names = {n for n in torch_fsdp.__all__ if getattr(getattr(torch_fsdp, n), "__module__", "").startswith(
+        ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp._composable"))}
+    fsdp2_names |= {"fully_shard", "FSDPModule", "MixedPrecisionPolicy"}
+    exports = {n for n in fsdp2_names if n in torch_fsdp.__all__ and not hasattr(fsdp2, n)}
+    return missing, signatures, args, exports
+
+
+def test_api_matches_the_installed_pytorch():
+    """Every public FSDPModule method and fully_shard argument of the installed torch exists in
+    fsdp2 with the same signature: a torch release that adds one fails here."""
+    missing, signatures, args_match, exports = _api_surface()
+    assert not missing, f"FSDPModule methods PyTorch has and fsdp2 lacks: {sorted(missing)}"
+    assert not signatures, f"signatures differ from PyTorch's: {signatures}"
+    assert args_match, "fully_shard's parameters differ from PyTorch's"
+    assert not exports, f"torch.distributed.fsdp exports fsdp2 lacks: {sorted(exports)}"
+    import fsdp2
+
+    assert callable(fsdp2.fully_shard.state)
+
+
+# -- defects --------------------------------------------------------------------------------------------
+
+
+def _to_dtype(rank, ws):
+    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    for model in (theirs, ours):
+        model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in ours.parameters())
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    # and a bf16 model moved back to fp32
+    theirs, ours = _twins(lambda: GPT(CFG).to(torch.bfloat16), _shard_blocks_then_root)
+    for model in (theirs, ours):
+        model.to(torch.float32)
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+
+
+def test_module_to_dtype_after_fully_shard(worlds):
+    worlds.run(2, _to_dtype)
+
+
+def _replaced_params(rank, ws):
+    """Meta init -> fully_shard -> load_state_dict(assign=True), the rank-0-broadcast flow."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(0)
+    full = GPT(CFG).state_dict()
+
+    def build():
+        with torch.device("meta"):
+            return GPT(CFG)
+
+    theirs, ours = _twins(build, _shard_blocks_then_root)
+    for model in (theirs, ours):
+        current = model.state_dict()
+        sharded = {k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in current.items()}
+        model.load_state_dict(sharded, assign=True)
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in ours.parameters())
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    # fsdp2 also takes full tensors with assign=True (each rank keeps its own box).
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    model = _shard_blocks_then_root(meta, fully_shard)
+    model.load_state_dict(full, assign=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), full[name]), name
+    # A parameter assigned by hand before the first forward is used too.
+    model.lm_head.weight = nn.Parameter(distribute_tensor(torch.zeros(67, 36), _mesh(), [Shard(0)]))
+    x, _ = _batch(0, rank, ws)
+    assert torch.count_nonzero(model(x)) == 0
+
+
+def test_parameters_replaced_after_fully_shard_are_used(worlds):
+    worlds.run(2, _replaced_params)
+
+
+def _state_dict_while_unsharded(rank, ws):
+    from torch.distributed.tensor import DTensor
+
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=False))
+    x, y = _batch(0, rank, ws)
+    for model in (theirs, ours):
+        model.loss(x, y)  # grad-enabled forward, no backward: everything stays gathered
+    sd_theirs, sd_ours = theirs.state_dict(), ours.state_dict()
+    assert all(isinstance(v, DTensor) for v in sd_ours.values()), [k for k, v in sd_ours.items() if not isinstance(v, DTensor)]
+    for key, value in sd_theirs.items():
+        assert torch.equal(value.full_tensor(), sd_ours[key].full_tensor()), key
+
+
+def test_state_dict_while_unsharded_returns_dtensors(worlds):
+    worlds.run(2, _state_dict_while_unsharded)
+
+
+@dataclasses.dataclass
+class _Features:
+    h: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Activation:
+    x: torch.Tensor
+    inner: _Features  # nested
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self, d=12):
+        super().__init__()
+        self.l = nn.Linear(d, d)
+
+    def forward(self, a):
+        x = a.inner.h if isinstance(a, _Activation) else a
+        y = torch.tanh(self.l(x))
+        return _Activation(y, _Features(y * 2))
+
+
+class _DataclassModel(nn.Module):
+    def __init__(self, d=12):
+        super().__init__()
+        self.blocks = nn.ModuleList(_DataclassBlock(d) for _ in range(3))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.inner.h)
+
+    def loss(self, x, y):
+        return (self(x.float() / 67) - y.float().mean(-1, keepdim=True)).square().mean()
+
+
+def _dataclass_activations(rank, ws):
+    # The tokens are floats here: 16 of them feed a 12-wide model through a slice.
+    def loss_fn(model, x, y):
+        return model.loss(x[:, :12], y)
+
+    theirs, ours = _twins(_DataclassModel, lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=True))
+    _train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
+
+
+def test_dataclass_activations_between_blocks(worlds):
+    worlds.run(2, _dataclass_activations)
+
+
+def _jvp(rank, ws):
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model = copy.deepcopy(reference)
+    fully_shard(model[0], mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    x, v = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        out, tangent = torch.func.jvp(model, (x,), (v,))
+    ref_out, ref_tangent = torch.func.jvp(reference, (x,), (v,))
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(tangent, ref_tangent)
+
+
+def test_torch_func_jvp_through_fsdp_modules(worlds):
+    worlds.run(2, _jvp)
+
+
+class _Float8Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.codebook = nn.Parameter(torch.randn(6, 8).to(torch.float8_e4m3fn), requires_grad=False)
+        self.l = nn.Linear(8, 6)
+
+    def forward(self, x):
+        return self.l(x) + x @ self.codebook.to(torch.float32).t()
+
+
+def _frozen_float8(rank, ws):
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(0)
+    reference = _Float8Frozen()
+    model = fully_shard(copy.deepcopy(reference), mesh=_mesh())
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    model(x).sum().backward()
+    assert model.codebook.grad is None and model.l.weight.grad is not None
+
+
+def test_frozen_float8_parameter_gathers_over_gloo(worlds):
+    worlds.run(2, _frozen_float8)
+
+
+def _replicate_over_fsdp(rank, ws):
+    from torch.distributed._composable.replicate import replicate
+
+    def shard(model, fully_shard):
+        mesh = _mesh()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        replicate(model)  # DDP for the root's own parameters
+
+    theirs, ours = _twins(lambda: GPT(CFG), shard)
+    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+
+
+def test_replicate_wrapping_fsdp_modules(worlds):
+    worlds.run(2, _replicate_over_fsdp)
+
+
+# -- launching ----------------------------------------------------------------------------------------
+
+
+def test_mesh_none_without_process_group_initializes_from_the_environment(tmp_path):
+    """As PyTorch: no mesh and no process group -> init_process_group() from env:// (torchrun's
+    variables); without them a clear error that names torchrun."""
+    script = textwrap.dedent(
+        """
+        import sys, torch.nn as nn, torch.distributed as dist
+        from fsdp2 import fully_shard, FSDPUsageError
+        if sys.argv[1] == "env":
+            m = fully_shard(nn.Linear(4, 4))
+            print("initialized", dist.is_initialized(), dist.get_world_size(), type(m).__name__)
+        else:
+            try:
+                fully_shard(nn.Linear(4, 4))
+            except FSDPUsageError as e:
+                print("error", "torchrun" in str(e))
+        """
+    )
+    path = tmp_path / "launch.py"
+    path.write_text(script)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base["PYTHONPATH"] = os.getcwd()
+    env = dict(base, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", LOCAL_RANK="0")
+    ok = subprocess.run([sys.executable, str(path), "env"], env=env, capture_output=True, text=True, timeout=120)
+    assert "initialized True 1 FSDPLinear" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, str(path), "none"], env=base, capture_output=True, text=True, timeout=120)
+    assert "error True" in bad.stdout, bad.stderr[-2000:]
