@@ -113,7 +113,9 @@ class JsonCodec:
         if isinstance(value, np.generic):
             return {_NUMPY_TAG: {"dtype": dtype.name, "value": value.item()}}
         # Native byte order and contiguous, as safetensors stores it; same dtype name back.
-        array = np.ascontiguousarray(value, dtype=dtype.newbyteorder("="))
+        array = np.asarray(value, dtype=dtype.newbyteorder("="), order="C")  # keeps 0-d arrays 0-d
+        if not array.flags.writeable:
+            array = array.copy()  # torch.from_numpy warns about read-only arrays
         return {_NUMPY_TAG: {"tensor": self._add_tensor(torch.from_numpy(array), path)[_TENSOR_TAG]}}
 
 

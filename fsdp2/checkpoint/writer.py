@@ -309,11 +309,25 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Gathered (unsharded) fsdp2 groups are resharded first; values do not change.
     """
     path = os.fspath(path)
-    pending = _pending.get(_pending_key(path))
-    if pending is not None:  # every rank of the job has the same pending save: all refuse
+    if _pending_key(path) in _pending:  # every rank of the job has the same pending save: all refuse
         raise CheckpointError(
             f"an async save to {path} is still pending: call wait() on its handle (every rank) before "
             "saving there again; nothing was changed")
+    job = _prepare(path, model, optimizer, extra, rank_extra)
+    if async_save:
+        # Copies: training may keep updating parameters while the thread writes.
+        for s in job.shards:
+            s.data = s.data.to("cpu", copy=True)
+        _pending[_pending_key(path)] = job
+        return AsyncSave(job)
+    job.write()
+    job.commit()
+    return None
+
+
+def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None,
+             rank_extra: Any) -> _SaveJob:
+    """Step 1 of the commit protocol (collective): what to write, the generation, the staging dir."""
     rank, world = _dist.rank_and_world()
     directory = CheckpointDir(path)
     lock = SaveLock(path) if rank == 0 else None
@@ -338,6 +352,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             os.makedirs(path, exist_ok=True)
             lock.acquire()
             locked = True
+            now = directory.manifest()
+            if (now.generation if now is not None else 0) != generation - 1:
+                raise CheckpointError(f"{path} changed while this save was being prepared (another job saved "
+                                      "into it); save again, or into a directory of this job's own")
             directory.begin(generation)
     except BaseException as e:
         prepare_error = e
@@ -347,21 +365,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             directory.discard(generation)
             lock.release()
         failed_rank, reason = failure
-        where = "" if failed_rank == rank else f" (failed on rank {failed_rank})"
         if isinstance(prepare_error, CheckpointError) and failed_rank == rank:
             raise prepare_error
+        where = "" if failed_rank == rank else f" (failed on rank {failed_rank})"
         raise CheckpointError(f"could not prepare {path} for saving{where}: {reason}; nothing was "
                               "changed") from prepare_error
-
-    if async_save:
-        # Copies: training may keep updating parameters while the thread writes.
-        for s in shards:
-            s.data = s.data.to("cpu", copy=True)
-    job = _SaveJob(directory, shards, known, objects, rank_object, rank, world, generation, previous,
-                   lock if locked else None)
-    if async_save:
-        _pending[_pending_key(path)] = job
-        return AsyncSave(job)
-    job.write()
-    job.commit()
-    return None
+    return _SaveJob(directory, shards, known, objects, rank_object, rank, world, generation, previous,
+                    lock if locked else None)
