@@ -32,7 +32,7 @@ def first_failure(error: BaseException | str | None) -> tuple[int, str] | None:
     Every rank must call it at the same point of its program.
     """
     rank, world = rank_and_world()
-    message = None if error is None else (error if isinstance(error, str) else _describe(error))
+    message = None if error is None else ((error if isinstance(error, str) else _describe(error)) or "failed")
     if world == 1:
         return None if message is None else (0, message)
     device = _flag_device()
@@ -49,7 +49,7 @@ def first_failure(error: BaseException | str | None) -> tuple[int, str] | None:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     buffer = buffer.to(device)
     dist.broadcast(buffer, src=failed)
-    return failed, bytes(buffer.cpu().tolist()).decode("utf-8", "replace")
+    return failed, buffer.cpu().numpy().tobytes().decode("utf-8", "replace")
 
 
 def _describe(error: BaseException) -> str:

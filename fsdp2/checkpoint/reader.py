@@ -161,9 +161,9 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -
         raise CheckpointError(f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; "
                               "pass strict=False to ignore them")
     stats.missing_keys, stats.unexpected_keys = missing, unexpected
-    loaded = {}
+    loaded, skip = {}, set(missing)
     for fqn, value in sd.items():
-        if fqn in missing:
+        if fqn in skip:
             continue
         key = model_key(fqn)
         entry = plan.manifest.tensors[key]
