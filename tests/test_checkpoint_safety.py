@@ -25,8 +25,7 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, lock
 from fsdp2.checkpoint.consolidate import consolidate
-from tests.ckpt_helpers import assert_same_state, full_state, make_model, mesh_1d, shard
-from tests.test_checkpoint_resume import _full_optim_state
+from tests.ckpt_helpers import assert_same_state, full_optim_state, full_state, make_model, mesh_1d, shard
 
 
 def _tree(path) -> dict[str, int]:
@@ -111,7 +110,7 @@ def _load_into_unsharded_groups(rank, ws, path):
     _gpt_step(saved, saved_opt, rank)
     saved(torch.randint(0, 32, (2, 8)))  # skipped (NaN) loss: forward, no backward; root stays gathered
     ck.save(path, saved, saved_opt, extra={"step": 1})
-    expected, expected_opt = full_state(saved), _full_optim_state(saved, saved_opt)
+    expected, expected_opt = full_state(saved), full_optim_state(saved, saved_opt)
 
     results = {}
     for case in ("forward_without_backward", "exception_in_child_forward"):
@@ -131,7 +130,7 @@ def _load_into_unsharded_groups(rank, ws, path):
                 pass
             del model.blocks[1].mlp.forward
         assert ck.load(path, model, opt) == {"step": 1}
-        got, got_opt = full_state(model), _full_optim_state(model, opt)
+        got, got_opt = full_state(model), full_optim_state(model, opt)
         results[case] = (all(torch.equal(expected[k], got[k]) for k in expected)
                          and got_opt.keys() == expected_opt.keys()
                          and all(torch.equal(expected_opt[k], got_opt[k]) for k in expected_opt))
