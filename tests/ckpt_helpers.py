@@ -52,6 +52,18 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_optim_state(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Full copies of an optimizer's state as ``<param fqn>/<name>``; collective for DTensor state."""
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            out[f"{names[id(p)]}/{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
 def assert_same_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:

@@ -172,9 +172,9 @@ def test_rank_killed_during_save_keeps_previous_checkpoint(worlds, tmp_path, cra
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["generation"] == 1  # the new save was not published
     leftovers = set(os.listdir(path)) - {"manifest.json", "gen-000001"}
-    assert leftovers and all(n.startswith("gen-000002") or n.endswith(".tmp") for n in leftovers)
+    assert leftovers and all(n.startswith("gen-000002") or n.endswith((".tmp", ".lock")) for n in leftovers)
     assert_same_state(worlds.run(2, _load_values, path)[0], full_state(make_model(0)))
-    # the next save cleans up after the interrupted one
+    # the next save takes over the dead saver's lock and cleans up after the interrupted save
     worlds.run(2, _save_then_crash, path, "none")
     assert sorted(os.listdir(path)) == ["gen-000003", "manifest.json"]
 

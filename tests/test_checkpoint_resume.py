@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.ckpt_helpers import assert_same_state, full_state, make_model, mesh_1d, shard
+from tests.ckpt_helpers import assert_same_state, full_optim_state, full_state, make_model, mesh_1d, shard
 
 
 def _train(model, optimizer, steps, first_step, rank):
@@ -58,18 +58,7 @@ def _save_optimizer(rank, ws, path):
     opt = _make_opt(model)
     _train(model, opt, 2, 0, rank)
     ck.save(path, model, opt)
-    return _full_optim_state(model, opt)
-
-
-def _full_optim_state(model, opt):
-    from torch.distributed.tensor import DTensor
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"{names[id(p)]}/{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
-    return out
+    return full_optim_state(model, opt)
 
 
 def _load_optimizer_resharded(rank, ws, path):
@@ -79,7 +68,7 @@ def _load_optimizer_resharded(rank, ws, path):
     opt = _make_opt(model)
     _train(model, opt, 1, 50, rank)  # existing state gets overwritten in place of the old
     ck.load(path, model, opt)
-    return _full_optim_state(model, opt)
+    return full_optim_state(model, opt)
 
 
 def _async_save(rank, ws, path):

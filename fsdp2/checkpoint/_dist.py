@@ -1,13 +1,16 @@
-"""The few collectives checkpointing uses: rank info and an all-ranks-agree flag.
+"""The few collectives checkpointing uses: rank info and an all-ranks-agree check.
 
-No tensor data and no pickled objects ever cross ranks; a one-element all-reduce
-doubles as the barrier and lets every rank learn whether any rank failed.
+No tensor data and no pickled objects ever cross ranks. A one-element all-reduce doubles as
+the barrier and tells every rank whether any rank failed; only then is the failing rank's
+message (UTF-8 bytes in a tensor) broadcast, so every rank can report the real reason.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+_MAX_MESSAGE_BYTES = 4096
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -23,10 +26,32 @@ def _flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_ok(ok: bool) -> bool:
-    """Barrier that returns True only if ``ok`` is True on every rank."""
-    if rank_and_world()[1] == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_flag_device())
+def first_failure(error: BaseException | str | None) -> tuple[int, str] | None:
+    """Barrier: None if no rank passed an error, else (lowest failing rank, its message).
+
+    Every rank must call it at the same point of its program.
+    """
+    rank, world = rank_and_world()
+    message = None if error is None else ((error if isinstance(error, str) else _describe(error)) or "failed")
+    if world == 1:
+        return None if message is None else (0, message)
+    device = _flag_device()
+    flag = torch.tensor([rank if message is not None else world], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    failed = int(flag.item())
+    if failed == world:
+        return None
+    data = message.encode("utf-8", "replace")[:_MAX_MESSAGE_BYTES] if rank == failed else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=failed)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if rank == failed and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, src=failed)
+    return failed, buffer.cpu().numpy().tobytes().decode("utf-8", "replace")
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return text if text else type(error).__name__

@@ -3,25 +3,28 @@
 inspect      what a checkpoint holds: tensors, shapes, dtypes, chunks, file sizes
 verify       checksums of every file, every chunk present, chunks tile each tensor
 consolidate  full tensors as Hugging Face style sharded safetensors + index.json,
-             one tensor in memory at a time
+             one tensor in memory at a time; --config copies config.json and
+             tokenizer files so that from_pretrained loads the folder
+
+Bad input (a damaged or crafted checkpoint, a missing file) prints "error: ..." and
+exits 2; verify exits 1 when it found problems.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import sys
 from typing import Sequence
 
-import torch
-
+from .consolidate import DTYPES, consolidate
 from .errors import CheckpointError
-from .format import TensorEntry, safetensors_dtype
+from .format import safetensors_dtype
+from .paths import checkpoint_file
 from .reader import read_manifest
-from .safetensors_io import SafetensorsStreamWriter, TensorSpec, file_crc32
+from .safetensors_io import file_crc32
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -55,18 +58,29 @@ def cmd_inspect(args) -> int:
         print(f"  {name}  {_human(f.size)}  crc32={f.crc32}")
     print(f"tensors ({len(m.tensors)}):")
     for key, t in m.tensors.items():
-        print(f"  {key}  {t.dtype}{list(t.shape)}  {_human(t.nbytes)}  {len(t.chunks)} chunk(s)")
+        try:
+            size = _human(t.nbytes)
+        except CheckpointError:
+            size = "unknown dtype"
+        print(f"  {key}  {t.dtype}{list(t.shape)}  {size}  {len(t.chunks)} chunk(s)")
         if args.chunks:
             for c in t.chunks:
                 print(f"      {c.file}[{c.key}] offsets={list(c.offsets)} shape={list(c.shape)}")
     optim = m.objects.get("optimizer")
-    if optim is not None:
-        print(f"optimizer: {len(optim['param_groups'])} param group(s), state for {len(optim['state'])} param(s)")
-        for i, g in enumerate(optim["param_groups"]):
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            print(f"  group {i}: {len(g['params'])} params, {json.dumps(hyper)}")
+    groups = optim.get("param_groups") if isinstance(optim, dict) else None
+    if isinstance(groups, list) and isinstance(optim.get("state"), dict):
+        kind = f" ({optim['type']})" if isinstance(optim.get("type"), str) else ""
+        print(f"optimizer: {len(groups)} param group(s), state for {len(optim['state'])} param(s){kind}")
+        for i, g in enumerate(groups):
+            if isinstance(g, dict):
+                hyper = {k: v for k, v in g.items() if k != "params"}
+                print(f"  group {i}: {len(g.get('params') or [])} params, {json.dumps(hyper)}")
+    elif optim is not None:
+        print("optimizer: malformed entry in the manifest")
     if "extra" in m.objects:
         print(f"extra: {json.dumps(m.objects['extra'])[:400]}")
+    if isinstance(m.objects.get("rank_extra"), dict):
+        print(f"rank_extra: saved by {len(m.objects['rank_extra'])} rank(s)")
     return 0
 
 
@@ -96,9 +110,10 @@ def verify_checkpoint(path: str) -> list[str]:
         for c in t.chunks:
             chunks_by_file.setdefault(c.file, []).append((t, c))
     for name, expected in m.files.items():
-        full = os.path.join(path, name)
-        if not os.path.exists(full):
-            problems.append(f"{full}: missing")
+        try:
+            full = checkpoint_file(path, name)  # a regular file inside the checkpoint
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
         size = os.path.getsize(full)
         if size != expected.size:
@@ -138,76 +153,15 @@ def cmd_verify(args) -> int:
 # ---------------------------------------------------------------- consolidate
 
 
-def _assemble(path: str, entry: TensorEntry, handle) -> torch.Tensor:
-    """The full tensor, filled chunk by chunk from the rank files."""
-    out = torch.empty(entry.shape, dtype=entry.torch_dtype)
-    for c in entry.chunks:
-        part = handle(c.file).get_tensor(c.key)
-        out[c.region.slices()] = part
-        del part
-    return out
-
-
-def _plan_output_files(entries: list[tuple[str, TensorEntry]], max_bytes: int) -> list[list]:
-    groups: list[list] = [[]]
-    size = 0
-    for name, entry in entries:
-        if groups[-1] and size + entry.nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, entry))
-        size += entry.nbytes
-    return groups
-
-
-def consolidate(path: str, out: str, max_shard_size: int = 2 * 10**9, include_all: bool = False,
-                verify: bool = True) -> dict:
-    """Write full tensors in Hugging Face sharded layout; returns the index dict."""
-    from safetensors import safe_open
-
-    m = read_manifest(path)
-    if verify:
-        problems = verify_checkpoint(path)
-        if problems:
-            raise CheckpointError(f"{path} failed verification: {problems[0]} (and {len(problems) - 1} more)")
-    else:
-        m.validate()
-    if include_all:
-        entries = sorted(m.tensors.items())
-    else:
-        entries = sorted((k.removeprefix("model/"), t) for k, t in m.tensors.items() if k.startswith("model/"))
-    groups = _plan_output_files(entries, max_shard_size)
-    os.makedirs(out, exist_ok=True)
-    weight_map, total = {}, 0
-    with contextlib.ExitStack() as stack:
-        handles = {}
-
-        def handle(rel):
-            if rel not in handles:
-                handles[rel] = stack.enter_context(safe_open(os.path.join(path, rel), framework="pt"))
-            return handles[rel]
-
-        for i, group in enumerate(groups):
-            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            writer = SafetensorsStreamWriter(os.path.join(out, fname),
-                                             [TensorSpec(n, e.torch_dtype, e.shape) for n, e in group],
-                                             metadata={"format": "pt"})
-            for name, entry in group:
-                writer.write(_assemble(path, entry, handle))  # one full tensor in RAM at a time
-                weight_map[name] = fname
-                total += entry.nbytes
-            writer.close()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-    return index
-
-
 def cmd_consolidate(args) -> int:
-    index = consolidate(args.path, args.out, args.max_shard_size, args.all, not args.no_verify)
+    index = consolidate(args.path, args.out, args.max_shard_size, args.all, not args.no_verify,
+                        config=args.config, dtype=args.dtype, overwrite=args.overwrite)
     files = sorted(set(index["weight_map"].values()))
     print(f"wrote {len(index['weight_map'])} tensors ({_human(index['metadata']['total_size'])}) "
           f"in {len(files)} file(s) to {args.out}")
+    if args.config is None:
+        print("note: no config.json written; pass --config (the model's config.json or its Hugging Face "
+              "folder) to make the folder loadable with from_pretrained")
     return 0
 
 
@@ -233,6 +187,11 @@ def _parser() -> argparse.ArgumentParser:
     con.add_argument("--all", action="store_true",
                      help="include optimizer and extra tensors under their checkpoint keys")
     con.add_argument("--no-verify", action="store_true", help="skip checksum verification first")
+    con.add_argument("--config", metavar="PATH",
+                     help="the model's config.json, or its Hugging Face folder (config and tokenizer files "
+                          "are copied), so that from_pretrained(OUT) loads the result")
+    con.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point tensors (and the config)")
+    con.add_argument("--overwrite", action="store_true", help="replace weight files already in OUT")
     con.set_defaults(run=cmd_consolidate)
     return p
 
@@ -241,6 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ from .errors import CheckpointError
 FORMAT_NAME = "fsdp2-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_OBJECT_DEPTH = 128  # nesting of "objects"; deeper would exhaust Python's recursion limit
 
 
 def generation_dir(generation: int) -> str:
@@ -133,7 +134,7 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: dict) -> "Chunk":
-        return cls(d["file"], d["key"], tuple(d["offsets"]), tuple(d["shape"]))
+        return cls(str(d["file"]), str(d["key"]), _sizes(d["offsets"]), _sizes(d["shape"]))
 
 
 @dataclass
@@ -155,7 +156,7 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorEntry":
-        return cls(tuple(d["shape"]), d["dtype"], [Chunk.from_json(c) for c in d["chunks"]])
+        return cls(_sizes(d["shape"]), str(d["dtype"]), [Chunk.from_json(c) for c in d["chunks"]])
 
 
 @dataclass
@@ -200,16 +201,18 @@ class Manifest:
                     f"{where} has format version {d.get('version')}; this fsdp2 reads version "
                     f"{FORMAT_VERSION}: upgrade fsdp2 to load it")
             return cls(
-                generation=int(d["generation"]),
-                world_size=int(d["world_size"]),
-                files={k: FileEntry(int(v["size"]), str(v["crc32"])) for k, v in d["files"].items()},
+                generation=_count(d["generation"]),
+                world_size=_count(d["world_size"]),
+                files={k: FileEntry(_count(v["size"]), str(v["crc32"])) for k, v in d["files"].items()},
                 tensors={k: TensorEntry.from_json(v) for k, v in d["tensors"].items()},
-                objects=d.get("objects", {}),
+                objects=_objects(d.get("objects", {})),
             )
         except CheckpointError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             raise CheckpointError(f"{where} is malformed ({type(e).__name__}: {e})") from e
+        except RecursionError:
+            raise CheckpointError(f"{where} is malformed (nested too deeply)") from None
 
     def validate_files(self) -> None:
         for name in self.files:
@@ -228,3 +231,30 @@ class Manifest:
                 if c.file not in self.files:
                     raise CheckpointError(f"chunk of {key!r} refers to unlisted file {c.file!r}")
             check_tiling(key, entry.shape, [c.region for c in entry.chunks])
+
+
+def _count(value) -> int:
+    """A manifest number that must be a non-negative integer (not 1.5, 1e400, true or "3")."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _sizes(values) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise ValueError(f"{values!r} is not a list of sizes")
+    return tuple(_count(v) for v in values)
+
+
+def _objects(objects) -> dict:
+    """The manifest's "objects", after checking it is a dict nested at most MAX_OBJECT_DEPTH deep."""
+    if not isinstance(objects, dict):
+        raise ValueError(f"objects is a {type(objects).__name__}, not a dict")
+    level, depth = [objects], 0
+    while level:
+        depth += 1
+        if depth > MAX_OBJECT_DEPTH:
+            raise ValueError(f"objects are nested deeper than {MAX_OBJECT_DEPTH} levels")
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(c, (dict, list))]
+    return objects

@@ -6,8 +6,10 @@ from its *target* DTensors (any mesh, any world size, or a plain tensor = the
 whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk through
 ``safe_open(...).get_slice(key)[...]``, so bytes read ≈ bytes owned.
 
-Failure safety: everything is read into fresh tensors and all ranks agree that
-reading succeeded before any model parameter or optimizer state is overwritten.
+Failure safety: everything is checked, read into fresh tensors and decoded (optimizer
+state, ``extra``) first, and all ranks agree that this succeeded, before any model
+parameter or optimizer state is overwritten. Gathered (unsharded) fsdp2 groups are
+resharded before planning, as PyTorch's ``load_state_dict`` does; that changes no value.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +30,12 @@ from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 
+from .directory import CheckpointDir
 from .format import MANIFEST_NAME, Manifest, TensorEntry, safetensors_dtype
+from .paths import checkpoint_file
 from .safetensors_io import file_crc32
-from .state import decode, model_key, optimizer_param_fqns, tensor_refs
+from .state import (decode, first_meta_tensor, model_key, optimizer_param_fqns, optimizer_type, reshard_model,
+                    tensor_refs)
 
 
 @dataclass
@@ -41,20 +47,32 @@ class LoadStats:
     bytes_verified: int = 0   # bytes read to verify checksums (0 with verify=False)
     files_read: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # With strict=False: model keys the checkpoint lacks (left as they were) and checkpoint
+    # keys the model lacks (ignored), as nn.Module.load_state_dict reports them.
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
 
 
 def read_manifest(path: str) -> Manifest:
-    manifest_path = os.path.join(path, MANIFEST_NAME)
+    """The published manifest of the checkpoint at ``path``, or a ``CheckpointError`` saying why not."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    if not os.path.exists(manifest_path):
-        partial = sorted(n for n in os.listdir(path) if n.endswith(".partial"))
-        hint = f" (found unfinished save data {partial})" if partial else ""
+    directory = CheckpointDir(path)
+    manifest = directory.manifest()
+    if manifest is not None:
+        return manifest
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    leftovers = directory.leftovers()
+    if leftovers:
         raise CheckpointError(
-            f"{manifest_path} is missing: {path} is not a complete checkpoint{hint}. A save was "
-            "probably interrupted before it was published; load an earlier checkpoint or save again.")
-    with open(manifest_path) as f:
-        return Manifest.from_json(f.read(), manifest_path)
+            f"{manifest_path} is missing: {path} is not a complete checkpoint (found save data {leftovers} "
+            "without a manifest). A save was probably interrupted before it was published; load an earlier "
+            "checkpoint or save again.")
+    names = os.listdir(path)
+    hint = (" It holds safetensors files: if it is a consolidated or Hugging Face folder, read it with "
+            "safetensors or transformers." if any(n.endswith(".safetensors") for n in names) else "")
+    raise CheckpointError(f"{path} is not an fsdp2 checkpoint: it has no {MANIFEST_NAME} and no fsdp2 save "
+                          f"data.{hint}")
 
 
 @dataclass
@@ -118,26 +136,69 @@ def _check_like(path: str, key: str, entry: TensorEntry, value: torch.Tensor) ->
             f"convert the model (e.g. model.to({entry.torch_dtype})) before loading, then cast")
 
 
-def _plan_model(plan: _Plan, model: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+def _refuse_meta(path: str, model: nn.Module) -> None:
+    name = first_meta_tensor(model)
+    if name is not None:
+        raise CheckpointError(
+            f"{path}: cannot load into {name}: it is on the meta device (it has no storage), so nothing would "
+            "be loaded. Call model.to_empty(device=...) first (and initialize what the checkpoint does not "
+            "hold, e.g. non-persistent buffers), then load")
+
+
+def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -> dict[str, torch.Tensor]:
+    """The model's state dict entries to fill (strict=False: those the checkpoint has)."""
     sd = model.state_dict()
+    missing = [fqn for fqn in sd if model_key(fqn) not in plan.manifest.tensors]
+    if missing and strict:
+        raise CheckpointError(
+            f"{plan.path}: checkpoint has no tensor {model_key(missing[0])!r}"
+            f"{f' (and {len(missing) - 1} more model keys)' if len(missing) > 1 else ''}. Is it the checkpoint "
+            "of this model? Pass strict=False to load the rest and keep these as they are")
+    expected = {model_key(f) for f in sd}
+    unexpected = sorted(k.removeprefix("model/") for k in plan.manifest.tensors
+                        if k.startswith("model/") and k not in expected)
+    if unexpected and strict:
+        raise CheckpointError(f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; "
+                              "pass strict=False to ignore them")
+    stats.missing_keys, stats.unexpected_keys = missing, unexpected
+    loaded, skip = {}, set(missing)
     for fqn, value in sd.items():
+        if fqn in skip:
+            continue
         key = model_key(fqn)
-        entry = plan.entry(key, "Is it the checkpoint of this model?")
+        entry = plan.manifest.tensors[key]
         _check_like(plan.path, key, entry, value)
         plan.add(key, entry, _target_region(value), transient=True)
-    if strict:
-        expected = {model_key(f) for f in sd}
-        unexpected = sorted(k for k in plan.manifest.tensors if k.startswith("model/") and k not in expected)
-        if unexpected:
-            raise CheckpointError(f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; "
-                                  "pass strict=False to ignore them")
-    return sd
+        loaded[fqn] = value
+    return loaded
+
+
+def _malformed(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {what} in the manifest is malformed; the checkpoint is damaged or was "
+                           "not written by fsdp2, load an earlier one")
+
+
+def _check_optimizer_layout(path: str, saved: Any) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not (isinstance(groups, list) and isinstance(saved.get("state"), dict) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
+            for g in groups)):
+        raise _malformed(path, "the optimizer state")
+    for fqn, state in saved["state"].items():
+        if not isinstance(state, dict):
+            raise _malformed(path, f"the optimizer state of {fqn!r}")
 
 
 def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     saved = plan.manifest.objects.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{plan.path} holds no optimizer state; load it with optimizer=None")
+    _check_optimizer_layout(plan.path, saved)
+    saved_type, now_type = saved.get("type"), optimizer_type(optimizer)
+    if saved_type is not None and saved_type != now_type:
+        raise CheckpointError(
+            f"{plan.path} holds {saved_type} state but the optimizer is a {now_type}; create a {saved_type}, or "
+            "load the model alone (optimizer=None) and start the new optimizer from scratch")
     current = optimizer_param_fqns(model, optimizer)
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(current) or any(
@@ -145,14 +206,18 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
         raise CheckpointError(
             f"{plan.path}: optimizer param groups differ from the saved ones (saved "
             f"{[len(g['params']) for g in saved_groups]} params per group, now {[len(c) for c in current]}); "
-            "create the optimizer with the same param groups as when saving")
+            "create the optimizer with the same param groups as when saving (to fine-tune with new "
+            "parameters, load the model with strict=False and optimizer=None)")
+    in_groups = {fqn for group in current for fqn in group}
     params = dict(model.named_parameters())
     for fqn, encoded in saved["state"].items():
-        if fqn not in params:
-            raise CheckpointError(f"{plan.path}: optimizer state for unknown parameter {fqn!r}")
+        if fqn not in in_groups:
+            where = "a parameter of none of the optimizer's param groups" if fqn in params else "an unknown parameter"
+            raise CheckpointError(f"{plan.path}: optimizer state for {where}, {fqn!r}; the checkpoint is "
+                                  "damaged, load an earlier one")
         param = params[fqn]
         prefix = f"optim/state/{fqn}/"
-        for key in tensor_refs(encoded):
+        for key in tensor_refs(encoded, f"{plan.path}: optimizer state of {fqn!r}"):
             entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
             name = key[len(prefix):]
             existing = optimizer.state.get(param, {}).get(name)
@@ -169,28 +234,39 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
                 plan.dtensor_templates[key] = template
             else:
                 plan.add(key, entry, Region.whole(entry.shape))
-    for group in saved_groups:
-        for key in tensor_refs(group):
+    for gi, group in enumerate(saved_groups):
+        for key in tensor_refs(group, f"{plan.path}: optimizer param group {gi}"):
             entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
             plan.add(key, entry, Region.whole(entry.shape))
     return saved
 
 
-def _plan_extra(plan: _Plan) -> Any:
-    encoded = plan.manifest.objects.get("extra")
-    for key in tensor_refs(encoded):
+def _plan_objects(plan: _Plan, encoded: Any, where: str) -> Any:
+    """Plan the tensors an encoded object refers to (whole); checks its structure."""
+    for key in tensor_refs(encoded, f"{plan.path}: {where}"):
         entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
         plan.add(key, entry, Region.whole(entry.shape))
     return encoded
 
 
+def _plan_rank_extra(plan: _Plan, rank: int, world: int) -> Any:
+    """This rank's saved ``rank_extra`` (encoded), or None if there is none for it."""
+    saved = plan.manifest.objects.get("rank_extra")
+    if saved is None:
+        return None
+    if not isinstance(saved, dict):
+        raise _malformed(plan.path, "rank_extra")
+    if plan.manifest.world_size != world:
+        warnings.warn(f"{plan.path} was saved by {plan.manifest.world_size} ranks and is loaded by {world}: "
+                      "per-rank extras cannot be matched to ranks, so load returns None for them", stacklevel=3)
+        return None
+    return _plan_objects(plan, saved.get(str(rank)), f"rank_extra of rank {rank}")
+
+
 def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats) -> None:
     for rel in files:
-        full = os.path.join(plan.path, rel)
+        full = checkpoint_file(plan.path, rel)  # a regular file inside the checkpoint, or raises
         expected = plan.manifest.files[rel]
-        if not os.path.exists(full):
-            raise CheckpointError(f"{full} is missing; the checkpoint is incomplete, restore the file or "
-                                  "load an earlier checkpoint")
         size = os.path.getsize(full)
         if size != expected.size:
             raise CheckpointError(f"{full} is {size} bytes but the manifest says {expected.size}: the file "
@@ -211,7 +287,7 @@ def _read_targets(plan: _Plan, stats: LoadStats) -> None:
 
         def handle(rel: str):
             if rel not in handles:
-                full = os.path.join(plan.path, rel)
+                full = checkpoint_file(plan.path, rel)
                 try:
                     handles[rel] = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
                 except Exception as e:
@@ -243,8 +319,19 @@ def _read_targets(plan: _Plan, stats: LoadStats) -> None:
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
 
 
+@dataclass
+class _Restored:
+    """Everything ``load`` applies, computed before anything is modified."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (model tensor, value read)
+    optimizer_state: dict | None
+    extra: Any
+    rank_extra: Any
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         verify: bool = True, strict: bool = True, stats: LoadStats | None = None) -> Any:
+         verify: bool = True, strict: bool = True, stats: LoadStats | None = None,
+         return_rank_extra: bool = False) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``); returns the saved ``extra``.
 
     Works for any saving/loading world sizes and meshes (reshard on load) and for
@@ -252,60 +339,88 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     ``verify`` checks the CRC32 of every file this rank reads before anything is
     modified (set False to skip the extra read). On any ``CheckpointError`` the
     model and optimizer are unchanged. Pass a ``LoadStats`` to get byte counts.
+    ``strict=False`` loads what the checkpoint has: model keys it lacks stay as they
+    are and checkpoint keys the model lacks are ignored (both listed in
+    ``stats.missing_keys`` / ``stats.unexpected_keys``, missing ones also warned about).
+    ``return_rank_extra=True`` returns ``(extra, rank_extra)``: this rank's
+    ``rank_extra`` from ``save``, or None when the world size changed (with a warning)
+    or none was saved.
     """
     path = os.fspath(path)
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
+    rank, world = _dist.rank_and_world()
     error: BaseException | None = None
     try:
+        reshard_model(model)
+        _refuse_meta(path, model)
         manifest = read_manifest(path)
         plan = _Plan(path, manifest)
-        model_sd = _plan_model(plan, model, strict)
+        model_sd = _plan_model(plan, model, strict, stats)
         saved_optim = _plan_optimizer(plan, model, optimizer) if optimizer is not None else None
-        encoded_extra = _plan_extra(plan)
+        encoded_extra = _plan_objects(plan, manifest.objects.get("extra"), "extra")
+        encoded_rank_extra = _plan_rank_extra(plan, rank, world) if return_rank_extra else None
         manifest.validate(plan.targets.keys())
         files = plan.needed_files()
         stats.files_read = files
         _verify_files(plan, files, verify, stats)
         _read_targets(plan, stats)
+        restored = _restore(plan, model, model_sd, optimizer, saved_optim, encoded_extra, encoded_rank_extra)
     except CheckpointError as e:
         error = e
     except Exception as e:  # anything unforeseen still goes through the all-ranks agreement
         error = CheckpointError(f"loading {path} failed: {e!r}")
         error.__cause__ = e
-    # Nobody modifies anything unless every rank read everything it needs.
-    if not _dist.all_ok(error is None):
+    # Nobody modifies anything unless every rank read and decoded everything it needs.
+    failure = _dist.first_failure(error)
+    if failure is not None:
         stats.seconds = time.perf_counter() - start
         if error is not None:
             raise error
-        raise CheckpointError(f"loading {path} failed on another rank (see its error); nothing was changed")
+        raise CheckpointError(f"loading {path} failed on another rank (rank {failure[0]}: {failure[1]}); "
+                              "nothing was changed")
+    if stats.missing_keys:
+        warnings.warn(f"load({path}, strict=False): the checkpoint has no value for {len(stats.missing_keys)} "
+                      f"model key(s), left as they were: {stats.missing_keys[:10]}", stacklevel=2)
+    if optimizer is not None:
+        optimizer.load_state_dict(restored.optimizer_state)  # builds its new state, then swaps it in
+    with torch.no_grad():
+        for dest, value in restored.copies:
+            dest.copy_(value)
+    stats.seconds = time.perf_counter() - start
+    return (restored.extra, restored.rank_extra) if return_rank_extra else restored.extra
 
+
+def _restore(plan: _Plan, model: nn.Module, model_sd: dict[str, torch.Tensor],
+             optimizer: torch.optim.Optimizer | None, saved_optim: dict | None, encoded_extra: Any,
+             encoded_rank_extra: Any) -> _Restored:
     tensors = {}
     for key, t in plan.targets.items():
         template = plan.dtensor_templates.get(key)
-        tensors[key] = compat.dtensor_like(template, t.buffer.to(compat.local_tensor(template).device)) if template is not None else t.buffer
-    with torch.no_grad():
-        for fqn, value in model_sd.items():
-            target = plan.targets.get(model_key(fqn))
-            if target is None:
-                continue
-            dest = value.to_local() if isinstance(value, DTensor) else value
-            dest.copy_(target.buffer)
-    if optimizer is not None:
-        _load_optimizer(optimizer, model, saved_optim, tensors)
-    stats.seconds = time.perf_counter() - start
-    return decode(encoded_extra, tensors.__getitem__)
+        tensors[key] = (compat.dtensor_like(template, t.buffer.to(compat.local_tensor(template).device))
+                        if template is not None else t.buffer)
+    copies = []
+    for fqn, value in model_sd.items():
+        dest = value.to_local() if isinstance(value, DTensor) else value
+        copies.append((dest, plan.targets[model_key(fqn)].buffer))
+    optimizer_state = (_optimizer_state_dict(plan.path, optimizer, model, saved_optim, tensors)
+                       if optimizer is not None else None)
+    return _Restored(copies, optimizer_state, decode(encoded_extra, tensors.__getitem__, f"{plan.path}: extra"),
+                     decode(encoded_rank_extra, tensors.__getitem__, f"{plan.path}: rank_extra"))
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict,
-                    tensors: dict[str, torch.Tensor]) -> None:
+def _optimizer_state_dict(path: str, optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict,
+                          tensors: dict[str, torch.Tensor]) -> dict:
+    """The ``optimizer.load_state_dict`` argument: saved state under the current parameter ids."""
     current = optimizer.state_dict()["param_groups"]
     fqn_groups = optimizer_param_fqns(model, optimizer)
     fqn_to_id = {fqn: pid for g, fqns in zip(current, fqn_groups) for pid, fqn in zip(g["params"], fqns)}
-    state = {fqn_to_id[fqn]: decode(s, tensors.__getitem__) for fqn, s in saved["state"].items()}
+    state = {fqn_to_id[fqn]: decode(s, tensors.__getitem__, f"{path}: optimizer state of {fqn!r}")
+             for fqn, s in saved["state"].items()}
     groups = []
-    for g, now in zip(saved["param_groups"], current):
-        hyper = decode({k: v for k, v in g.items() if k != "params"}, tensors.__getitem__)
+    for gi, (g, now) in enumerate(zip(saved["param_groups"], current)):
+        hyper = decode({k: v for k, v in g.items() if k != "params"}, tensors.__getitem__,
+                       f"{path}: optimizer param group {gi}")
         # State is keyed by the current ids, so keep the current order (same set, checked).
         groups.append({**hyper, "params": now["params"]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}

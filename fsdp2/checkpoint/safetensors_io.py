@@ -96,6 +96,11 @@ class SafetensorsStreamWriter:
             os.fsync(self._file.fileno())
         self._file.close()
 
+    def abort(self) -> None:
+        """Close the file after a failed write (the caller deletes it)."""
+        if not self._file.closed:
+            self._file.close()
+
     @property
     def crc_hex(self) -> str:
         return f"{self.crc & 0xFFFFFFFF:08x}"

@@ -3,30 +3,36 @@
 Commit protocol (why a reader never sees a half-written checkpoint):
 
 1. All ranks read the current ``manifest.json`` (if any) to agree, without talking,
-   on the next generation number ``g``. Rank 0 clears leftovers of interrupted
-   saves and creates ``PATH/gen-g.partial/``; barrier.
+   on the next generation number ``g``. Rank 0 takes the directory's save lock
+   (lock.py), clears what interrupted saves left and creates ``PATH/gen-g.partial/``
+   (directory.py); barrier.
 2. Each rank writes ``rank-XXXXX.safetensors`` (its local shards, replicas written
    once) and a JSON sidecar with the file's size, CRC32 and chunk list into the
    staging dir, each fsynced.
-3. Barrier that also tells every rank whether all writes succeeded.
+3. Barrier that also tells every rank whether all writes succeeded. If one failed
+   (a full disk), rank 0 deletes the staging dir: the disk is not left full.
 4. Rank 0 reads the sidecars, checks that chunks tile every tensor, renames
    ``gen-g.partial`` -> ``gen-g``, writes ``manifest.json.tmp``, fsyncs it and
    atomically ``os.replace``s it over ``manifest.json``. That rename is the commit:
    before it the old manifest (and its ``gen-(g-1)`` data, untouched) is the
-   checkpoint; after it the new one is. Only then are old generations deleted.
+   checkpoint; after it the new one is. Only then is the old generation deleted.
 5. Final barrier, so ``save`` returns on every rank after the checkpoint is visible.
+   Every failure is reported on every rank with the failing rank's reason.
 
 A rank that dies before step 4 leaves the old checkpoint intact and the new data
-in a ``*.partial`` directory that no manifest references.
+in a ``*.partial`` directory that no manifest references; the next save deletes it.
+One process never runs two saves into one directory: a second ``save`` while an async
+save to the same path is pending is refused before anything is touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,10 +43,11 @@ from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 
-from .format import (MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir,
-                     rank_file_name)
-from .safetensors_io import SafetensorsStreamWriter, TensorSpec, fsync_dir
-from .state import flatten
+from .directory import CheckpointDir
+from .format import Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir, rank_file_name
+from .lock import SaveLock
+from .safetensors_io import SafetensorsStreamWriter, TensorSpec
+from .state import first_meta_tensor, flatten, reshard_model
 
 _CRASH_ENV = "FSDP2_CKPT_TEST_CRASH"  # "<stage>:<rank>", test-only fault injection
 
@@ -107,36 +114,33 @@ def plan_local_shards(tensors: dict[str, torch.Tensor], rank: int) -> tuple[list
     return shards, known
 
 
-def _read_generation(path: str) -> int:
-    manifest = os.path.join(path, MANIFEST_NAME)
-    if not os.path.exists(manifest):
-        return 0
-    with open(manifest) as f:
-        return Manifest.from_json(f.read(), manifest).generation
+def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[LocalShard], dict]:
+    """This rank's own ``rank_extra`` tensors: written whole, by this rank."""
+    shards, known = [], {}
+    for key, value in sorted(tensors.items()):
+        known[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+        if value.numel():
+            shards.append(LocalShard(key, tuple(value.shape), value.dtype, Region.whole(value.shape),
+                                     value.detach()))
+    return shards, known
 
 
-def _clear_leftovers(path: str, keep_generation: int) -> None:
-    """Delete data of interrupted saves and of superseded generations (rank 0 only)."""
-    keep = generation_dir(keep_generation)
-    for name in os.listdir(path):
-        if name.startswith("gen-") and name != keep:
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-    tmp = os.path.join(path, MANIFEST_NAME + ".tmp")
-    if os.path.exists(tmp):
-        os.remove(tmp)
-
-
-def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: dict) -> None:
+def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object) -> None:
     name = rank_file_name(rank)
     writer = SafetensorsStreamWriter(
         os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards])
-    for s in shards:
-        writer.write(s.data)
-    writer.close(fsync=True)
+    try:
+        for s in shards:
+            writer.write(s.data)
+        writer.close(fsync=True)
+    except BaseException:
+        writer.abort()  # close it, so deleting the partial file frees the space
+        raise
     sidecar = {
         "file": name, "size": writer.size, "crc32": writer.crc_hex, "tensors": known,
         "chunks": [{"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape)}
                    for s in shards],
+        "rank_extra": rank_object,
     }
     tmp = os.path.join(staging, f"rank-{rank:05d}.json.tmp")
     with open(tmp, "w") as f:
@@ -148,7 +152,7 @@ def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: d
 
 def _build_manifest(staging: str, generation: int, world: int, objects: dict) -> Manifest:
     gen = generation_dir(generation)
-    files, tensors = {}, {}
+    files, tensors, rank_extras = {}, {}, {}
     for rank in range(world):
         sidecar_path = os.path.join(staging, f"rank-{rank:05d}.json")
         with open(sidecar_path) as f:
@@ -162,80 +166,118 @@ def _build_manifest(staging: str, generation: int, world: int, objects: dict) ->
                                       f"{meta['shape']}/{meta['dtype']} (rank {rank})")
         for c in side["chunks"]:
             tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"])))
+        if side.get("rank_extra") is not None:
+            rank_extras[str(rank)] = side["rank_extra"]
+    if rank_extras:
+        objects = {**objects, "rank_extra": rank_extras}
     manifest = Manifest(generation, world, files, tensors, objects)
     manifest.validate()  # every tensor exactly tiled, or we refuse to publish
     return manifest
 
 
-def _publish(path: str, staging: str, generation: int, world: int, objects: dict) -> None:
-    manifest = _build_manifest(staging, generation, world, objects)
-    for rank in range(world):
-        os.remove(os.path.join(staging, f"rank-{rank:05d}.json"))
-    final = os.path.join(path, generation_dir(generation))
-    os.rename(staging, final)
-    fsync_dir(path)
-    tmp = os.path.join(path, MANIFEST_NAME + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    _maybe_crash("before_publish", 0)
-    os.replace(tmp, os.path.join(path, MANIFEST_NAME))  # the commit point
-    fsync_dir(path)
-    _clear_leftovers(path, keep_generation=generation)
+def _sidecar_names(world: int) -> list[str]:
+    return [f"rank-{rank:05d}.json" for rank in range(world)]
+
+
+class _Stage(Enum):
+    WRITING = auto()    # this rank's files are being written (async: by the writer thread)
+    WRITTEN = auto()    # written (or failed writing); the collective commit comes next
+    COMMITTED = auto()  # published on every rank
+    FAILED = auto()     # nothing published; the error is kept and raised again by wait()
+
+
+# Saves that were started with async_save=True and not yet committed, by directory.
+_pending: dict[str, "_SaveJob"] = {}
+
+
+def _pending_key(path: str) -> str:
+    return os.path.realpath(path)
 
 
 class _SaveJob:
     """One save in progress: the write phase (any thread) and the commit (collective)."""
 
-    def __init__(self, path: str, shards: list[LocalShard], known: dict, objects: dict | None,
-                 rank: int, world: int, generation: int):
-        self.path, self.shards, self.known, self.objects = path, shards, known, objects
-        self.rank, self.world, self.generation = rank, world, generation
-        self.staging = os.path.join(path, generation_dir(generation) + ".partial")
+    def __init__(self, directory: CheckpointDir, shards: list[LocalShard], known: dict, objects: dict | None,
+                 rank_object, rank: int, world: int, generation: int, previous: Manifest | None,
+                 lock: SaveLock | None):
+        self.directory, self.shards, self.known, self.objects = directory, shards, known, objects
+        self.rank_object = rank_object
+        self.rank, self.world, self.generation, self.previous = rank, world, generation, previous
+        self.lock = lock  # rank 0 only
+        self.path = directory.path
+        self.staging = directory.staging(generation)
         self.error: BaseException | None = None
+        self.stage = _Stage.WRITING
 
     def write(self) -> None:
         try:
-            _write_rank_file(self.staging, self.rank, self.shards, self.known)
+            _write_rank_file(self.staging, self.rank, self.shards, self.known, self.rank_object)
         except BaseException as e:  # reported to all ranks in commit()
             self.error = e
         self.shards = []  # drop snapshots as soon as they are on disk
+        self.stage = _Stage.WRITTEN
         _maybe_crash("after_write", self.rank)
 
     def commit(self) -> None:
-        if not _dist.all_ok(self.error is None):
-            if self.error is not None:
-                raise CheckpointError(f"writing {self.staging} failed on rank {self.rank}: {self.error}; "
-                                      "nothing was published, the previous checkpoint is intact") from self.error
-            raise CheckpointError(f"save to {self.path} failed on another rank (see its error); nothing "
-                                  "was published, the previous checkpoint is intact")
+        """Publish (collective). Raises ``CheckpointError`` on every rank if any rank failed."""
+        try:
+            self._commit()
+            self.stage = _Stage.COMMITTED
+        except BaseException as e:
+            self.stage, self.error = _Stage.FAILED, e
+            raise
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            _pending.pop(_pending_key(self.path), None)
+
+    def _commit(self) -> None:
+        failure = _dist.first_failure(self.error)
+        if failure is not None:
+            if self.rank == 0:  # every rank has stopped writing: free the disk
+                self.directory.discard(self.generation)
+            rank, reason = failure
+            raise CheckpointError(f"writing {self.staging} failed on rank {rank}: {reason}; nothing was "
+                                  "published, the previous checkpoint is intact") from self.error
         publish_error = None
         if self.rank == 0:
             try:
-                _publish(self.path, self.staging, self.generation, self.world, self.objects or {})
+                self._publish()
             except BaseException as e:
                 publish_error = e
-        if not _dist.all_ok(publish_error is None):
-            raise CheckpointError(f"publishing {self.path} failed on rank 0: {publish_error}; the previous "
-                                  "checkpoint is intact") from publish_error
+                self.directory.discard(self.generation)
+        failure = _dist.first_failure(publish_error)
+        if failure is not None:
+            raise CheckpointError(f"publishing {self.path} failed on rank 0: {failure[1]}; nothing was "
+                                  "published, the previous checkpoint is intact") from publish_error
+
+    def _publish(self) -> None:
+        """Rank 0. Raises only before the commit point (so a failure means nothing was published)."""
+        manifest = _build_manifest(self.staging, self.generation, self.world, self.objects or {})
+        for name in _sidecar_names(self.world):
+            os.remove(os.path.join(self.staging, name))
+        self.directory.promote(self.generation)
+        self.directory.stage_manifest(manifest)
+        _maybe_crash("before_publish", 0)
+        self.directory.commit_manifest()
+        self.directory.retire(self.previous, keep=self.generation)
 
 
 class AsyncSave:
     """Handle of an ``async_save=True`` save.
 
     The files are written by a background thread that only does disk I/O. The
-    commit needs collectives (two one-element all-reduces), so it runs in
-    ``wait()``, on the caller's thread, never racing the training loop's own
-    collectives. Every rank must call ``wait()`` at the same point of its program
-    (e.g. right before the next ``save`` or at the end of training).
+    commit needs collectives, so it runs in ``wait()``, on the caller's thread, never
+    racing the training loop's own collectives. Every rank must call ``wait()`` at the
+    same point of its program (e.g. right before the next ``save`` or at the end of
+    training). Until then the save is pending: another ``save`` to the same path is
+    refused. ``wait()`` raises the save's error on every call once it failed.
     """
 
     def __init__(self, job: _SaveJob):
         self._job = job
         self._thread = threading.Thread(target=job.write, name="fsdp2-checkpoint-writer", daemon=True)
         self._thread.start()
-        self._done = False
 
     def done_writing(self) -> bool:
         """True once this rank's files are on disk (``wait()`` is then quick)."""
@@ -243,49 +285,90 @@ class AsyncSave:
 
     def wait(self) -> None:
         """Finish writing and publish the checkpoint (collective across ranks)."""
-        if self._done:
+        job = self._job
+        if job.stage == _Stage.COMMITTED:
             return
+        if job.stage == _Stage.FAILED:
+            raise CheckpointError(f"the async save to {job.path} failed: {job.error}") from job.error
         self._thread.join()
-        self._done = True
-        self._job.commit()
+        job.commit()
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, *, async_save: bool = False) -> AsyncSave | None:
+         extra: dict | None = None, *, rank_extra: Any = None, async_save: bool = False) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``, ``extra``) to the checkpoint directory ``path``.
 
     Collective: when torch.distributed is initialized every rank must call it.
     Each rank writes only the shards it holds; nothing is sent between ranks.
-    ``extra`` holds JSON values and (plain) tensors; rank 0's copy is saved.
+    ``extra`` holds JSON values, (plain) tensors and numpy numbers and arrays; rank 0's
+    copy is saved. ``rank_extra`` (same kinds of values) is saved for every rank and
+    comes back to the same rank from ``load(..., return_rank_extra=True)`` when the
+    world size is unchanged (e.g. per-rank RNG states).
     With ``async_save=True`` local shards are copied to CPU now, written by a
     background thread, and the returned handle's ``wait()`` (collective) commits.
+    Gathered (unsharded) fsdp2 groups are resharded first; values do not change.
     """
     path = os.fspath(path)
-    rank, world = _dist.rank_and_world()
-    flat = flatten(model, optimizer, extra)
-    shards, known = plan_local_shards(flat.tensors, rank)
-    objects = json.loads(json.dumps(flat.objects)) if rank == 0 else None  # snapshot, JSON-checked
-
-    prepare_error = None
-    generation = 0
-    try:
-        generation = _read_generation(path) + 1
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-            _clear_leftovers(path, keep_generation=generation - 1)
-            os.makedirs(os.path.join(path, generation_dir(generation) + ".partial"))
-    except BaseException as e:
-        prepare_error = e
-    if not _dist.all_ok(prepare_error is None):
-        raise CheckpointError(f"could not prepare {path} for saving: {prepare_error or 'failed on another rank'}")
-
+    if _pending_key(path) in _pending:  # every rank of the job has the same pending save: all refuse
+        raise CheckpointError(
+            f"an async save to {path} is still pending: call wait() on its handle (every rank) before "
+            "saving there again; nothing was changed")
+    job = _prepare(path, model, optimizer, extra, rank_extra)
     if async_save:
         # Copies: training may keep updating parameters while the thread writes.
-        for s in shards:
+        for s in job.shards:
             s.data = s.data.to("cpu", copy=True)
-    job = _SaveJob(path, shards, known, objects, rank, world, generation)
-    if async_save:
+        _pending[_pending_key(path)] = job
         return AsyncSave(job)
     job.write()
     job.commit()
     return None
+
+
+def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None,
+             rank_extra: Any) -> _SaveJob:
+    """Step 1 of the commit protocol (collective): what to write, the generation, the staging dir."""
+    rank, world = _dist.rank_and_world()
+    directory = CheckpointDir(path)
+    lock = SaveLock(path) if rank == 0 else None
+    prepare_error, locked = None, False
+    generation, previous = 0, None
+    shards, known, objects, rank_object = [], {}, None, None
+    try:
+        reshard_model(model)
+        meta = first_meta_tensor(model)
+        if meta is not None:
+            raise CheckpointError(f"cannot save: {meta} is on the meta device and has no values; "
+                                  "materialize the model (to_empty + initialization or a load) first")
+        flat = flatten(model, optimizer, extra, rank_extra, rank)
+        shards, known = plan_local_shards(flat.tensors, rank)
+        own_shards, own_known = plan_rank_tensors(flat.rank_tensors)
+        shards, known = shards + own_shards, {**known, **own_known}
+        objects = json.loads(json.dumps(flat.objects)) if rank == 0 else None  # snapshot, JSON-checked
+        rank_object = json.loads(json.dumps(flat.rank_object)) if flat.rank_object is not None else None
+        previous = directory.manifest()
+        generation = (previous.generation if previous is not None else 0) + 1
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+            lock.acquire()
+            locked = True
+            now = directory.manifest()
+            if (now.generation if now is not None else 0) != generation - 1:
+                raise CheckpointError(f"{path} changed while this save was being prepared (another job saved "
+                                      "into it); save again, or into a directory of this job's own")
+            directory.begin(generation)
+    except BaseException as e:
+        prepare_error = e
+    failure = _dist.first_failure(prepare_error)
+    if failure is not None:
+        if locked:
+            directory.discard(generation)
+            lock.release()
+        failed_rank, reason = failure
+        if isinstance(prepare_error, CheckpointError) and failed_rank == rank:
+            raise prepare_error
+        where = "" if failed_rank == rank else f" (failed on rank {failed_rank})"
+        raise CheckpointError(f"could not prepare {path} for saving{where}: {reason}; nothing was "
+                              "changed") from prepare_error
+    return _SaveJob(directory, shards, known, objects, rank_object, rank, world, generation, previous,
+                    lock if locked else None)
