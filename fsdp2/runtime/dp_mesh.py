@@ -127,9 +127,12 @@ class DataParallelMesh:
 
     @property
     def device(self) -> torch.device:
-        if self.mesh.device_type == "cpu":
-            return torch.device("cpu")
-        return torch.device(self.mesh.device_type, torch.get_device_module(self.mesh.device_type).current_device())
+        """The device parameters are gathered and computed on: the mesh's, this process's index."""
+        device_type = self.mesh.device_type
+        module = getattr(torch, device_type, None)
+        if device_type == "cpu" or not hasattr(module, "current_device"):
+            return torch.device(device_type)
+        return torch.device(device_type, module.current_device())
 
     def placements(self, shard_dim: int) -> tuple:
         """DTensor placements of a parameter sharded on ``shard_dim`` on this mesh."""

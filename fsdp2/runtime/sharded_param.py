@@ -151,6 +151,7 @@ class ShardedParam:
         registered one over (a DTensor sharded like ours, or the full tensor, which we shard),
         put it in every place the parameter is tied to, and follow its dtype.
         """
+        self._flat_shard_of = self._flat_shard = None
         current = self.slots[0].current()
         if current is not self.sharded_param and current is not self.unsharded_param:
             self.sharded_param = self._adopt(current)
@@ -204,8 +205,9 @@ class ShardedParam:
         padded_inside = self.layout.dim != 0 and self.layout.local_rows < self.layout.chunk
         if padded_inside or not shard.is_contiguous():
             return self.layout.shard_rows(slot), shard  # not a flat prefix of the slot
-        # Cached: the shard tensor (or its storage, under swap_tensors) changes only on _apply.
-        if self._flat_shard_of is not shard or self._flat_shard.data_ptr() != shard.data_ptr():
+        # Cached: the shard tensor changes only in refresh() (after _apply or a load), which
+        # drops the cache; swap_tensors keeps the object but swaps its storage under it.
+        if self._flat_shard_of is not shard:
             self._flat_shard_of, self._flat_shard = shard, shard.reshape(-1)
         numel = self._flat_shard.numel()
         return (slot if numel == slot.numel() else slot[:numel]), self._flat_shard
