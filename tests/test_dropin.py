@@ -277,6 +277,39 @@ def test_api_matches_the_installed_pytorch():
     assert callable(fsdp2.fully_shard.state)
 
 
+def _named_mesh_dims(rank, ws):
+    """dp_mesh_dims names the data-parallel dims of a whole mesh; fsdp2 then shards exactly as
+    with the mesh slice passed directly (bitwise). PyTorch 2.13 ties dp_mesh_dims to DTensor
+    parameters on the full SPMD mesh, so this is checked against the slice, not side by side."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import DataParallelMeshDims, fully_shard
+
+    for names, shape, dims, dp_names in [
+        (("dp", "other"), (ws, 1), DataParallelMeshDims(shard="dp"), "dp"),
+        (("rep", "shard"), (2, ws // 2), DataParallelMeshDims(shard="shard", replicate="rep"), ("rep", "shard")),
+    ]:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        torch.manual_seed(0)
+        base = GPT(CFG)
+        sliced, named = copy.deepcopy(base), copy.deepcopy(base)
+        for module in [*sliced.blocks, sliced]:
+            fully_shard(module, mesh=mesh[dp_names])
+        for module in [*named.blocks, named]:
+            fully_shard(module, mesh=mesh, dp_mesh_dims=dims)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (sliced, named)]
+        for step in range(2):
+            losses = [_step(m, o, step, rank, ws)[0] for m, o in zip((sliced, named), opts)]
+            assert torch.equal(losses[0], losses[1]), (dims, step)
+        _assert_same_params(sliced, named)
+    with pytest.raises(Exception, match="not in the mesh"):
+        fully_shard(GPT(CFG), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="nope"))
+
+
+def test_dp_mesh_dims_name_the_data_parallel_dims(worlds):
+    worlds.run(4, _named_mesh_dims)
+
+
 # -- defects --------------------------------------------------------------------------------------------
 
 
@@ -493,3 +526,27 @@ def test_mesh_none_without_process_group_initializes_from_the_environment(tmp_pa
     assert "initialized True 1 FSDPLinear" in ok.stdout, ok.stderr[-2000:]
     bad = subprocess.run([sys.executable, str(path), "none"], env=base, capture_output=True, text=True, timeout=120)
     assert "error True" in bad.stdout, bad.stderr[-2000:]
+
+
+def test_torch_logs_fsdp_shows_hook_events(tmp_path):
+    """``TORCH_LOGS=+fsdp`` turns on fsdp2's hook events, named as PyTorch names its own."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from fsdp2 import fully_shard
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29523", rank=0, world_size=1)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        model(torch.randn(2, 4)).sum().backward()
+        dist.destroy_process_group()
+        """
+    )
+    path = tmp_path / "logs.py"
+    path.write_text(script)
+    env = dict(os.environ, TORCH_LOGS="+fsdp", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=120)
+    for event in ("FSDP::root_pre_forward", "FSDP::pre_forward (Linear)", "FSDP::post_forward (Linear)",
+                  "FSDP::pre_backward (Sequential)", "FSDP::post_backward (Linear)", "FSDP::root_post_backward"):
+        assert event in out.stderr, (event, out.stderr[-3000:])

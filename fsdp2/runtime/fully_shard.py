@@ -86,7 +86,7 @@ def fully_shard(
     ]
     for m in modules:
         _move_buffers(m, dp)
-    group = ParamGroup(sharded, dp, ReshardAfterForward(reshard_after_forward, dp.shard_size, subgroup))
+    group = ParamGroup(sharded, dp, ReshardAfterForward(reshard_after_forward, dp.shard_size, subgroup), name)
     state = FSDPState(modules, group, mp_policy)
     for m in modules:
         m.__dict__["_fsdp_state"] = state

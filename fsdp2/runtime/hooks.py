@@ -22,7 +22,9 @@ from fsdp2.runtime.activations import cast_floating, tensors_in
 from fsdp2.runtime.param_group import ParamGroup
 from fsdp2.runtime.reduce import ReduceWindow
 
-logger = logging.getLogger("fsdp2.runtime")
+# A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
+# PyTorch's own, under the same event names.
+logger = logging.getLogger("torch.distributed.fsdp.fsdp2")
 
 
 class IterationSettings:
@@ -78,7 +80,7 @@ class Root:
         compat.queue_backward_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
-        logger.debug("finish backward (last=%s)", self.settings.is_last_backward)
+        logger.debug("FSDP::root_post_backward (last backward: %s)", self.settings.is_last_backward)
         for state in reversed(self.states):
             state.group.finalize_backward()
         if self.settings.is_last_backward:
@@ -103,6 +105,7 @@ class FSDPState:
 
     def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup, mp_policy: MixedPrecisionPolicy):
         self.modules = modules
+        self.name = group.name
         self.group = group
         self.mp_policy = mp_policy
         self.root: Root | None = None  # set on the first forward (lazy init)
@@ -114,10 +117,6 @@ class FSDPState:
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
-
-    @property
-    def name(self) -> str:
-        return "+".join(type(m).__name__ for m in self.modules)
 
     # -- lazy init ----------------------------------------------------------------------------------
 
@@ -137,7 +136,7 @@ class FSDPState:
             state.group.reshard_after_forward.resolve(is_root=state.is_root)
             state.group.reduce_window = root.reduce_window
             state.group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
-        logger.debug("lazy init: root %s over %d fully_shard groups", self.name, len(states))
+        logger.debug("FSDP::lazy_init: root %s over %d fully_shard groups", self.name, len(states))
 
     # -- forward --------------------------------------------------------------------------------------
 
@@ -166,8 +165,9 @@ class FSDPState:
     def _begin_group_forward(self) -> None:
         root = self.root
         if self.is_root:
+            logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
-        logger.debug("pre-forward %s", self.name)
+        logger.debug("FSDP::pre_forward (%s)", self.name)
         run_ahead = root.gathers_may_run_ahead
         self.group.pre_forward(gathers_run_ahead=run_ahead)
         for other in self.forward_prefetch:
@@ -191,7 +191,7 @@ class FSDPState:
         return output
 
     def _end_group_forward(self) -> None:
-        logger.debug("post-forward %s", self.name)
+        logger.debug("FSDP::post_forward (%s)", self.name)
         self.group.post_forward(grad_enabled=torch.is_grad_enabled())
         self.root.post_forward_order.append(self)
 
@@ -211,7 +211,7 @@ class FSDPState:
         self.root.begin_backward()
         if not self.group.pre_backward():
             return  # already done for another output of this group
-        logger.debug("pre-backward %s", self.name)
+        logger.debug("FSDP::pre_backward (%s)", self.name)
         for other in self._backward_prefetch_targets():
             other.group.unshard(async_op=True)  # no-op unless it is (partially) sharded
 

@@ -19,6 +19,7 @@ The hooks (fsdp2.runtime.hooks) call the lifecycle verbs ``pre_forward``, ``post
 
 from __future__ import annotations
 
+import logging
 from enum import Enum, auto
 
 import torch
@@ -29,6 +30,9 @@ from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
 from fsdp2.runtime.sharded_param import ShardedParam
 from fsdp2.runtime.streams import CommStreams
+
+
+logger = logging.getLogger("torch.distributed.fsdp.fsdp2")
 
 
 class GroupState(Enum):
@@ -89,7 +93,10 @@ class GradReadiness:
 class ParamGroup:
     """A group's parameters, their memory state and phase, and the verbs that move them on."""
 
-    def __init__(self, params: list[ShardedParam], dp: DataParallelMesh, reshard_after_forward: ReshardAfterForward):
+    def __init__(
+        self, params: list[ShardedParam], dp: DataParallelMesh, reshard_after_forward: ReshardAfterForward, name: str = ""
+    ):
+        self.name = name  # the fully_shard'ed module(s), for logs and messages
         self.params = params
         self.dp = dp
         self.state = GroupState.SHARDED
@@ -147,6 +154,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Reduce-scatter (or keep, without gradient sync) the gradients, then maybe reshard."""
+        logger.debug("FSDP::post_backward (%s)", self.name)
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
             grads = {id(p): p.take_unreduced_grad() for p in self.params if p.requires_grad}
