@@ -44,6 +44,14 @@ class ShardLayout:
         """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
         return max(0, min(self.chunk, self.full_shape[self.dim] - rank * self.chunk))
 
+    def offset_of(self, rank: int) -> int:
+        """Global index along ``dim`` of ``rank``'s first row."""
+        return min(rank * self.chunk, self.full_shape[self.dim])
+
+    def shape_of(self, rank: int) -> torch.Size:
+        """Shape of ``rank``'s (unpadded) shard."""
+        return self._with_rows(self.rows_of(rank))
+
     @functools.cached_property
     def local_rows(self) -> int:
         return self.rows_of(self.rank)
@@ -51,11 +59,11 @@ class ShardLayout:
     @functools.cached_property
     def local_offset(self) -> int:
         """Global index along ``dim`` of this rank's first row."""
-        return min(self.rank * self.chunk, self.full_shape[self.dim])
+        return self.offset_of(self.rank)
 
     @functools.cached_property
     def local_shape(self) -> torch.Size:
-        return self._with_rows(self.local_rows)
+        return self.shape_of(self.rank)
 
     @functools.cached_property
     def padded_shard_shape(self) -> torch.Size:
