@@ -9,3 +9,20 @@ def worlds():
     pool = WorldPool()
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(n)``: this process becomes rank 0 of a fake process group of n ranks
+    (collectives do nothing), torn down after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group leaked into this test process"
+
+    def init(world_size: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()

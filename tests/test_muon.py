@@ -444,3 +444,22 @@ def _tensor_parallel_refused(rank: int, world_size: int) -> str:
 def test_tensor_parallel_parameters_are_refused_with_a_clear_error(worlds):
     message = worlds.run(4, _tensor_parallel_refused)[0]
     assert "'0.weight'" in message and "use_muon" in message
+
+
+def test_steps_in_a_fake_process_group(fake_world):
+    """The benchmark's setting: rank 0 of 8 simulated (collectives leave garbage, never a failure
+    status); rank 0 runs exactly the Newton-Schulz flops of the matrices it owns."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2.comm_stats import count_comm
+
+    fake_world(8)
+    model = _shard(GPT(TINY), init_device_mesh("cpu", (8,)), 0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = _muon(model, Case())
+    expected = opt.expected_comm_bytes()
+    with count_comm() as stats:
+        opt.step()
+    assert stats.bytes["all_to_all"] == expected > 0
+    assert opt.newton_schulz_flops == opt._schedule.cost_on_this_rank() > 0

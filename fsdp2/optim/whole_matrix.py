@@ -179,7 +179,8 @@ class GroupExchange:
             for k in self.owned:
                 sharding = self.shardings[k]
                 parts = [_slot(recv, self.at_owner.offsets[(src, k)], sharding.piece_shape(src)) for src in range(self.size)]
-                whole = _checked(fn(self.indices[k], torch.cat(parts, dim=sharding.layout.dim)), sharding, self.indices[k])
+                whole = torch.cat(parts, dim=sharding.layout.dim)
+                whole = _checked(fn(self.indices[k], whole), whole.shape, self.indices[k])
                 for src in range(self.size):
                     _slot(results, self.from_owner.offsets[(src, k)], sharding.piece_shape(src)).copy_(
                         sharding.piece_of(whole, src))
@@ -188,6 +189,7 @@ class GroupExchange:
             failure = error
         results[self.from_owner.headers] = 0 if failure is None else 1
         back = torch.empty(self.back_home.numel, dtype=dtype, device=self.device)
+        back[self.back_home.headers] = 0  # overwritten by the owners; stays "ok" where collectives are fakes
         collectives.all_to_all(back, results, self.back_home.splits, self.from_owner.splits, self.group, async_op=False)
         if failure is not None:
             raise failure
@@ -213,11 +215,11 @@ def _slot(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     return buffer[offset : offset + math.prod(shape)].view(shape)
 
 
-def _checked(result: torch.Tensor, sharding: Sharding, index: int) -> torch.Tensor:
-    if result.shape != sharding.layout.full_shape:
+def _checked(result: torch.Tensor, shape: torch.Size, index: int) -> torch.Tensor:
+    if result.shape != shape:
         raise ValueError(
             f"fsdp2.optim: the transform returned shape {tuple(result.shape)} for tensor {index} of shape "
-            f"{tuple(sharding.layout.full_shape)}; it must return a tensor of its input's shape."
+            f"{tuple(shape)}; it must return a tensor of its input's shape."
         )
     return result
 
@@ -277,10 +279,7 @@ class WholeMatrixSchedule:
         out: list[torch.Tensor | None] = [None] * len(pieces)
         for i in self.local:
             whole = pieces[i].to(dtype, copy=True)
-            out[i] = fn(i, whole).to(dtype)
-            if out[i].shape != whole.shape:
-                raise ValueError(f"fsdp2.optim: the transform returned shape {tuple(out[i].shape)} for tensor {i} "
-                                 f"of shape {tuple(whole.shape)}; it must return a tensor of its input's shape.")
+            out[i] = _checked(fn(i, whole), whole.shape, i).to(dtype)
         for exchange in self.exchanges:
             results = exchange.run([pieces[i] for i in exchange.indices], fn, dtype)
             for i, result in zip(exchange.indices, results):
