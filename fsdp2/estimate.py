@@ -369,4 +369,5 @@ def _comm_per_step(root: GroupEstimate | None, blocks: list[GroupEstimate], resh
         "all_gather": gathers,
         "reduce_scatter": sum(g.reduce_scatter_input_bytes for g in groups if g.reduce_scatter_input_bytes),
         "all_reduce": 0,
+        "all_to_all": 0,  # fsdp2.optim's optimizer step, not forward+backward
     }

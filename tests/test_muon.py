@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp2.models import GPT, GPTConfig
-from fsdp2.optim import Muon, gather_apply, muon_param_groups
+from fsdp2.optim import Muon, WholeMatrixSchedule, gather_apply, muon_param_groups
 from fsdp2.optim.muon import default_use_muon
 from fsdp2.optim.newton_schulz import newton_schulz, newton_schulz_flops
 from fsdp2.optim.whole_matrix import balance
@@ -282,6 +282,9 @@ def exchange_matches_local(rank: int, world_size: int, specs: list, hsdp: bool, 
         return _whole_matrix_transform(i, whole)
 
     results = gather_apply(fn, tensors)
+    schedule = WholeMatrixSchedule(tensors)  # the owners gather_apply used, and every step would
+    group_rank = mesh.get_local_rank(mesh.ndim - 1)
+    assert sorted(seen) == [i for i in range(len(specs)) if schedule.owner(i) in (None, group_rank)]
     for i, (result, whole) in enumerate(zip(results, wholes)):
         expected = _whole_matrix_transform(i, whole)
         if isinstance(result, DTensor):
