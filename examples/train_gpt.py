@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py --nproc 2 --steps 40 --save-every 20 --ckpt runs/ckpt
     python examples/train_gpt.py --nproc 2 --steps 40 --ckpt runs/ckpt --resume
+    python examples/train_gpt.py --nproc 2 --steps 200 --optimizer muon   # fsdp2.optim.Muon + AdamW
 
 Every rank trains on its own slice of each global batch; batches depend only on the step
 number, so a resumed run sees exactly the batches the original run would have seen.
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 from fsdp2 import fully_shard
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.tools.estimate import local_bytes
+from fsdp2.optim import Muon, muon_param_groups
 
 MiB = 2**20
 
@@ -59,8 +61,8 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
         "grads": local_bytes([p.grad for p in params if p.grad is not None]),
         "optimizer": local_bytes(state),
         "unsharded_params": full,
-        # params + grads + two Adam moments, unsharded, for the same model
-        "unsharded_total": 4 * full,
+        # params + grads + the optimizer's state, unsharded (DTensor numel is the global one)
+        "unsharded_total": 2 * full + sum(v.numel() * v.element_size() for v in state),
     }
 
 
@@ -80,7 +82,13 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if args.optimizer == "muon":
+        # Hidden matrices by Muon (each orthogonalized once, on its owner rank); embeddings,
+        # head, biases and norms by the optimizer's AdamW group with the AdamW run's settings.
+        optimizer = Muon(muon_param_groups(model), lr=args.muon_lr, weight_decay=0.01,
+                         adamw_lr=args.lr, adamw_weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     start_step = 0
     if args.resume:
@@ -119,7 +127,7 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
         for r, m in enumerate(reports):
             held = m["params"] + m["grads"] + m["optimizer"]
             print(
-                f"rank {r}: params {m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + adam {m['optimizer'] / MiB:.2f}"
+                f"rank {r}: params {m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + optimizer {m['optimizer'] / MiB:.2f}"
                 f" = {held / MiB:.2f} MiB vs {m['unsharded_total'] / MiB:.2f} MiB unsharded ({held / m['unsharded_total']:.2f}x)"
             )
         if args.losses_out:
@@ -136,7 +144,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (and Muon's AdamW group's)")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="lr of the Muon matrices")
     parser.add_argument("--corpus-mb", type=int, default=8)
     parser.add_argument("--ckpt", default="", help="checkpoint directory (save under it, or resume from it)")
     parser.add_argument("--save-every", type=int, default=20)

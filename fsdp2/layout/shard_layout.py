@@ -46,6 +46,14 @@ class ShardLayout:
         """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
         return chunk_extent(self.full_shape[self.dim], self.world, rank)[1]
 
+    def offset_of(self, rank: int) -> int:
+        """Global index along ``dim`` of ``rank``'s first row."""
+        return chunk_extent(self.full_shape[self.dim], self.world, rank)[0]
+
+    def shape_of(self, rank: int) -> torch.Size:
+        """Shape of ``rank``'s (unpadded) shard."""
+        return self._with_rows(self.rows_of(rank))
+
     @functools.cached_property
     def local_rows(self) -> int:
         return self.rows_of(self.rank)
@@ -53,11 +61,11 @@ class ShardLayout:
     @functools.cached_property
     def local_offset(self) -> int:
         """Global index along ``dim`` of this rank's first row."""
-        return chunk_extent(self.full_shape[self.dim], self.world, self.rank)[0]
+        return self.offset_of(self.rank)
 
     @functools.cached_property
     def local_shape(self) -> torch.Size:
-        return self._with_rows(self.local_rows)
+        return self.shape_of(self.rank)
 
     @functools.cached_property
     def padded_shard_shape(self) -> torch.Size:

@@ -49,6 +49,18 @@ def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int], group, async_op: bool
+):
+    """Rank ``j`` receives this rank's ``input_splits[j]`` elements; we receive ``output_splits[i]`` from rank ``i``.
+
+    Both buffers are 1-D and ordered by rank.
+    """
+    if active_counters:
+        _record("all_to_all", input)
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
+
+
 class CompletedWork:
     """Stands in for a collective's work handle when nothing had to be communicated."""
 

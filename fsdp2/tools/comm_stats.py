@@ -10,7 +10,9 @@ What is counted, per call on this rank:
 
 - ``all_gather``: the *output* buffer (``group_size x numel_per_rank``, padding included);
 - ``reduce_scatter``: the *input* buffer (``group_size x numel_per_rank``, padding included);
-- ``all_reduce``: the tensor (HSDP's replicate-dim reduction of reduced gradient shards).
+- ``all_reduce``: the tensor (HSDP's replicate-dim reduction of reduced gradient shards);
+- ``all_to_all``: the *input* buffer, what this rank sends (its own slice included): summed over
+  a group's ranks it is everything the exchange moves (``fsdp2.optim``'s whole-matrix exchanges).
 
 These are buffer sizes, not bytes on the wire: a ring all-gather or reduce-scatter moves
 ``(group_size - 1) / group_size`` of the buffer through each rank's link. Only collectives
@@ -27,7 +29,7 @@ from typing import Iterator
 
 from fsdp2.runtime import collectives
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass(eq=False)  # identity: count_comm() removes exactly its own counter

@@ -371,4 +371,5 @@ def _comm_per_step(groups: list[GroupEstimate], frees: list[bool]) -> dict[str, 
         "all_gather": sum((2 if free else 1) * g.all_gather_bytes for g, free in zip(groups, frees)),
         "reduce_scatter": sum(g.reduce_scatter_input_bytes for g in groups if g.reduce_scatter_input_bytes),
         "all_reduce": 0,
+        "all_to_all": 0,  # fsdp2.optim's optimizer step, not forward+backward
     }
