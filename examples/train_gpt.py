@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py --nproc 2 --steps 40 --save-every 20 --ckpt runs/ckpt
     python examples/train_gpt.py --nproc 2 --steps 40 --ckpt runs/ckpt --resume
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 40      # the same, ranks started by torchrun
     python examples/train_gpt.py --nproc 2 --steps 200 --optimizer muon   # fsdp2.optim.Muon + AdamW
 
 Every rank trains on its own slice of each global batch; batches depend only on the step
@@ -11,22 +12,20 @@ number, so a resumed run sees exactly the batches the original run would have se
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp2 import fully_shard
 from fsdp2.models import GPT, GPTConfig
-from fsdp2.tools.estimate import local_bytes
 from fsdp2.optim import Muon, muon_param_groups
+from fsdp2.tools.estimate import local_bytes
+from launch import init_process_group, launch
 
 MiB = 2**20
 
@@ -66,13 +65,10 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     }
 
 
-def run(rank: int, args: argparse.Namespace, port: int) -> None:
+def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")
-    torch.set_num_threads(max(1, os.cpu_count() // args.nproc))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    args.nproc = init_process_group(rank, args.nproc, port)  # torchrun decides the world size itself
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
     if args.ckpt:
         from fsdp2 import checkpoint
 
@@ -137,7 +133,7 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn (ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -153,10 +149,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="load --ckpt and continue to --steps")
     parser.add_argument("--losses-out", default="", help="write {step: loss} JSON here")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(args, port), nprocs=args.nproc)
+    launch(run, args, args.nproc)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Train a Llama-style model with tensor parallel + fsdp2 on a 2-D (dp, tp) mesh of CPU ranks.
 
     python examples/train_llama_2d.py --dp 2 --tp 2 --steps 20
+    torchrun --nproc-per-node 4 examples/train_llama_2d.py --dp 2 --tp 2 --steps 20
 
 TP (``parallelize_module``) splits attention heads and MLP hidden units over the 'tp' dim;
 fully_shard then shards every parameter over the 'dp' dim. Order matters: TP first, then FSDP.
@@ -9,34 +10,30 @@ fully_shard then shards every parameter over the 'dp' dim. Order matters: TP fir
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import socket
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fsdp2 import clip_grad_norm_, fully_shard
 from fsdp2.models import Llama, LlamaConfig, tensor_parallel_plan
+from launch import init_process_group, launch
 from train_gpt import MiB, global_batch, load_corpus
 
 
-def run(rank: int, args: argparse.Namespace, port: int) -> None:
+def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
     warnings.filterwarnings("ignore")
     # DTensor logs a hint each time a norm reduces over two mesh dims; harmless at this size.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    world = args.dp * args.tp
+    world = init_process_group(rank, args.dp * args.tp, port)
+    if world != args.dp * args.tp:
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} ranks; torchrun started {world}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
     mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     cfg = LlamaConfig(vocab_size=256, seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
     torch.manual_seed(0)
@@ -80,10 +77,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(args, port), nprocs=args.dp * args.tp)
+    launch(run, args, args.dp * args.tp)
 
 
 if __name__ == "__main__":
