@@ -35,10 +35,13 @@ with measured/predicted.
 Modes:
 - ``cpu-gloo``: 2 (or --world-size) gloo ranks on CPU, one thread each;
 - ``gpu``: NCCL, world size 1 (sharding is trivial; measures fsdp2's own overhead);
-- ``fake``: one process in a fake process group of --world-size ranks: collectives are no-ops
-  (buffers keep whatever they held), so this simulates rank 0's memory and compute, not the
-  communication time. Gathered values are garbage (denormals are flushed so they cannot slow
-  CPU math down); losses are meaningless there.
+- ``fake``: one process as rank 0 of --world-size ranks, so this simulates rank 0's memory and
+  compute, not the communication time. ``--pg noop`` (default, fsdp2.noop_pg): collectives do
+  nothing at all (buffers keep whatever they held), so the cost measured is the implementation's
+  own at any N. ``--pg fake``: PyTorch's fake process group, whose all-gathers copy the input
+  into each of the N output chunks (N copies per all-gather: at N = 1024 that copying dominates
+  the step). Gathered values are garbage (denormals are flushed so they cannot slow CPU math
+  down); losses are meaningless there.
 The unsharded baseline is a plain replica per rank with the same optimizer and no gradient
 sync at all: the compute-only floor, not a DDP run. With --model 1b it uses bf16 autocast,
 the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy.
@@ -117,6 +120,21 @@ class _TorchCommCounter:
             setattr(self.dist, name, orig)
 
 
+def init_simulated_world(pg: str, world_size: int) -> None:
+    """Make this process rank 0 of ``world_size``: ``noop`` collectives do nothing at all
+    (fsdp2.noop_pg); PyTorch's ``fake`` ones copy each all-gather's input into all N output chunks."""
+    import torch.distributed as dist
+
+    if pg == "noop":
+        from fsdp2.noop_pg import init_noop_process_group
+
+        init_noop_process_group(world_size)
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
 def _worker(rank: int, args: dict, impl: str, port: int, queue) -> None:
     try:
         queue.put((rank, _run_impl(rank, args, impl, port)))
@@ -137,9 +155,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
 
     if mode == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
+        init_simulated_world(args["pg"], ws)
         # Gathered buffers hold uninitialized memory here; denormals in it would make CPU
         # matmuls crawl and skew the comparison. Flushing them costs nothing otherwise.
         torch.set_flush_denormal(True)
@@ -395,6 +411,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the impls this many times, alternating order; step times are pooled")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--pg", choices=["noop", "fake"], default="noop",
+                        help="fake mode's process group: noop (fsdp2.noop_pg, collectives do nothing) or "
+                             "PyTorch's fake (its all-gathers copy the input into every rank's chunk)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
@@ -434,7 +453,7 @@ def main(argv=None) -> None:
 
     cfg = MODELS[ns.model]
     print(
-        f"# mode={ns.mode} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
+        f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
         f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
         f"threads/proc={args['threads']} torch={torch.__version__}",
         flush=True,
