@@ -1,10 +1,12 @@
 """Where a step's time goes: CPU ms of forward, backward and optimizer step, per implementation.
 
-    python benchmarks/bench_phases.py --world-size 8            # fake process group, rank 0 of 8
+    python benchmarks/bench_phases.py --world-size 8            # simulated world: rank 0 of 8, no-op collectives
+    python benchmarks/bench_phases.py --world-size 8 --pg fake  # PyTorch's fake process group instead
 
-Each implementation (fsdp2, PyTorch FSDP2, unsharded) runs in a fresh process on the small GPT
-of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which other
-load on a shared machine moves little) of each phase over --steps steps after --warmup.
+Each implementation (fsdp2; fsdp2 with ``fsdp2.optim.step_on_local_shards`` on its AdamW, which
+steps the local shards as plain tensors; PyTorch FSDP2; unsharded) runs in a fresh process on a
+GPT of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which
+other load on a shared machine moves little) of each phase over --steps steps after --warmup.
 """
 
 from __future__ import annotations
@@ -18,30 +20,29 @@ import sys
 import time
 import warnings
 
-IMPLS = ("fsdp2", "torch", "unsharded")
+IMPLS = ("fsdp2", "fsdp2-local", "torch", "unsharded")
 
 
-def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int) -> dict[str, float]:
+def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str) -> dict[str, float]:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_fsdp import MODELS
+    from bench_fsdp import MODELS, init_simulated_world
 
     from fsdp2.models import GPT, GPTConfig
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # gathered buffers hold garbage in a fake world
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    cfg = GPTConfig(**MODELS["small"])
+    init_simulated_world(pg, world_size)
+    cfg = GPTConfig(**MODELS[model_name])
     torch.manual_seed(0)
     model = GPT(cfg)
     if impl != "unsharded":
         from torch.distributed.device_mesh import init_device_mesh
 
-        if impl == "fsdp2":
+        if impl.startswith("fsdp2"):
             from fsdp2 import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
@@ -50,6 +51,10 @@ def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int) -> d
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if impl == "fsdp2-local":
+        from fsdp2.optim import step_on_local_shards
+
+        step_on_local_shards(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     for i in range(warmup + steps):
@@ -74,25 +79,30 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pg", choices=["noop", "fake"], default="noop", help="see bench_fsdp.py --pg")
+    parser.add_argument("--model", default="small", help="a model name of bench_fsdp.py")
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process
     ns = parser.parse_args(argv)
     if ns.impl:
-        print(json.dumps(_run(ns.impl, ns.world_size, ns.steps, ns.warmup, ns.threads)))
+        print(json.dumps(_run(ns.impl, ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model)))
         return
     results = {}
     for impl in IMPLS:
         cmd = [sys.executable, __file__, "--impl", impl] + [f"--{k.replace('_', '-')}={v}" for k, v in
-               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads).items()]
+               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
+                                                           pg=ns.pg, model=ns.model).items()]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[impl] = json.loads(out.strip().splitlines()[-1])
-    print(f"# fake world {ns.world_size}, small GPT, CPU ms per step (median of {ns.steps})")
+    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, CPU ms per step (median of {ns.steps})")
     print("| phase | " + " | ".join(IMPLS) + " |")
     print("|---|" + "---:|" * len(IMPLS))
     for phase in ("forward", "backward", "optimizer"):
         print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in IMPLS) + " |")
     total = {i: sum(results[i].values()) for i in IMPLS}
     print(f"| total | " + " | ".join(f"{total[i]:.1f}" for i in IMPLS) + " |")
-    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x")
+    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with step_on_local_shards "
+          f"{total['fsdp2-local'] / total['torch']:.2f}x (optimizer phase {results['fsdp2-local']['optimizer']:.1f} "
+          f"vs {results['fsdp2']['optimizer']:.1f} ms)")
 
 
 if __name__ == "__main__":
