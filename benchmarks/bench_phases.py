@@ -2,11 +2,14 @@
 
     python benchmarks/bench_phases.py --world-size 8            # simulated world: rank 0 of 8, no-op collectives
     python benchmarks/bench_phases.py --world-size 8 --pg fake  # PyTorch's fake process group instead
+    python benchmarks/bench_phases.py --world-size 1024 --paired  # all in one process, turns alternating
 
 Each implementation (fsdp2; fsdp2 with ``fsdp2.optim.step_on_local_shards`` on its AdamW, which
 steps the local shards as plain tensors; PyTorch FSDP2; unsharded) runs in a fresh process on a
 GPT of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which
 other load on a shared machine moves little) of each phase over --steps steps after --warmup.
+With ``--paired`` they share one process and take turns step by step, so that load from other
+jobs, which inflates CPU time too (cache misses, spinning threads), hits each alike.
 """
 
 from __future__ import annotations
@@ -23,19 +26,15 @@ import warnings
 IMPLS = ("fsdp2", "fsdp2-local", "torch", "unsharded")
 
 
-def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str) -> dict[str, float]:
-    warnings.filterwarnings("ignore")
+def _build(impl: str, world_size: int, model_name: str):
+    """``impl``'s model and AdamW on the simulated world already initialized, and a batch."""
     import torch
-    import torch.distributed as dist
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_fsdp import MODELS, init_simulated_world
+    from bench_fsdp import MODELS
 
     from fsdp2.models import GPT, GPTConfig
 
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)  # gathered buffers hold garbage in a fake world
-    init_simulated_world(pg, world_size)
     cfg = GPTConfig(**MODELS[model_name])
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -56,21 +55,44 @@ def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int, pg: 
 
         step_on_local_shards(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    return model, opt, tokens
+
+
+def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
+    """CPU seconds of forward, backward, optimizer step + zero_grad."""
+    c0 = time.process_time()
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    c1 = time.process_time()
+    loss.backward()
+    c2 = time.process_time()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    c3 = time.process_time()
+    return c1 - c0, c2 - c1, c3 - c2
+
+
+def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str) -> dict:
+    """Median CPU ms per phase of each impl; several impls in one process take turns step by step."""
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fsdp import init_simulated_world
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # gathered buffers hold garbage in a simulated world
+    init_simulated_world(pg, world_size)
+    built = {impl: _build(impl, world_size, model_name) for impl in impls}
+    phases = {impl: {"forward": [], "backward": [], "optimizer": []} for impl in impls}
     for i in range(warmup + steps):
-        c0 = time.process_time()
-        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
-        c1 = time.process_time()
-        loss.backward()
-        c2 = time.process_time()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        c3 = time.process_time()
-        if i >= warmup:
-            for name, seconds in zip(phases, (c1 - c0, c2 - c1, c3 - c2)):
-                phases[name].append(seconds)
+        for impl in impls if i % 2 == 0 else impls[::-1]:
+            seconds = _timed_step(*built[impl])
+            if i >= warmup:
+                for name, value in zip(phases[impl], seconds):
+                    phases[impl][name].append(value)
     dist.destroy_process_group()
-    return {name: 1e3 * statistics.median(values) for name, values in phases.items()}
+    return {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
 
 
 def main(argv=None) -> None:
@@ -81,19 +103,24 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pg", choices=["noop", "fake"], default="noop", help="see bench_fsdp.py --pg")
     parser.add_argument("--model", default="small", help="a model name of bench_fsdp.py")
-    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--paired", action="store_true",
+                        help="all implementations in one process, taking turns step by step: load from other "
+                             "jobs hits each alike (the default gives each a fresh process of its own)")
+    parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
-        print(json.dumps(_run(ns.impl, ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model)))
+        print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model)))
         return
     results = {}
-    for impl in IMPLS:
-        cmd = [sys.executable, __file__, "--impl", impl] + [f"--{k.replace('_', '-')}={v}" for k, v in
+    for impls in [IMPLS] if ns.paired else [(impl,) for impl in IMPLS]:
+        cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
                dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
-                                                           pg=ns.pg, model=ns.model).items()]
+                    pg=ns.pg, model=ns.model).items()]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[impl] = json.loads(out.strip().splitlines()[-1])
-    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, CPU ms per step (median of {ns.steps})")
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    how = "one process, turns alternating" if ns.paired else "a fresh process each"
+    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
+          f"CPU ms per step (median of {ns.steps}; {how})")
     print("| phase | " + " | ".join(IMPLS) + " |")
     print("|---|" + "---:|" * len(IMPLS))
     for phase in ("forward", "backward", "optimizer"):
