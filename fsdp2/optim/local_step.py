@@ -142,7 +142,9 @@ class LocalShardStep:
                 else:
                     alias = local.detach().requires_grad_(param.requires_grad)
                 aliases[param] = alias
-                alias.grad = None if grad is None else grad._local_tensor
+        for param, alias in aliases.items():  # only once the whole step is known to go local
+            if alias is not param:
+                alias.grad = None if param.grad is None else param.grad._local_tensor
         self._aliases = {p: (p._local_tensor, a) for p, a in aliases.items() if a is not p}
         return aliases
 
