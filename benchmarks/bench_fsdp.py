@@ -474,7 +474,9 @@ def render(args: dict, results: dict[str, dict]) -> str:
         medians = {name: 1e3 * statistics.median(v) for name, v in parts.items()}
         out.append("floor parts (median ms): " + ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
                    + f"; sum {sum(medians.values()):.1f}")
-        out.append("step time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in results if impl != "floor"))
+        others = [impl for impl in results if impl != "floor"]
+        out.append("step time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in others)
+                   + "; CPU time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', c)}" for impl in others))
     if est:
         f = results["fsdp2"]
         out.append(
