@@ -71,7 +71,39 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
     return c1 - c0, c2 - c1, c3 - c2
 
 
-def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str) -> dict:
+def _counts(model, opt, tokens) -> dict[str, int]:
+    """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
+    of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            OpCounter.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with OpCounter():
+        _timed_step(model, opt, tokens)
+    profile = cProfile.Profile()
+    profile.enable()
+    _timed_step(model, opt, tokens)
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    calls = lambda where: sum(nc for (file, _, _), (_, nc, *_) in stats.items() if any(w in file for w in where))  # noqa: E731
+    return {
+        "ops": OpCounter.ops,
+        "python calls": sum(nc for _, nc, *_ in stats.values()),
+        "DTensor calls": calls(["/torch/distributed/tensor/"]),
+        "FSDP calls": calls(["/fsdp2/", "/_fully_shard/"]) - calls(["/fsdp2/models/"]),
+    }
+
+
+def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str,
+         counts: bool = False) -> dict:
     """Median CPU ms per phase of each impl; several impls in one process take turns step by step."""
     warnings.filterwarnings("ignore")
     import torch
@@ -91,8 +123,12 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
             if i >= warmup:
                 for name, value in zip(phases[impl], seconds):
                     phases[impl][name].append(value)
+    result = {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
+    if counts:
+        for impl in impls:
+            result[impl]["counts"] = _counts(*built[impl])
     dist.destroy_process_group()
-    return {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
+    return result
 
 
 def main(argv=None) -> None:
@@ -106,16 +142,19 @@ def main(argv=None) -> None:
     parser.add_argument("--paired", action="store_true",
                         help="all implementations in one process, taking turns step by step: load from other "
                              "jobs hits each alike (the default gives each a fresh process of its own)")
+    parser.add_argument("--counts", action="store_true",
+                        help="also count one step's ops and Python calls per implementation (independent of load)")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
-        print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model)))
+        print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model,
+                              ns.counts)))
         return
     results = {}
     for impls in [IMPLS] if ns.paired else [(impl,) for impl in IMPLS]:
         cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
                dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
-                    pg=ns.pg, model=ns.model).items()]
+                    pg=ns.pg, model=ns.model).items()] + (["--counts"] if ns.counts else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results.update(json.loads(out.strip().splitlines()[-1]))
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
@@ -125,8 +164,11 @@ def main(argv=None) -> None:
     print("|---|" + "---:|" * len(IMPLS))
     for phase in ("forward", "backward", "optimizer"):
         print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in IMPLS) + " |")
-    total = {i: sum(results[i].values()) for i in IMPLS}
+    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in IMPLS}
     print(f"| total | " + " | ".join(f"{total[i]:.1f}" for i in IMPLS) + " |")
+    if ns.counts:
+        for name in results[IMPLS[0]]["counts"]:
+            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"][name]) for i in IMPLS) + " |")
     print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with step_on_local_shards "
           f"{total['fsdp2-local'] / total['torch']:.2f}x (optimizer phase {results['fsdp2-local']['optimizer']:.1f} "
           f"vs {results['fsdp2']['optimizer']:.1f} ms)")
