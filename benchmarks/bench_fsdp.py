@@ -121,6 +121,16 @@ class _TorchCommCounter:
             setattr(self.dist, name, orig)
 
 
+def fastest_adamw(params):
+    """The benchmark's AdamW, fused where the device has the kernel, else foreach; and its name."""
+    import torch
+
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True), "fused AdamW"
+    except RuntimeError:  # no fused kernel for this device
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True), "foreach AdamW"
+
+
 class FloorStep:
     """What a step must cost at least, in three parts timed apart (``--floor``).
 
@@ -144,12 +154,7 @@ class FloorStep:
             self.master_grads = [torch.zeros_like(m) for m in self.masters]
             for m, g in zip(self.masters, self.master_grads):
                 m.grad = g
-        try:
-            self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.1, fused=True)
-            self.optimizer_kind = "fused AdamW"
-        except RuntimeError:  # no fused kernel for this device
-            self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.1, foreach=True)
-            self.optimizer_kind = "foreach AdamW"
+        self.optimizer, self.optimizer_kind = fastest_adamw(self.masters)
         self.parts: dict[str, list[float]] = {}
 
     def part_names(self) -> tuple[str, str, str]:
@@ -285,12 +290,13 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     if floor is not None:
         optimizer = floor.optimizer
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    if impl == "fsdp2-local":
+    elif impl == "fsdp2-local":
         from fsdp2.optim import step_on_local_shards
 
+        optimizer, _ = fastest_adamw(model.parameters())  # the floor's optimizer, on the local shards
         step_on_local_shards(optimizer)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def step():
         if floor is not None:
@@ -503,7 +509,8 @@ def main(argv=None) -> None:
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS + EXTRA_IMPLS))
     parser.add_argument("--local-step", action="store_true",
                         help="add fsdp2-local: fsdp2 with fsdp2.optim.step_on_local_shards(optimizer), which steps "
-                             "AdamW on the local shards as plain tensors (no DTensor dispatch)")
+                             "AdamW on the local shards as plain tensors (no DTensor dispatch), fused where the "
+                             "device has the kernel (the floor's optimizer; the other rows use AdamW's default)")
     parser.add_argument("--floor", action="store_true",
                         help="add floor: the compute-dtype model without FSDP, plus what fp32 masters must cost "
                              "(casts, grad copy) and a fused AdamW step on plain tensors, timed apart (see FloorStep)")
