@@ -35,10 +35,13 @@ with measured/predicted.
 Modes:
 - ``cpu-gloo``: 2 (or --world-size) gloo ranks on CPU, one thread each;
 - ``gpu``: NCCL, world size 1 (sharding is trivial; measures fsdp2's own overhead);
-- ``fake``: one process in a fake process group of --world-size ranks: collectives are no-ops
-  (buffers keep whatever they held), so this simulates rank 0's memory and compute, not the
-  communication time. Gathered values are garbage (denormals are flushed so they cannot slow
-  CPU math down); losses are meaningless there.
+- ``fake``: one process as rank 0 of --world-size ranks, so this simulates rank 0's memory and
+  compute, not the communication time. ``--pg noop`` (default, fsdp2.tools.noop_pg): collectives do
+  nothing at all (buffers keep whatever they held), so the cost measured is the implementation's
+  own at any N. ``--pg fake``: PyTorch's fake process group, whose all-gathers copy the input
+  into each of the N output chunks (N copies per all-gather: at N = 1024 that copying dominates
+  the step). Gathered values are garbage (denormals are flushed so they cannot slow CPU math
+  down); losses are meaningless there.
 The unsharded baseline is a plain replica per rank with the same optimizer and no gradient
 sync at all: the compute-only floor, not a DDP run. With --model 1b it uses bf16 autocast,
 the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy.
@@ -63,6 +66,7 @@ import warnings
 
 MiB = 2**20
 IMPLS = ("fsdp2", "torch", "unsharded")
+EXTRA_IMPLS = ("fsdp2-local", "floor")  # --local-step, --floor
 
 # dim 2048, 18 layers, 16 heads, vocab 32000, seq 2048: 1.04B params untied
 # (16 layers would be ~0.94B).
@@ -117,6 +121,84 @@ class _TorchCommCounter:
             setattr(self.dist, name, orig)
 
 
+def fastest_adamw(params):
+    """The benchmark's AdamW, fused where the device has the kernel, else foreach; and its name."""
+    import torch
+
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True), "fused AdamW"
+    except RuntimeError:  # no fused kernel for this device
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True), "foreach AdamW"
+
+
+class FloorStep:
+    """What a step must cost at least, in three parts timed apart (``--floor``).
+
+    1. forward + backward of the model held in the compute dtype (bf16 with --bf16), no FSDP;
+    2. what fp32 master weights add to that: the fp32 -> bf16 cast of every parameter for forward
+       and again for backward (FSDP re-gathers resharded blocks), and the bf16 -> fp32 copy of
+       every gradient (none of it with fp32 compute);
+    3. the optimizer step on plain fp32 tensors (fused AdamW where the device has it, else foreach).
+    """
+
+    def __init__(self, model, compute_dtype, device, sync):
+        import torch
+
+        self.model = model.to(compute_dtype)
+        self.params = list(self.model.parameters())
+        self.sync = sync
+        if compute_dtype == torch.float32:
+            self.masters, self.master_grads = self.params, None
+        else:
+            self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+            self.master_grads = [torch.zeros_like(m) for m in self.masters]
+            for m, g in zip(self.masters, self.master_grads):
+                m.grad = g
+        self.optimizer, self.optimizer_kind = fastest_adamw(self.masters)
+        self.parts: dict[str, list[float]] = {}
+
+    def part_names(self) -> tuple[str, str, str]:
+        return ("forward+backward", "fp32 masters: 2 casts + grad copy", f"optimizer ({self.optimizer_kind}, plain tensors)")
+
+    def step(self, inputs, targets):
+        import torch
+
+        marks = [time.perf_counter()]
+        loss = self.model.loss(inputs, targets)
+        loss.backward()
+        self.sync()
+        marks.append(time.perf_counter())
+        if self.master_grads is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.master_grads, [p.grad for p in self.params])
+                for _ in range(2):  # forward's cast, and backward's after a reshard
+                    torch._foreach_copy_([p.data for p in self.params], self.masters)
+        self.sync()
+        marks.append(time.perf_counter())
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.sync()
+        marks.append(time.perf_counter())
+        for name, t0, t1 in zip(self.part_names(), marks, marks[1:]):
+            self.parts.setdefault(name, []).append(t1 - t0)
+        return loss
+
+
+def init_simulated_world(pg: str, world_size: int) -> None:
+    """Make this process rank 0 of ``world_size``: ``noop`` collectives do nothing at all
+    (fsdp2.tools.noop_pg); PyTorch's ``fake`` ones copy each all-gather's input into all N output chunks."""
+    import torch.distributed as dist
+
+    if pg == "noop":
+        from fsdp2.tools.noop_pg import init_noop_process_group
+
+        init_noop_process_group(world_size)
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
 def _worker(rank: int, args: dict, impl: str, port: int, queue) -> None:
     try:
         queue.put((rank, _run_impl(rank, args, impl, port)))
@@ -137,9 +219,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
 
     if mode == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ws)
+        init_simulated_world(args["pg"], ws)
         # Gathered buffers hold uninitialized memory here; denormals in it would make CPU
         # matmuls crawl and skew the comparison. Flushing them costs nothing otherwise.
         torch.set_flush_denormal(True)
@@ -169,10 +249,11 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     estimate = None
     autocast = contextlib.nullcontext()  # the unsharded bf16 baseline autocasts instead
-    if impl in ("fsdp2", "torch"):
+    floor = None
+    if impl in ("fsdp2", "fsdp2-local", "torch"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        if impl == "fsdp2":
+        if impl.startswith("fsdp2"):
             from fsdp2 import MixedPrecisionPolicy, fully_shard
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -180,7 +261,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         )
-        if impl == "fsdp2":
+        if impl.startswith("fsdp2"):
             from fsdp2 import MixedPrecisionPolicy as MP
             from fsdp2.tools.estimate import estimate_memory
 
@@ -193,7 +274,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             del meta_model
         shard_kwargs = dict(mesh=mesh, mp_policy=mp_policy)
         if args["offload"]:
-            if impl == "fsdp2":
+            if impl.startswith("fsdp2"):
                 from fsdp2 import CPUOffloadPolicy
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -201,12 +282,25 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         for block in model.blocks:
             fully_shard(block, **shard_kwargs)
         fully_shard(model, **shard_kwargs)
+    elif impl == "floor":
+        floor = FloorStep(model, torch.bfloat16 if bf16 else torch.float32, device,
+                          torch.cuda.synchronize if on_gpu else (lambda: None))
     elif bf16:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if floor is not None:
+        optimizer = floor.optimizer
+    elif impl == "fsdp2-local":
+        from fsdp2.optim import step_on_local_shards
+
+        optimizer, _ = fastest_adamw(model.parameters())  # the floor's optimizer, on the local shards
+        step_on_local_shards(optimizer)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def step():
+        if floor is not None:
+            return floor.step(inputs, targets)
         with autocast:
             loss = model.loss(inputs, targets)
         loss.backward()
@@ -226,7 +320,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     # Comm bytes of one step (counted outside the timed steps).
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    if impl == "fsdp2":
+    if impl.startswith("fsdp2"):
         from fsdp2.tools.comm_stats import count_comm
 
         with count_comm() as stats:
@@ -248,7 +342,11 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         grads=_local_bytes(p.grad for p in params if p.grad is not None),
         optimizer=optimizer_state_bytes(optimizer),
     )
+    if floor is not None and floor.master_grads is not None:
+        state["params"] += _local_bytes(floor.masters)
+        state["grads"] += _local_bytes(floor.master_grads)
     optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     del loss
     gc.collect()
     sync()
@@ -267,6 +365,8 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
+    if floor is not None:
+        floor.parts.clear()
     times, cpu_times = [], []
     for _ in range(args["steps"]):
         c0 = time.process_time()
@@ -293,6 +393,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         comm=comm,
         rss_delta=_max_rss_bytes() - rss_before,
         num_params=cfg.num_params(),
+        parts=floor.parts if floor is not None else None,
     )
     result["peak_alloc"] = torch.cuda.max_memory_allocated() if on_gpu else cpu_peak
     if estimate is not None:
@@ -348,7 +449,7 @@ def render(args: dict, results: dict[str, dict]) -> str:
     lines = [head, "|" + "---|" * head.count(" |")]
     for impl, r in results.items():
         st = r["state"]
-        predicted = est["peak"] if impl == "fsdp2" and est and est.get("peak") else None
+        predicted = est["peak"] if impl.startswith("fsdp2") and est and est.get("peak") else None
         row = (
             f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * statistics.median(r['cpu_times']):.1f} | "
             f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | {_fmt_mib(r.get('peak_alloc'))} |"
@@ -371,6 +472,17 @@ def render(args: dict, results: dict[str, dict]) -> str:
     p = lambda r: r["peak_alloc"]  # noqa: E731
     out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, CPU time {ratio('fsdp2', 'torch', c)}, state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}")
     out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, peak alloc {ratio('fsdp2', 'unsharded', p)}")
+    if "fsdp2-local" in results:
+        out.append(f"fsdp2-local (fsdp2.optim.step_on_local_shards) / PyTorch FSDP2: step time {ratio('fsdp2-local', 'torch', t)}, "
+                   f"CPU time {ratio('fsdp2-local', 'torch', c)}; / fsdp2: step time {ratio('fsdp2-local', 'fsdp2', t)}")
+    if "floor" in results:
+        parts = results["floor"]["parts"]
+        medians = {name: 1e3 * statistics.median(v) for name, v in parts.items()}
+        out.append("floor parts (median ms): " + ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
+                   + f"; sum {sum(medians.values()):.1f}")
+        others = [impl for impl in results if impl != "floor"]
+        out.append("step time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in others)
+                   + "; CPU time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', c)}" for impl in others))
     if est:
         f = results["fsdp2"]
         out.append(
@@ -394,7 +506,17 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the impls this many times, alternating order; step times are pooled")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS + EXTRA_IMPLS))
+    parser.add_argument("--local-step", action="store_true",
+                        help="add fsdp2-local: fsdp2 with fsdp2.optim.step_on_local_shards(optimizer), which steps "
+                             "AdamW on the local shards as plain tensors (no DTensor dispatch), fused where the "
+                             "device has the kernel (the floor's optimizer; the other rows use AdamW's default)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add floor: the compute-dtype model without FSDP, plus what fp32 masters must cost "
+                             "(casts, grad copy) and a fused AdamW step on plain tensors, timed apart (see FloorStep)")
+    parser.add_argument("--pg", choices=["noop", "fake"], default="noop",
+                        help="fake mode's process group: noop (fsdp2.tools.noop_pg, collectives do nothing) or "
+                             "PyTorch's fake (its all-gathers copy the input into every rank's chunk)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
@@ -426,15 +548,16 @@ def main(argv=None) -> None:
     nproc = 1 if ns.mode == "fake" else args["world_size"]
     args["threads"] = ns.threads or max(1, (os.cpu_count() or 1) // nproc)
     impls = [i for i in ns.impls.split(",") if i]
-    unknown = set(impls) - set(IMPLS)
+    impls += [extra for extra, wanted in zip(EXTRA_IMPLS, (ns.local_step, ns.floor)) if wanted and extra not in impls]
+    unknown = set(impls) - set(IMPLS + EXTRA_IMPLS)
     if unknown:
-        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
+        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {IMPLS + EXTRA_IMPLS}")
 
     import torch
 
     cfg = MODELS[ns.model]
     print(
-        f"# mode={ns.mode} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
+        f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
         f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
         f"threads/proc={args['threads']} torch={torch.__version__}",
         flush=True,
@@ -451,6 +574,8 @@ def main(argv=None) -> None:
             else:
                 results[impl]["times"] += res["times"]
                 results[impl]["cpu_times"] += res["cpu_times"]
+                for name, values in (res["parts"] or {}).items():
+                    results[impl]["parts"][name] += values
     for res in results.values():  # step times pooled over rounds
         res["median_s"], res["min_s"] = statistics.median(res["times"]), min(res["times"])
     print(f"# {results[impls[0]]['num_params'] / 1e6:.2f}M params")

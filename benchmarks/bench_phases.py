@@ -1,10 +1,15 @@
 """Where a step's time goes: CPU ms of forward, backward and optimizer step, per implementation.
 
-    python benchmarks/bench_phases.py --world-size 8            # fake process group, rank 0 of 8
+    python benchmarks/bench_phases.py --world-size 8            # simulated world: rank 0 of 8, no-op collectives
+    python benchmarks/bench_phases.py --world-size 8 --pg fake  # PyTorch's fake process group instead
+    python benchmarks/bench_phases.py --world-size 1024 --paired  # all in one process, turns alternating
 
-Each implementation (fsdp2, PyTorch FSDP2, unsharded) runs in a fresh process on the small GPT
-of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which other
-load on a shared machine moves little) of each phase over --steps steps after --warmup.
+Each implementation (fsdp2; fsdp2 with ``fsdp2.optim.step_on_local_shards`` on its AdamW, which
+steps the local shards as plain tensors; PyTorch FSDP2; unsharded) runs in a fresh process on a
+GPT of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which
+other load on a shared machine moves little) of each phase over --steps steps after --warmup.
+With ``--paired`` they share one process and take turns step by step, so that load from other
+jobs, which inflates CPU time too (cache misses, spinning threads), hits each alike.
 """
 
 from __future__ import annotations
@@ -18,30 +23,25 @@ import sys
 import time
 import warnings
 
-IMPLS = ("fsdp2", "torch", "unsharded")
+IMPLS = ("fsdp2", "fsdp2-local", "torch", "unsharded")
 
 
-def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int) -> dict[str, float]:
-    warnings.filterwarnings("ignore")
+def _build(impl: str, world_size: int, model_name: str):
+    """``impl``'s model and AdamW on the simulated world already initialized, and a batch."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_fsdp import MODELS
 
     from fsdp2.models import GPT, GPTConfig
 
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)  # gathered buffers hold garbage in a fake world
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    cfg = GPTConfig(**MODELS["small"])
+    cfg = GPTConfig(**MODELS[model_name])
     torch.manual_seed(0)
     model = GPT(cfg)
     if impl != "unsharded":
         from torch.distributed.device_mesh import init_device_mesh
 
-        if impl == "fsdp2":
+        if impl.startswith("fsdp2"):
             from fsdp2 import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
@@ -50,22 +50,85 @@ def _run(impl: str, world_size: int, steps: int, warmup: int, threads: int) -> d
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if impl == "fsdp2-local":
+        from fsdp2.optim import step_on_local_shards
+
+        step_on_local_shards(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    return model, opt, tokens
+
+
+def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
+    """CPU seconds of forward, backward, optimizer step + zero_grad."""
+    c0 = time.process_time()
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    c1 = time.process_time()
+    loss.backward()
+    c2 = time.process_time()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    c3 = time.process_time()
+    return c1 - c0, c2 - c1, c3 - c2
+
+
+def _counts(model, opt, tokens) -> dict[str, int]:
+    """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
+    of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            OpCounter.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with OpCounter():
+        _timed_step(model, opt, tokens)
+    profile = cProfile.Profile()
+    profile.enable()
+    _timed_step(model, opt, tokens)
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    calls = lambda where: sum(nc for (file, _, _), (_, nc, *_) in stats.items() if any(w in file for w in where))  # noqa: E731
+    return {
+        "ops": OpCounter.ops,
+        "python calls": sum(nc for _, nc, *_ in stats.values()),
+        "DTensor calls": calls(["/torch/distributed/tensor/"]),
+        "FSDP calls": calls(["/fsdp2/", "/_fully_shard/"]) - calls(["/fsdp2/models/"]),
+    }
+
+
+def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str,
+         counts: bool = False) -> dict:
+    """Median CPU ms per phase of each impl; several impls in one process take turns step by step."""
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fsdp import init_simulated_world
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # gathered buffers hold garbage in a simulated world
+    init_simulated_world(pg, world_size)
+    built = {impl: _build(impl, world_size, model_name) for impl in impls}
+    phases = {impl: {"forward": [], "backward": [], "optimizer": []} for impl in impls}
     for i in range(warmup + steps):
-        c0 = time.process_time()
-        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
-        c1 = time.process_time()
-        loss.backward()
-        c2 = time.process_time()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        c3 = time.process_time()
-        if i >= warmup:
-            for name, seconds in zip(phases, (c1 - c0, c2 - c1, c3 - c2)):
-                phases[name].append(seconds)
+        for impl in impls if i % 2 == 0 else impls[::-1]:
+            seconds = _timed_step(*built[impl])
+            if i >= warmup:
+                for name, value in zip(phases[impl], seconds):
+                    phases[impl][name].append(value)
+    result = {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
+    if counts:
+        for impl in impls:
+            result[impl]["counts"] = _counts(*built[impl])
     dist.destroy_process_group()
-    return {name: 1e3 * statistics.median(values) for name, values in phases.items()}
+    return result
 
 
 def main(argv=None) -> None:
@@ -74,25 +137,41 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--pg", choices=["noop", "fake"], default="noop", help="see bench_fsdp.py --pg")
+    parser.add_argument("--model", default="small", help="a model name of bench_fsdp.py")
+    parser.add_argument("--paired", action="store_true",
+                        help="all implementations in one process, taking turns step by step: load from other "
+                             "jobs hits each alike (the default gives each a fresh process of its own)")
+    parser.add_argument("--counts", action="store_true",
+                        help="also count one step's ops and Python calls per implementation (independent of load)")
+    parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
-        print(json.dumps(_run(ns.impl, ns.world_size, ns.steps, ns.warmup, ns.threads)))
+        print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model,
+                              ns.counts)))
         return
     results = {}
-    for impl in IMPLS:
-        cmd = [sys.executable, __file__, "--impl", impl] + [f"--{k.replace('_', '-')}={v}" for k, v in
-               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads).items()]
+    for impls in [IMPLS] if ns.paired else [(impl,) for impl in IMPLS]:
+        cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
+               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
+                    pg=ns.pg, model=ns.model).items()] + (["--counts"] if ns.counts else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[impl] = json.loads(out.strip().splitlines()[-1])
-    print(f"# fake world {ns.world_size}, small GPT, CPU ms per step (median of {ns.steps})")
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    how = "one process, turns alternating" if ns.paired else "a fresh process each"
+    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
+          f"CPU ms per step (median of {ns.steps}; {how})")
     print("| phase | " + " | ".join(IMPLS) + " |")
     print("|---|" + "---:|" * len(IMPLS))
     for phase in ("forward", "backward", "optimizer"):
         print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in IMPLS) + " |")
-    total = {i: sum(results[i].values()) for i in IMPLS}
+    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in IMPLS}
     print(f"| total | " + " | ".join(f"{total[i]:.1f}" for i in IMPLS) + " |")
-    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x")
+    if ns.counts:
+        for name in results[IMPLS[0]]["counts"]:
+            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"][name]) for i in IMPLS) + " |")
+    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with step_on_local_shards "
+          f"{total['fsdp2-local'] / total['torch']:.2f}x (optimizer phase {results['fsdp2-local']['optimizer']:.1f} "
+          f"vs {results['fsdp2']['optimizer']:.1f} ms)")
 
 
 if __name__ == "__main__":

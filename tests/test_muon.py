@@ -292,7 +292,7 @@ def exchange_matches_local(rank: int, world_size: int, specs: list, hsdp: bool, 
             layout = ShardLayout(whole.shape, specs[i][1], result.device_mesh.size(mesh.ndim - 1),
                                  result.device_mesh.get_local_rank(mesh.ndim - 1))
             expected = layout.local_slice(expected)
-            result = result._local_tensor
+            result = result.to_local()
         torch.testing.assert_close(result, expected, rtol=0, atol=0, msg=lambda m: f"tensor {i}: {m}")
     return seen
 

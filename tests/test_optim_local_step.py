@@ -1,0 +1,246 @@
+"""fsdp2.optim.step_on_local_shards: bitwise the plain optimizer step on DTensors, at plain-tensor speed.
+
+Exact equality throughout: the same element-wise kernels run on the same local values, only
+without DTensor dispatch. Every parity check also asserts the steps really ran on local shards
+(``local_steps``), so a silent fallback to the DTensor path cannot pass for parity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ckpt_helpers import make_model, mesh_1d, mesh_2d, shard
+
+class OutOfPlaceMomentum(torch.optim.Optimizer):
+    """Element-wise, but replaces its state tensor every step instead of updating it in place."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["buf"] = p.grad.clone() if "buf" not in state else state["buf"] * 0.5 + p.grad
+                p.sub_(group["lr"] * state["buf"])
+
+
+OPTIMIZERS = {
+    "out_of_place": OutOfPlaceMomentum,
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adamw_foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    "sgd_momentum_foreach": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
+    "sgd_plain": lambda params: torch.optim.SGD(params, lr=0.1),  # no state at all
+}
+
+
+def _params(seed: int, meshes):
+    """DTensor parameters on 2 ranks: uneven and empty shards, Shard(1), Replicate, an HSDP-style
+    (Replicate, Shard(0)) on a 2-D mesh, one frozen, one that never gets a gradient, and a plain one."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh, mesh2 = meshes
+    g = torch.Generator().manual_seed(seed)
+    specs = [
+        ((5, 3), mesh, [Shard(0)]),  # 3 + 2 rows
+        ((1, 4), mesh, [Shard(0)]),  # rank 1 holds 0 rows
+        ((6,), mesh, [Shard(0)]),
+        ((3, 4), mesh, [Shard(1)]),
+        ((2, 2), mesh, [Replicate()]),
+        ((4, 2), mesh2, [Replicate(), Shard(0)]),
+        ((3, 3), mesh, [Shard(0)]),  # frozen
+        ((2, 5), mesh, [Shard(0)]),  # never has a gradient
+    ]
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=g), m, p)) for shape, m, p in specs]
+    params[6].requires_grad_(False)
+    params.append(torch.nn.Parameter(torch.randn(3, generator=g)))  # not a DTensor
+    return params
+
+
+def _give_grads(params, step: int) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        if not p.requires_grad or i == 7:
+            continue
+        full = torch.randn(p.shape, generator=g)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full
+
+
+def _state_snapshot(opt):
+    """state_dict() as comparable data: per entry its type, placements, global shape and local values."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for index, entries in opt.state_dict()["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                out[index, key] = ("DTensor", value.placements, tuple(value.shape), value.to_local().clone())
+            elif isinstance(value, torch.Tensor):
+                out[index, key] = ("Tensor", None, tuple(value.shape), value.clone())
+            else:
+                out[index, key] = (type(value).__name__, None, None, value)
+    return out
+
+
+def _same(a, b) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        (ta, pa, sa, va), (tb, pb, sb, vb) = a[k], b[k]
+        if (ta, pa, sa) != (tb, pb, sb):
+            return False
+        if not (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb):
+            return False
+    return True
+
+
+def _parity(rank, world_size, name):
+    from fsdp2.optim import step_on_local_shards
+
+    meshes = (mesh_1d(world_size), mesh_2d(1, world_size))
+    ref_params, fast_params = _params(0, meshes), _params(0, meshes)
+    extra_ref, extra_fast = _params(1, meshes)[:3], _params(1, meshes)[:3]  # added as a second group
+    # The plain parameter in a group of its own: foreach and fused kernels refuse a list mixing
+    # tensors and DTensors on the DTensor path.
+    ref, fast = (OPTIMIZERS[name]([{"params": ps[:-1]}, {"params": ps[-1:]}]) for ps in (ref_params, fast_params))
+    handle = step_on_local_shards(fast, elementwise=name == "out_of_place")
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (ref, fast)]
+    results = []
+    for step in range(4):
+        if step == 2:
+            ref.add_param_group({"params": extra_ref, "lr": 0.05})
+            fast.add_param_group({"params": extra_fast, "lr": 0.05})
+        for params in ((ref_params + (extra_ref if step >= 2 else [])), (fast_params + (extra_fast if step >= 2 else []))):
+            _give_grads(params, step)
+        ref.step()
+        fast.step()
+        for s in schedulers:
+            s.step()
+        ref.zero_grad()
+        fast.zero_grad()
+        pairs = list(zip(ref_params + extra_ref, fast_params + extra_fast))
+        results.append(
+            all(torch.equal(_local(a), _local(b)) for a, b in pairs)
+            and _same(_state_snapshot(ref), _state_snapshot(fast))
+            and [g["lr"] for g in ref.param_groups] == [g["lr"] for g in fast.param_groups]
+        )
+    # Between steps the aliases hold no gradient (it would keep the freed DTensor grads alive).
+    grads_released = all(alias.grad is None for _, alias in handle._aliases.values())
+    return results, handle.local_steps, grads_released
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_bitwise_parity_with_the_dtensor_step(worlds, name):
+    for results, local_steps, grads_released in worlds.run(2, _parity, name):
+        assert results == [True] * 4
+        assert local_steps == 4
+        assert grads_released
+
+
+def _scalar_param_falls_back_until_it_has_state(rank, world_size):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp2.optim import step_on_local_shards
+
+    mesh = mesh_1d(world_size)
+    made = [torch.nn.Parameter(distribute_tensor(torch.tensor(1.5), mesh, [Replicate()])) for _ in range(2)]
+    ref, fast = (torch.optim.AdamW([p], lr=0.1) for p in made)
+    handle = step_on_local_shards(fast)
+    for step in range(3):
+        for p in made:
+            p.grad = distribute_tensor(torch.tensor(0.25 * (step + 1)), mesh, [Replicate()])
+        ref.step()
+        fast.step()
+    return torch.equal(made[0].to_local(), made[1].to_local()) and _same(_state_snapshot(ref), _state_snapshot(fast)), handle.local_steps
+
+
+def test_scalar_param_takes_the_dtensor_path_until_its_state_exists(worlds):
+    for same, local_steps in worlds.run(2, _scalar_param_falls_back_until_it_has_state):
+        assert same and local_steps == 2
+
+
+# -- checkpoint round trip through fsdp2.checkpoint ---------------------------------------------
+
+
+def _train(model, optimizer, steps, first_step, rank):
+    for step in range(first_step, first_step + steps):
+        torch.manual_seed(1000 + 100 * rank + step)
+        optimizer.zero_grad()
+        model(torch.randn(4, 16)).square().sum().backward()
+        optimizer.step()
+
+
+def _resume(rank, world_size, path):
+    import fsdp2.checkpoint as ck
+    from fsdp2.optim import step_on_local_shards
+
+    def job(seed):
+        model = shard(make_model(seed), mesh_1d(world_size))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        return model, opt, step_on_local_shards(opt)
+
+    model, opt, handle = job(0)
+    ref_model = shard(make_model(0), mesh_1d(world_size))
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    _train(model, opt, 2, 0, rank)
+    _train(ref_model, ref_opt, 2, 0, rank)
+    same_names = _same(_state_snapshot(ref_opt), _state_snapshot(opt))
+    ck.save(path, model, opt)
+    _train(model, opt, 2, 2, rank)
+    expected = [p.to_local().clone() for p in model.parameters()]
+
+    model2, opt2, handle2 = job(7)
+    ck.load(path, model2, opt2)
+    _train(model2, opt2, 2, 2, rank)
+    resumed = all(torch.equal(a, b.to_local()) for a, b in zip(expected, model2.parameters()))
+    return same_names, resumed, handle.local_steps, handle2.local_steps
+
+
+def test_checkpoint_round_trip_resumes_bitwise(worlds, tmp_path):
+    for same_names, resumed, steps_before, steps_after in worlds.run(2, _resume, str(tmp_path / "c")):
+        assert same_names and resumed
+        assert (steps_before, steps_after) == (4, 2)
+
+
+# -- misuse --------------------------------------------------------------------------------------
+
+
+def test_refuses_an_optimizer_not_known_to_be_elementwise():
+    from fsdp2.optim import step_on_local_shards
+
+    opt = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))])
+    step_before = opt.step
+    with pytest.raises(ValueError, match="LBFGS is not known to update each element"):
+        step_on_local_shards(opt)
+    assert opt.step == step_before  # untouched
+    step_on_local_shards(opt, elementwise=True)  # the caller vouches for it
+
+
+def test_refuses_a_second_install_and_remove_restores_the_plain_step():
+    from fsdp2.optim import step_on_local_shards
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    handle = step_on_local_shards(opt)
+    with pytest.raises(ValueError, match="already steps on local shards"):
+        step_on_local_shards(opt)
+    handle.remove()
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2)) and handle.local_steps == 0
+    step_on_local_shards(opt)  # a removed one can be replaced
