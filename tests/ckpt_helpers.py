@@ -5,6 +5,8 @@ Rank functions live in test modules; this module holds what both sides use.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -57,3 +59,16 @@ def assert_same_state(a: dict, b: dict) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k], b[k]), k
+
+
+@contextlib.contextmanager
+def checksum_blocks(nbytes: int):
+    """Save with checksum blocks of about ``nbytes`` (1: one element, so every row edge is a block edge)."""
+    from fsdp2.checkpoint import integrity
+
+    old = integrity.BLOCK_BYTES
+    integrity.BLOCK_BYTES = nbytes
+    try:
+        yield
+    finally:
+        integrity.BLOCK_BYTES = old

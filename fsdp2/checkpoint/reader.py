@@ -3,8 +3,9 @@
 Reshard-on-load works because both sides are described as boxes in the global
 tensor: the manifest lists the saved chunks, and each rank computes the box it owns
 from its *target* DTensors (any mesh, any world size, or a plain tensor = the
-whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk through
-``safe_open(...).get_slice(key)[...]``, so bytes read ≈ bytes owned.
+whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk, widened to the
+edges of the checksummed blocks it touches (``tensor_reader.py``, several threads, checked
+in the same pass), so bytes read ≈ bytes owned.
 
 Failure safety: everything is read into fresh tensors and all ranks agree that
 reading succeeded before any model parameter or optimizer state is overwritten.
@@ -12,7 +13,6 @@ reading succeeded before any model parameter or optimizer state is overwritten.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,8 +27,10 @@ from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 
-from .format import MANIFEST_NAME, Manifest, TensorEntry, safetensors_dtype
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, safetensors_dtype
+from .integrity import checksum
 from .safetensors_io import file_crc32
+from .tensor_reader import OpenFiles, ReadPass, StoredChunk
 from .state import decode, model_key, optimizer_param_fqns, tensor_refs
 
 
@@ -36,9 +38,9 @@ from .state import decode, model_key, optimizer_param_fqns, tensor_refs
 class LoadStats:
     """What one rank's ``load`` did; pass one in to have it filled."""
 
-    bytes_read: int = 0       # tensor bytes read from checkpoint files
+    bytes_read: int = 0       # tensor bytes read from checkpoint files (whole checksum blocks)
     bytes_owned: int = 0      # bytes of the target shards this rank filled
-    bytes_verified: int = 0   # bytes read to verify checksums (0 with verify=False)
+    bytes_verified: int = 0   # bytes checksummed: those read (format 2), whole files (format 1)
     files_read: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -185,6 +187,8 @@ def _plan_extra(plan: _Plan) -> Any:
 
 
 def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats) -> None:
+    """Cheap checks of every file before reading; format 1 also checks whole-file CRC-32s here
+    (format 2 checks each block as it is read, in ``_read_targets``)."""
     for rel in files:
         full = os.path.join(plan.path, rel)
         expected = plan.manifest.files[rel]
@@ -195,7 +199,7 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
         if size != expected.size:
             raise CheckpointError(f"{full} is {size} bytes but the manifest says {expected.size}: the file "
                                   "is truncated or was replaced; restore it or load an earlier checkpoint")
-        if verify:
+        if verify and plan.manifest.version == 1:
             crc, n = file_crc32(full)
             stats.bytes_verified += n
             if crc != expected.crc32:
@@ -203,44 +207,40 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
                                       "restore the file or load an earlier checkpoint")
 
 
-def _read_targets(plan: _Plan, stats: LoadStats) -> None:
-    from safetensors import safe_open
+def stored_chunk(manifest: Manifest, files: OpenFiles, entry: TensorEntry, chunk: Chunk,
+                 verify: bool) -> StoredChunk:
+    """Where ``chunk``'s bytes are, after checking the file's header against the manifest."""
+    full = files.full_path(chunk.file)
+    header = files.header(chunk.file)
+    expected_crc = manifest.files[chunk.file].header_crc32c
+    if verify and expected_crc is not None and f"{checksum(header.raw):08x}" != expected_crc:
+        raise CheckpointError(f"{full} is corrupted (crc32c of its header {checksum(header.raw):08x}, manifest "
+                              f"says {expected_crc}); restore the file or load an earlier checkpoint")
+    info = header.info(chunk.key)
+    if info.shape != chunk.shape or info.dtype_name != safetensors_dtype(entry.torch_dtype):
+        raise CheckpointError(f"{full}, key {chunk.key!r}: file holds {info.dtype_name}{list(info.shape)}, "
+                              f"manifest says {entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
+    dtype = entry.torch_dtype
+    checked = verify and chunk.crc32c is not None
+    return StoredChunk(full, files.open(chunk.file)[0], info.begin, chunk.region, dtype, f"key {chunk.key!r}",
+                       chunk.grid(dtype.itemsize) if checked else None, chunk.checksums() if checked else None)
 
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
 
-        def handle(rel: str):
-            if rel not in handles:
-                full = os.path.join(plan.path, rel)
-                try:
-                    handles[rel] = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
-                except Exception as e:
-                    raise CheckpointError(f"{full} is not a readable safetensors file ({e}); restore it "
-                                          "or load an earlier checkpoint") from e
-            return handles[rel]
-
+def _read_targets(plan: _Plan, verify: bool, stats: LoadStats) -> None:
+    """One pass: each rank reads the blocks holding its boxes, checks them, fills its buffers."""
+    with OpenFiles(plan.path) as files:
+        reads = ReadPass(verify=verify)
         for t in plan.targets.values():
             for chunk in t.entry.chunks:
                 part = chunk.region.intersect(t.region) if t.region.numel else None
                 if part is None:
                     continue
-                f = handle(chunk.file)
-                where = f"{os.path.join(plan.path, chunk.file)}, key {chunk.key!r}"
-                try:
-                    sl = f.get_slice(chunk.key)
-                except Exception as e:
-                    raise CheckpointError(f"{where}: missing from the file ({e}); the checkpoint is "
-                                          "damaged, load an earlier one") from e
-                if tuple(sl.get_shape()) != chunk.shape or sl.get_dtype() != safetensors_dtype(t.entry.torch_dtype):
-                    raise CheckpointError(f"{where}: file holds {sl.get_dtype()}{sl.get_shape()}, manifest "
-                                          f"says {t.entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
-                data = sl[part.slices_within(chunk.region)] if chunk.shape else f.get_tensor(chunk.key)
-                if t.transient and part == t.region:
-                    t.buffer = data  # one chunk covers the whole target: skip a copy
-                else:
-                    t.buffer[part.slices_within(t.region)] = data
-                stats.bytes_read += data.numel() * data.element_size()
+                source = stored_chunk(plan.manifest, files, t.entry, chunk, verify)
+                reads.add(source, part, t.buffer[part.slices_within(t.region)])
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
+        counts = reads.run()
+    stats.bytes_read += counts.bytes_read
+    stats.bytes_verified += counts.bytes_verified
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -249,8 +249,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     Works for any saving/loading world sizes and meshes (reshard on load) and for
     plain unsharded models. Collective when torch.distributed is initialized.
-    ``verify`` checks the CRC32 of every file this rank reads before anything is
-    modified (set False to skip the extra read). On any ``CheckpointError`` the
+    ``verify`` checks the checksum of every block this rank reads, as it reads it, before
+    anything is modified (``verify=False`` skips the hashing). On any ``CheckpointError`` the
     model and optimizer are unchanged. Pass a ``LoadStats`` to get byte counts.
     """
     path = os.fspath(path)
@@ -267,7 +267,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         files = plan.needed_files()
         stats.files_read = files
         _verify_files(plan, files, verify, stats)
-        _read_targets(plan, stats)
+        _read_targets(plan, verify, stats)
     except CheckpointError as e:
         error = e
     except Exception as e:  # anything unforeseen still goes through the all-ranks agreement

@@ -6,8 +6,8 @@ Commit protocol (why a reader never sees a half-written checkpoint):
    on the next generation number ``g``. Rank 0 clears leftovers of interrupted
    saves and creates ``PATH/gen-g.partial/``; barrier.
 2. Each rank writes ``rank-XXXXX.safetensors`` (its local shards, replicas written
-   once) and a JSON sidecar with the file's size, CRC32 and chunk list into the
-   staging dir, each fsynced.
+   once) and a JSON sidecar with the file's size, header checksum and chunk list
+   (with each chunk's block checksums) into the staging dir, each fsynced.
 3. Barrier that also tells every rank whether all writes succeeded.
 4. Rank 0 reads the sidecars, checks that chunks tile every tensor, renames
    ``gen-g.partial`` -> ``gen-g``, writes ``manifest.json.tmp``, fsyncs it and
@@ -39,7 +39,9 @@ from fsdp2.layout.regions import LayoutError, Region, local_region
 
 from .format import (MANIFEST_NAME, Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir,
                      rank_file_name)
+from .integrity import BlockGrid, to_hex
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, fsync_dir
+from .staging import SnapshotStaging, process_staging
 from .state import flatten
 
 _CRASH_ENV = "FSDP2_CKPT_TEST_CRASH"  # "<stage>:<rank>", test-only fault injection
@@ -130,14 +132,17 @@ def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: d
     name = rank_file_name(rank)
     writer = SafetensorsStreamWriter(
         os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards])
+    chunks = []
     for s in shards:
-        writer.write(s.data)
+        itemsize = s.dtype.itemsize
+        grid = BlockGrid.of(s.region.offsets, s.region.shape, itemsize,
+                            BlockGrid.choose_block_elems(s.region.shape, itemsize))
+        crcs = writer.write(s.data, grid)
+        chunks.append({"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape),
+                       "block_elems": grid.block_elems, "crc32c": to_hex(crcs)})
     writer.close(fsync=True)
-    sidecar = {
-        "file": name, "size": writer.size, "crc32": writer.crc_hex, "tensors": known,
-        "chunks": [{"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape)}
-                   for s in shards],
-    }
+    sidecar = {"file": name, "size": writer.size, "header_crc32c": f"{writer.header_crc:08x}",
+               "tensors": known, "chunks": chunks}
     tmp = os.path.join(staging, f"rank-{rank:05d}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(sidecar, f)
@@ -154,14 +159,15 @@ def _build_manifest(staging: str, generation: int, world: int, objects: dict) ->
         with open(sidecar_path) as f:
             side = json.load(f)
         rel = f"{gen}/{side['file']}"
-        files[rel] = FileEntry(int(side["size"]), side["crc32"])
+        files[rel] = FileEntry(int(side["size"]), header_crc32c=side["header_crc32c"])
         for key, meta in side["tensors"].items():
             entry = tensors.setdefault(key, TensorEntry(tuple(meta["shape"]), meta["dtype"]))
             if list(entry.shape) != meta["shape"] or entry.dtype != meta["dtype"]:
                 raise CheckpointError(f"ranks disagree about {key!r}: {entry.shape}/{entry.dtype} vs "
                                       f"{meta['shape']}/{meta['dtype']} (rank {rank})")
         for c in side["chunks"]:
-            tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"])))
+            tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"]),
+                                                  int(c["block_elems"]), c["crc32c"]))
     manifest = Manifest(generation, world, files, tensors, objects)
     manifest.validate()  # every tensor exactly tiled, or we refuse to publish
     return manifest
@@ -189,18 +195,23 @@ class _SaveJob:
     """One save in progress: the write phase (any thread) and the commit (collective)."""
 
     def __init__(self, path: str, shards: list[LocalShard], known: dict, objects: dict | None,
-                 rank: int, world: int, generation: int):
+                 rank: int, world: int, generation: int, snapshot: SnapshotStaging | None = None):
         self.path, self.shards, self.known, self.objects = path, shards, known, objects
         self.rank, self.world, self.generation = rank, world, generation
         self.staging = os.path.join(path, generation_dir(generation) + ".partial")
+        self.snapshot = snapshot  # where async shards were copied; freed once written
         self.error: BaseException | None = None
 
     def write(self) -> None:
         try:
+            if self.snapshot is not None:
+                self.snapshot.wait_copied()
             _write_rank_file(self.staging, self.rank, self.shards, self.known)
         except BaseException as e:  # reported to all ranks in commit()
             self.error = e
         self.shards = []  # drop snapshots as soon as they are on disk
+        if self.snapshot is not None:
+            self.snapshot.release()
         _maybe_crash("after_write", self.rank)
 
     def commit(self) -> None:
@@ -257,8 +268,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Collective: when torch.distributed is initialized every rank must call it.
     Each rank writes only the shards it holds; nothing is sent between ranks.
     ``extra`` holds JSON values and (plain) tensors; rank 0's copy is saved.
-    With ``async_save=True`` local shards are copied to CPU now, written by a
-    background thread, and the returned handle's ``wait()`` (collective) commits.
+    With ``async_save=True`` local shards are copied now into a host buffer that is
+    allocated once and reused by later saves (pinned, on a side stream, for CUDA
+    tensors: see ``staging.py``), written and checksummed by a background thread, and
+    the returned handle's ``wait()`` (collective) commits.
     """
     path = os.fspath(path)
     rank, world = _dist.rank_and_world()
@@ -279,11 +292,13 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if not _dist.all_ok(prepare_error is None):
         raise CheckpointError(f"could not prepare {path} for saving: {prepare_error or 'failed on another rank'}")
 
+    snapshot = None
     if async_save:
         # Copies: training may keep updating parameters while the thread writes.
-        for s in shards:
-            s.data = s.data.to("cpu", copy=True)
-    job = _SaveJob(path, shards, known, objects, rank, world, generation)
+        snapshot = process_staging()
+        for s, copy in zip(shards, snapshot.stage([s.data for s in shards])):
+            s.data = copy
+    job = _SaveJob(path, shards, known, objects, rank, world, generation, snapshot)
     if async_save:
         return AsyncSave(job)
     job.write()
