@@ -51,8 +51,11 @@ def test_blocks_tile_the_chunk_and_expansion_lands_on_edges(row0, rows, row_elem
 def test_block_size_policy():
     # 2048-wide fp32 rows (8 KiB): 16 rows per 128 KiB block.
     assert BlockGrid.choose_block_elems((4096, 2048), 4) == 16 * 2048
-    # A row bigger than a block: pieces of 128 KiB.
-    assert BlockGrid.choose_block_elems((2, 100_000), 4) == 32 * 1024
+    # A row bigger than a block: pieces (800 KB / 64 -> 8 KiB).
+    assert BlockGrid.choose_block_elems((2, 100_000), 4) == 2048
+    # Small chunks: about 64 blocks, none smaller than 4 KiB.
+    assert BlockGrid.choose_block_elems((512, 256), 4) == 8 * 256  # 512 KiB: 8 KiB blocks
+    assert BlockGrid.choose_block_elems((7, 16), 4) == 64 * 16  # 448 B: one block
     # A huge chunk: blocks grow so that there are at most 4096 of them.
     big = BlockGrid.of((0, 0), (1 << 20, 1024), 4, BlockGrid.choose_block_elems((1 << 20, 1024), 4))
     assert big.count <= 4096
@@ -101,15 +104,19 @@ def test_verified_load_reads_only_owned_bytes(worlds, tmp_path, save_mesh, load_
 
 
 def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
-    """128 KiB blocks of 512 rows (256-byte rows): exact when splits align, else < one block per edge."""
+    """Default blocks (512 KiB chunks of 256-byte rows: 8 KiB = 32 rows): exact when the splits
+    fall on block edges, else less than one block more per edge."""
     path = str(tmp_path / "c")
     worlds.run(2, _save_wide, path)
-    aligned = worlds.run(4, _load_wide, path)  # 4096 rows: rank edges at multiples of 1024 = 2 blocks
+    with open(os.path.join(path, "manifest.json")) as f:
+        block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
+    assert block_rows == 32
+    aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
     assert all(read == owned for read, owned, _ in aligned)
-    unaligned = worlds.run(3, _load_wide, path)  # edges at 1366, 2732: inside blocks
-    block = 512 * 256
+    unaligned = worlds.run(3, _load_wide, path, block_rows)  # edges at rows 1366, 2732: inside blocks
+    block = block_rows * 256
     for read, owned, n_edges in unaligned:
-        assert owned < read <= owned + n_edges * block
+        assert owned < read < owned + n_edges * block
     assert sum(read for read, _, _ in unaligned) < 4096 * 256 + 4 * block
 
 
@@ -126,14 +133,14 @@ def _save_wide(rank, ws, path):
     ck.save(path, _wide_module(ws, 0))
 
 
-def _load_wide(rank, ws, path):
+def _load_wide(rank, ws, path, block_rows):
     module = _wide_module(ws, 1)
     stats = ck.LoadStats()
     ck.load(path, module, stats=stats)
     assert torch.equal(module.w.full_tensor(), _wide_module(ws, 0).w.full_tensor())
     rows = -(-4096 // ws)
     lo, hi = rank * rows, min(4096, (rank + 1) * rows)
-    n_edges = (lo % 512 != 0) + (hi % 512 != 0)
+    n_edges = (lo % block_rows != 0) + (hi % block_rows != 0)
     return stats.bytes_read, stats.bytes_owned, n_edges
 
 

@@ -24,7 +24,9 @@ import crc32c as _crc32c
 import numpy as np
 
 HASH_NAME = "crc32c"
-BLOCK_BYTES = 128 << 10  # nominal block size; see format.py for the trade-off
+BLOCK_BYTES = 128 << 10  # block size of large chunks; see format.py for the trade-off
+MIN_BLOCK_BYTES = 4 << 10  # smaller chunks get about 64 blocks, but none below a page
+BLOCKS_PER_CHUNK = 64
 MAX_BLOCKS_PER_CHUNK = 4096  # huge chunks get bigger blocks so the manifest stays small
 _HEX_DIGITS = 8
 
@@ -85,7 +87,8 @@ class BlockGrid:
         """The block size a writer uses for a chunk of ``shape``."""
         row_elems = math.prod(shape[1:]) if len(shape) else 1
         chunk_bytes = math.prod(shape) * itemsize
-        target = max(BLOCK_BYTES, _pow2_ceil(-(-chunk_bytes // MAX_BLOCKS_PER_CHUNK)))
+        target = _pow2_floor(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, chunk_bytes // BLOCKS_PER_CHUNK)))
+        target = max(target, _pow2_ceil(-(-chunk_bytes // MAX_BLOCKS_PER_CHUNK)))
         row_bytes = row_elems * itemsize
         if row_bytes <= target:
             return _pow2_floor(target // row_bytes) * row_elems

@@ -16,6 +16,7 @@ import os
 import struct
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,6 +75,7 @@ class SafetensorsStreamWriter:
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
         self._specs = list(specs)
         self._next = 0
+        self._hasher: ThreadPoolExecutor | None = None
         self._file = open(path, "wb")
         self.size = 0
         header = struct.pack("<Q", len(blob)) + blob
@@ -85,18 +87,29 @@ class SafetensorsStreamWriter:
         self.size += len(data)
 
     def write(self, tensor: torch.Tensor, grid: BlockGrid | None = None) -> list[int]:
-        """Append the next tensor; returns the CRC32C of each block of ``grid`` (none if None)."""
+        """Append the next tensor; returns the CRC32C of each block of ``grid`` (none if None).
+
+        The checksums are computed on a helper thread while this one writes the same bytes
+        (both release the GIL), so hashing adds no time to a save that waits on the disk.
+        """
         spec = self._specs[self._next]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(f"tensor for {spec.name!r} is {tensor.dtype}{list(tensor.shape)}, "
                              f"expected {spec.dtype}{list(spec.shape)}")
         data = tensor_bytes(tensor)
-        crcs = [] if grid is None else [checksum(data[lo:hi]) for _, lo, hi in grid.blocks(0, grid.rows)]
+        crcs = None
+        if grid is not None:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-ckpt-hash")
+            crcs = self._hasher.submit(_block_checksums, data, grid)
         self._write(data)
         self._next += 1
-        return crcs
+        return [] if crcs is None else crcs.result()
 
     def close(self, fsync: bool = True) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if self._next != len(self._specs):
             self._file.close()
             raise ValueError(f"only {self._next} of {len(self._specs)} tensors were written")
@@ -105,6 +118,10 @@ class SafetensorsStreamWriter:
             os.fsync(self._file.fileno())
         self._file.close()
 
+
+
+def _block_checksums(data, grid: BlockGrid) -> list[int]:
+    return [checksum(data[lo:hi]) for _, lo, hi in grid.blocks(0, grid.rows)]
 
 
 def file_crc32(path: str) -> tuple[str, int]:
