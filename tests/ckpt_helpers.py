@@ -72,3 +72,16 @@ def checksum_blocks(nbytes: int):
         yield
     finally:
         integrity.BLOCK_BYTES = old
+
+
+def load_outcome(path: str, model: nn.Module) -> tuple[str, bool]:
+    """("loaded" or the CheckpointError's message, whether the model is unchanged) of ``load``."""
+    import fsdp2.checkpoint as ck
+
+    before = full_state(model)
+    try:
+        ck.load(path, model)
+        outcome = "loaded"
+    except ck.CheckpointError as e:
+        outcome = str(e)
+    return outcome, all(torch.equal(v, before[k]) for k, v in full_state(model).items())

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli
 from fsdp2.checkpoint.integrity import BlockGrid
-from tests.ckpt_helpers import assert_same_state, checksum_blocks, full_state, make_model, mesh_1d, mesh_2d, shard
+from tests.ckpt_helpers import (assert_same_state, checksum_blocks, full_state, load_outcome, make_model, mesh_1d,
+                                mesh_2d, shard)
 
 V1_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "ckpt_v1")
 
@@ -199,15 +200,7 @@ def _byte_of(path, key, row, block_rows=None):
 
 
 def _load_rows_outcome(rank, ws, path):
-    model = shard(_rows_model(7), mesh_1d(ws))
-    before = full_state(model)
-    stats = ck.LoadStats()
-    try:
-        ck.load(path, model, stats=stats)
-        outcome = "loaded"
-    except ck.CheckpointError as e:
-        outcome = str(e)
-    return outcome, all(torch.equal(v, before[k]) for k, v in full_state(model).items())
+    return load_outcome(path, shard(_rows_model(7), mesh_1d(ws)))
 
 
 def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from .errors import CheckpointError
-from .format import TensorEntry, safetensors_dtype
+from .format import TensorEntry
 from .reader import read_manifest
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec
 from .verify import verify_checkpoint

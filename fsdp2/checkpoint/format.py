@@ -34,15 +34,21 @@ owns and checks exactly those, in the same pass as it reads them.
 
 The trade-off is the block size. A rank that owns part of a block must read all of it to check
 it, so with verification on, bytes read exceed bytes owned by less than one block at each end
-of a needed row range. Blocks are a power of two of whole dim-0 rows (about 128 KiB, larger
-for huge chunks so that a chunk has at most 4096 checksums: the manifest grows by about 64
-bytes per MiB of state) with edges at multiples of that count in *global* row indices. So
-when both the saving and the loading split of dim 0 fall on multiples of the block -- row
-counts and world sizes that are powers of two, and every load on the saving layout -- a rank
-reads exactly what it owns; otherwise at most one block more per edge (about 1 % for a
-2048-wide fp32 layer resharded from 2 ranks to 3). A rank that owns a column range of
-row-major chunks (tensor parallelism splitting dim 1 of a checkpoint saved without it) reads
-and checks whole rows. ``verify=False`` reads exactly the owned bytes.
+of a needed row range; smaller blocks mean less excess but a longer manifest and more hashing
+calls. Blocks are a power of two of whole dim-0 rows with edges at multiples of that count in
+*global* row indices (rows larger than a block are cut into pieces), sized per chunk: about 64
+blocks per chunk, between 4 KiB and 128 KiB (larger only for chunks over 512 MiB, which get at
+most 4096). The manifest grows by 8 hex digits per block, about 64 bytes per MiB of large
+tensors. Consequences:
+
+- a load on the saving layout, and any reshard whose dim-0 splits fall on multiples of the
+  block (power-of-two world sizes dividing power-of-two-friendly row counts), reads exactly
+  the owned bytes (ratio 1.00);
+- other dim-0 reshards read at most one block more per edge (measured: 1.001 for a 125M GPT +
+  AdamW saved on 2 ranks, loaded on 3; see benchmarks/RESULTS.md);
+- a rank owning a column range of row-major chunks (tensor parallelism splitting dim 1 of a
+  checkpoint saved without it) reads and checks whole rows;
+- ``verify=False`` reads exactly the owned bytes (column ranges as one read per row run).
 
 Version 1 (still loaded and verified): files carry ``"crc32"`` (zlib CRC-32 of the whole
 file) and chunks no checksums, so verifying reads every byte of every file a rank touches.

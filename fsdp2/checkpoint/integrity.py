@@ -1,11 +1,11 @@
 """Checksums of stored tensor bytes: the hash, and how a chunk's bytes are cut into blocks.
 
-Hash: CRC32C in hardware through the ``crc32c`` package. Measured on the 2-core CI machine
-(benchmarks/RESULTS.md): 11.5 GiB/s single-threaded and the GIL released while it runs (so
-reader threads hash in parallel), against zlib.crc32 at 1.2-2.3 GiB/s; xxHash's XXH3 ran at
-the same speed but is not a checksum other tools verify, and google-crc32c only takes
-read-only ``bytes`` (a copy of every block). CRC32C catches every burst error up to 32 bits
-and any odd number of flipped bits, which is what a checksum of disk data is for.
+Hash: CRC32C in hardware through the ``crc32c`` package, chosen by measurement on the 2-core
+CI machine (``bench_checkpoint.py --hashes``, benchmarks/RESULTS.md): the fastest of zlib.crc32,
+crc32c, google-crc32c and xxHash's XXH3, and it releases the GIL while it runs, so reader
+threads hash in parallel. XXH3 (vectorized software) came second; google-crc32c
+only accepts ``bytes`` (a copy of every block). CRC32C detects every burst error up to 32 bits
+and any odd number of flipped bits.
 
 Blocks (:class:`BlockGrid`): a chunk (one stored box of a tensor, row-major) is cut into runs
 of whole dim-0 rows, a power of two of them per block, with block edges at *global* row
@@ -24,7 +24,7 @@ import crc32c as _crc32c
 import numpy as np
 
 HASH_NAME = "crc32c"
-BLOCK_BYTES = 128 << 10  # block size of large chunks; see format.py for the trade-off
+BLOCK_BYTES = 128 << 10  # block size of large chunks; format.py explains the trade-off
 MIN_BLOCK_BYTES = 4 << 10  # smaller chunks get about 64 blocks, but none below a page
 BLOCKS_PER_CHUNK = 64
 MAX_BLOCKS_PER_CHUNK = 4096  # huge chunks get bigger blocks so the manifest stays small

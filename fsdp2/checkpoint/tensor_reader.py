@@ -9,8 +9,8 @@ returns how many bytes it read and checked.
 What a task reads:
 - needed part spans whole rows (dim-0 splits, the FSDP case): one contiguous range;
   with checksums, widened to block edges (``integrity.BlockGrid``);
-- needed part is a column range: whole rows when checking (blocks are rows) or when the
-  column runs are small; otherwise just the runs, one ``pread`` each.
+- needed part is a column range: whole rows when checking (blocks are rows), otherwise just
+  the runs, one ``pread`` each.
 
 Where it lands: straight in the destination when the dtype matches and the rows are
 contiguous there (the edge bytes outside the owned rows go to small side buffers, one
@@ -39,7 +39,6 @@ from .safetensors_io import SafetensorsHeader, read_header
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
-_SMALL_RUN = 4096  # column runs shorter than a page: read the whole rows instead
 
 
 def open_data_file(root: str, rel: str) -> tuple[int, int]:
@@ -168,8 +167,7 @@ class ReadPass:
         cols = tuple(slice(o, o + n) for o, n in zip(rel[1:], part.shape[1:]))
         whole_rows = tuple(part.shape[1:]) == chunk.row_shape
         verify = self.verify and chunk.checksums is not None
-        run_bytes = _run_bytes(chunk.row_shape, part.shape[1:], chunk.dtype.itemsize)
-        runs = dest is not None and not verify and not whole_rows and run_bytes >= _SMALL_RUN
+        runs = dest is not None and not verify and not whole_rows
         a, b = chunk.grid.expand_rows(lo, hi) if verify else (lo, hi)
         if dest is not None:
             dest = dest.reshape(1, *dest.shape) if scalar else dest
@@ -223,16 +221,6 @@ class ReadPass:
                     f.result()  # the first error, in file order
         self.tasks = []
         return counts
-
-
-def _run_bytes(row_shape: Sequence[int], part_row_shape: Sequence[int], itemsize: int) -> int:
-    """Bytes of one contiguous run of a sub-box of a row (the trailing dims it takes whole)."""
-    n = itemsize
-    for full, part in zip(reversed(tuple(row_shape)), reversed(tuple(part_row_shape))):
-        n *= part
-        if part != full:
-            break
-    return n
 
 
 def _scratch(local: threading.local, nbytes: int) -> torch.Tensor:

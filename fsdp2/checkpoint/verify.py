@@ -8,7 +8,6 @@ verify PATH`` prints the result.
 
 from __future__ import annotations
 
-import os
 
 from .errors import CheckpointError
 from .format import Chunk, Manifest, TensorEntry, safetensors_dtype
