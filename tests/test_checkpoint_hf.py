@@ -131,7 +131,10 @@ def _expect_error(path, model, match, **kw):
 def test_single_file_and_explicit_paths(tmp_path):
     source = make_model(0)
     save_file(source.state_dict(), str(tmp_path / "model.safetensors"))
-    for path in (tmp_path, tmp_path / "model.safetensors"):
+    snapshot = tmp_path / "snapshots" / "abc"  # the Hugging Face cache: files link into blobs/
+    snapshot.mkdir(parents=True)
+    os.symlink(tmp_path / "model.safetensors", snapshot / "model.safetensors")
+    for path in (tmp_path, tmp_path / "model.safetensors", snapshot):
         target = make_model(1)
         ck.load_hf(path, target)
         assert_same_state(full_state(target), full_state(source))

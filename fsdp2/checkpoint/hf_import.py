@@ -227,7 +227,7 @@ def load_hf(path: str | os.PathLike, model: nn.Module, *, key_map: KeyMap | None
         error = None
         try:
             root, index_name, single = _resolve(path)
-            files = OpenFiles(root)
+            files = OpenFiles(root, links_may_leave_root=True)  # the HF cache links files to blobs/
             targets, keys = _plan(path, index_name, single, model, key_map, strict, files)
         except Exception as e:
             error = _as_checkpoint_error(e, f"loading {path} failed")

@@ -41,14 +41,18 @@ READ_THREADS = max(2, min(8, os.cpu_count() or 1))
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
 
 
-def open_data_file(root: str, rel: str) -> tuple[int, int]:
+def open_data_file(root: str, rel: str, links_may_leave_root: bool = False) -> tuple[int, int]:
     """(fd, size) of the checkpoint file ``rel`` under ``root``: a regular file inside it.
 
     The one place the read pass opens data files (manifest and index names are untrusted).
+    ``links_may_leave_root``: a symlink may point outside ``root`` (the Hugging Face cache
+    links every snapshot file into its blobs/ directory); ``rel`` itself never may.
     """
     full = os.path.join(root, rel)
     real_root = os.path.realpath(root)
     real = os.path.realpath(full)
+    if links_may_leave_root:
+        real = os.path.join(os.path.realpath(os.path.dirname(full)), os.path.basename(full))
     if os.path.commonpath([real_root, real]) != real_root:
         raise CheckpointError(f"{full} resolves to {real}, outside {root}; refusing to read it")
     try:
@@ -70,8 +74,9 @@ class OpenFiles:
     A context manager: every file is closed on exit.
     """
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, links_may_leave_root: bool = False):
         self.root = root
+        self._links_may_leave_root = links_may_leave_root
         self._fds: dict[str, tuple[int, int]] = {}
         self._headers: dict[str, SafetensorsHeader] = {}
 
@@ -89,7 +94,7 @@ class OpenFiles:
     def open(self, rel: str) -> tuple[int, int]:
         """(fd, size) of ``rel``."""
         if rel not in self._fds:
-            self._fds[rel] = open_data_file(self.root, rel)
+            self._fds[rel] = open_data_file(self.root, rel, self._links_may_leave_root)
         return self._fds[rel]
 
     def header(self, rel: str) -> SafetensorsHeader:
