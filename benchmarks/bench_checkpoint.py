@@ -1,13 +1,31 @@
-"""Save/load time and bytes read: fsdp2.checkpoint vs torch.distributed.checkpoint (DCP).
+"""Checkpoint save/load/async save: fsdp2.checkpoint vs torch.distributed.checkpoint (DCP).
 
-Both save and load the same sharded model state dict (DTensors, Shard(0) on a 1D
-mesh) on a CPU gloo world started with torch.multiprocessing.spawn. Each timing is
-the slowest rank's, the median of --repeats runs, between barriers.
+Both sides save and load the same state -- a GPT sharded with fsdp2's ``fully_shard`` on a
+1-D mesh plus its AdamW state (DTensors) -- in the same processes, alternating, between
+barriers. Each time is the slowest rank's; tables show the median over --repeats rounds.
 
-    python benchmarks/bench_checkpoint.py --ranks 2 --layers 24 --hidden 2048
+    python benchmarks/bench_checkpoint.py --model 125m --ranks 2 --repeats 3         # CPU, gloo
+    python benchmarks/bench_checkpoint.py --device cuda --model 1b --ranks 1 --repeats 3
+    python benchmarks/bench_checkpoint.py --hashes                                    # checksum speeds
 
-Files land in the page cache (no cache dropping): the figures compare the two
-implementations' CPU/IO-path costs, not disk speed.
+Rows:
+- save: write + fsync + commit (fsdp2: rank files + manifest; DCP: its files + .metadata).
+- load verify / no verify: fsdp2 with its default block checksums, and without; DCP verifies
+  nothing. ``--cold`` evicts both sides' files from the page cache (posix_fadvise DONTNEED on
+  the files only) before every load, so loads read the disk; default: warm page cache.
+- async save: "call" = time ``save(async_save=True)`` / ``dcp.async_save`` takes to return;
+  "blocked" = call + until the device-to-host snapshot is complete (CUDA sync; = call on
+  CPU), i.e. how long the training loop is held; then training steps run while the background
+  write goes on ("overlap step" vs a normal step); "wait" = ``wait()``/``result()`` after that.
+  Round 1 includes allocating the staging buffer, later rounds reuse it (reported apart).
+- bytes: LoadStats of fsdp2 rank 0 (tensor bytes read / owned / checksummed) and each side's
+  ``read()`` syscall bytes on rank 0 (rchar; both read with read/pread now).
+- --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
+  simulating each rank with PyTorch's fake process group) and report bytes read / owned with
+  verification on.
+- --hf (CPU): save -> consolidate to Hugging Face layout -> in fresh processes, ``load_hf`` into a
+  new sharded model on every rank (peak RSS growth during the call vs the rank's shard bytes),
+  then DCP's HuggingFaceStorageReader into the same model.
 """
 
 from __future__ import annotations
@@ -19,26 +37,239 @@ import statistics
 import tempfile
 import time
 
+MODELS = {  # GPTConfig kwargs; state = params + 2 AdamW moments, fp32
+    "tiny": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),  # 4.2M params, 51 MB state
+    "125m": dict(vocab_size=32000, seq_len=1024, dim=768, n_layers=12, n_heads=12),  # 135M, 1.6 GB state
+    "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),  # 1.04B, 12.5 GB state
+}
+STEP_SEQ = {"tiny": 128, "125m": 64, "1b": 2048}  # tokens per sequence in the overlap steps
+
 
 def _rchar() -> int:
-    """Bytes this process read through read() syscalls (mmap reads are not counted)."""
+    """Bytes this process read through read()/pread() syscalls (mmap reads are not counted)."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
 
 
-def _timed(fn):
-    import torch
-    import torch.distributed as dist
+def _evict(directory: str) -> None:
+    """Drop a directory's files from the page cache (clean pages only: they were fsynced)."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
-    dist.barrier()
-    start, rchar = time.perf_counter(), _rchar()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), _rchar() - rchar
+
+class _Bench:
+    def __init__(self, rank: int, device, args):
+        self.rank, self.device, self.args = rank, device, args
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def slowest(self, seconds: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([seconds], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def timed(self, fn, evict: list[str] = ()):
+        import torch.distributed as dist
+
+        if evict and self.rank == 0:
+            for d in evict:
+                _evict(d)
+        dist.barrier()
+        start, rchar = time.perf_counter(), _rchar()
+        fn()
+        self.sync()
+        return self.slowest(time.perf_counter() - start), _rchar() - rchar
+
+
+def _build(cfg, mesh, device):
+    import torch
+
+    from fsdp2 import fully_shard
+    from fsdp2.models import GPT
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
 
 
 def _worker(rank, world, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cpu":
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2.checkpoint as ck
+    from fsdp2.checkpoint.staging import process_staging
+    from fsdp2.models import GPTConfig
+
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
+    cfg = GPTConfig(**MODELS[args.model])
+    model = _build(cfg, mesh, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    seq = min(STEP_SEQ[args.model], cfg.seq_len)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=g).to(device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+
+    step()  # creates the AdamW state
+    b = _Bench(rank, device, args)
+    local = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
+    local += sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                 if hasattr(v, "to_local"))
+    total = torch.tensor([float(local)], device=device)
+    dist.all_reduce(total)
+
+    def dcp_state():
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    rows: dict[str, list] = {}
+    stats_rows = []
+    async_rows = []
+    last = None
+    for rep in range(args.repeats):
+        base = os.path.join(args.dir, f"rep{rep}")
+        ours, theirs = os.path.join(base, "fsdp2"), os.path.join(base, "dcp")
+        evict = [ours, theirs] if args.cold else []
+        stats = [ck.LoadStats(), ck.LoadStats()]
+        r = {}
+        r["fsdp2 save"] = b.timed(lambda: ck.save(ours, model, opt))
+        r["dcp save"] = b.timed(lambda: dcp.save(dcp_state(), checkpoint_id=theirs))
+        r["fsdp2 load, verified"] = b.timed(lambda: ck.load(ours, model, opt, stats=stats[0]), evict)
+        r["fsdp2 load, verify=False"] = b.timed(lambda: ck.load(ours, model, opt, verify=False, stats=stats[1]),
+                                                evict)
+        r["dcp load"] = b.timed(lambda: dcp.load(dcp_state(), checkpoint_id=theirs), evict)
+        for name, value in r.items():
+            rows.setdefault(name, []).append(value)
+        stats_rows.append((stats[0].bytes_read, stats[0].bytes_owned, stats[0].bytes_verified))
+        async_rows.append(_async_round(b, base, model, opt, step, dcp_state))
+        dist.barrier()
+        if rank == 0:
+            if last is not None:
+                shutil.rmtree(last, ignore_errors=True)
+            shutil.rmtree(theirs, ignore_errors=True)
+            shutil.rmtree(os.path.join(base, "async"), ignore_errors=True)
+        last = base
+    hf_dir = _hf_export(b, args, model) if args.hf else None
+    dist.barrier()
+    if rank == 0:
+        out.put(dict(total_bytes=total.item(), rows=rows, stats=stats_rows,
+                     async_rows=async_rows, allocations=process_staging().allocations, hf_dir=hf_dir,
+                     last=os.path.join(last, "fsdp2")))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_DCP_GROUP = None
+
+
+def _async_round(b: _Bench, base, model, opt, step, dcp_state) -> dict:
+    """Async save blocking time and training steps overlapping the background write."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp2.checkpoint as ck
+
+    def normal_steps(n=3):
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            b.sync()
+            times.append(b.slowest(time.perf_counter() - t))
+        return statistics.median(times)
+
+    result = {"normal step": normal_steps()}
+    # DCP's background thread runs collectives: give it its own group, as its docs advise.
+    global _DCP_GROUP
+    if _DCP_GROUP is None:
+        _DCP_GROUP = dist.new_group(backend="gloo")
+    for name in ("fsdp2", "dcp"):
+        path = os.path.join(base, "async", name)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if name == "fsdp2":
+            handle = ck.save(path, model, opt, async_save=True)
+            done = handle.done_writing
+        else:
+            handle = dcp.async_save(dcp_state(), checkpoint_id=path, process_group=_DCP_GROUP)
+            done = handle.done
+        call = time.perf_counter() - t0
+        b.sync()
+        blocked = time.perf_counter() - t0
+        overlapped = []
+        while True:  # same number of steps on every rank: agree whether anyone is still writing
+            writing = b.slowest(0.0 if done() else 1.0) > 0
+            if not writing or len(overlapped) >= 50:
+                break
+            t = time.perf_counter()
+            step()
+            b.sync()
+            overlapped.append(b.slowest(time.perf_counter() - t))
+        t = time.perf_counter()
+        handle.wait() if name == "fsdp2" else handle.result()
+        wait = time.perf_counter() - t
+        result[name] = dict(call=b.slowest(call), blocked=b.slowest(blocked),
+                            overlap_steps=overlapped, wait=b.slowest(wait),
+                            total=b.slowest(time.perf_counter() - t0))
+    return result
+
+
+def _hf_export(b: _Bench, args, model) -> str:
+    """save -> consolidate to Hugging Face layout (rank 0); returns the HF directory."""
+    import torch.distributed as dist
+
+    import fsdp2.checkpoint as ck
+    from fsdp2.checkpoint.cli import consolidate
+
+    base = os.path.join(args.dir, "hf")
+    ck.save(os.path.join(base, "ckpt"), model)
+    if b.rank == 0:
+        consolidate(os.path.join(base, "ckpt"), os.path.join(base, "hf"))
+        shutil.rmtree(os.path.join(base, "ckpt"), ignore_errors=True)
+    dist.barrier()
+    return os.path.join(base, "hf")
+
+
+def _hf_worker(rank, world, port, args, hf_dir, out):
+    """Fresh processes: load_hf into a new sharded model; peak RSS growth vs this rank's shard bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import warnings
 
@@ -46,66 +277,193 @@ def _worker(rank, world, port, args, out):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import fsdp2.checkpoint as ck
+    from fsdp2.models import GPTConfig
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-
-    def build():
-        with torch.device("cpu"):
-            model = nn.Sequential(*[nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-
-    model, target = build(), build()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows = {}
-    for rep in range(args.repeats):
-        base = os.path.join(args.dir, f"rep{rep}")
-        ours, theirs = os.path.join(base, "fsdp2"), os.path.join(base, "dcp")
-        stats = [ck.LoadStats(), ck.LoadStats()]
-        results = {
-            "fsdp2 save": _timed(lambda: ck.save(ours, model)),
-            "dcp save": _timed(lambda: dcp.save(model.state_dict(), checkpoint_id=theirs)),
-            "fsdp2 load (verify)": _timed(lambda: ck.load(ours, target, stats=stats[0])),
-            "fsdp2 load (no verify)": _timed(lambda: ck.load(ours, target, verify=False, stats=stats[1])),
-        }
-
-        def dcp_load():
-            sd = target.state_dict()
-            dcp.load(sd, checkpoint_id=theirs)
-
-        results["dcp load"] = _timed(dcp_load)
-        for name, (seconds, rchar) in results.items():
-            rows.setdefault(name, []).append((seconds, rchar))
-        rows.setdefault("_stats", []).append((stats[1].bytes_read, stats[1].bytes_owned, stats[0].bytes_verified))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(base, ignore_errors=True)
+    device = torch.device("cpu")
+    b = _Bench(rank, device, args)
+    model = _build(GPTConfig(**MODELS[args.model]), init_device_mesh("cpu", (world,)), device)
+    shard_bytes = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
+    if args.cold and rank == 0:
+        _evict(hf_dir)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS
+    rss0 = _vm("VmRSS")
+    stats = ck.LoadStats()
+    seconds, _ = b.timed(lambda: ck.load_hf(hf_dir, model, stats=stats))
+    peak = _vm("VmHWM") - rss0
+    result = dict(seconds=seconds, shard_bytes=shard_bytes, peak_rss_growth=peak, read=stats.bytes_read,
+                  owned=stats.bytes_owned)
+    try:
+        if args.cold and rank == 0:
+            _evict(hf_dir)
+        reader = dcp.HuggingFaceStorageReader(hf_dir)
+        sd = model.state_dict()
+        result["dcp_seconds"], _ = b.timed(lambda: dcp.load(sd, storage_reader=reader))
+    except Exception as e:  # noqa: BLE001 - report, do not fail the benchmark
+        result["dcp_error"] = repr(e)[:200]
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, result)
     if rank == 0:
-        out.put((nbytes, rows))
+        out.put(per_rank)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reshard_worker(rank, path, model, worlds, out):
+    """Load ``path`` as each rank of each world size in turn (fake process group: no traffic).
+
+    The targets are Shard(0) DTensors built from metadata (fsdp2's layout for every parameter),
+    plus AdamW, whose state the load lays out like the parameters.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp2.checkpoint as ck
+    from fsdp2.layout.regions import shard_region
+    from fsdp2.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(**MODELS[model]))
+    result = {}
+    for world in worlds:
+        read = owned = 0
+        worst = 1.0
+        for r in range(world):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
+            # A fresh dim name per rank: DTensor caches sharding decisions per (equal) mesh, which
+            # would hand one simulated rank the mesh object, and coordinate, of the previous one.
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(f"w{world}r{r}",))
+            m = nn.Module()
+            for fqn, p in meta.named_parameters():
+                region = shard_region(p.shape, (world,), (r,), [Shard(0)])
+                local = torch.empty(region.shape)
+                dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+                owner = m
+                *parents, leaf = fqn.split(".")
+                for name in parents:
+                    if not hasattr(owner, name):
+                        owner.add_module(name, nn.Module())
+                    owner = getattr(owner, name)
+                owner.register_parameter(leaf, nn.Parameter(dt))
+            opt = torch.optim.AdamW(m.parameters())
+            stats = ck.LoadStats()
+            ck.load(path, m, opt, stats=stats)
+            read, owned = read + stats.bytes_read, owned + stats.bytes_owned
+            worst = max(worst, stats.bytes_read / stats.bytes_owned)
+            dist.destroy_process_group()
+            del m, opt
+        result[world] = (read, owned, worst)
+    out.put(result)
+
+
+def hash_table(mib: int = 256) -> list[tuple[str, float, float]]:
+    """(name, GiB/s single thread, other thread's progress while it hashes: ~1 = GIL released)."""
+    import threading
+    import zlib
+
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8).tobytes()
+    view = memoryview(data)
+    block = 4 << 20
+    cands = {"zlib.crc32": lambda m, c: zlib.crc32(m, c)}
+    try:
+        import crc32c
+
+        cands["crc32c (hardware CRC32C)"] = lambda m, c: crc32c.crc32c(m, c)
+    except ImportError:
+        pass
+    try:
+        import google_crc32c
+
+        cands["google-crc32c (needs bytes: copies)"] = lambda m, c: google_crc32c.extend(c, bytes(m))
+    except ImportError:
+        pass
+    try:
+        import xxhash
+
+        cands["xxhash xxh3_64"] = lambda m, c: xxhash.xxh3_64_intdigest(m, c)
+    except ImportError:
+        pass
+
+    def spin(seconds):
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    idle = spin(0.5)
+    rows = []
+    for name, fn in cands.items():
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            c = 0
+            for i in range(0, len(view), block):
+                c = fn(view[i:i + block], c)
+            best = min(best, time.perf_counter() - t)
+        stop = threading.Event()
+
+        def worker():
+            while not stop.is_set():
+                fn(view, 0)
+
+        th = threading.Thread(target=worker)
+        th.start()
+        progress = spin(0.5) / idle
+        stop.set()
+        th.join()
+        rows.append((name, len(data) / best / 2**30, progress))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", choices=sorted(MODELS), default="125m")
+    parser.add_argument("--ranks", type=int, default=None, help="default: 2 on CPU, every GPU on cuda")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank in the overlap steps")
+    parser.add_argument("--cold", action="store_true", help="evict checkpoint files from the page cache before loads")
+    parser.add_argument("--reshard", default="", help="comma-separated world sizes to load the checkpoint on")
+    parser.add_argument("--hf", action="store_true", help="also measure load_hf (and DCP's HF reader)")
+    parser.add_argument("--hashes", action="store_true", help="only print the checksum speed table")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
+    if args.hashes:
+        print(f"{'hash':<38}{'GiB/s (1 thread)':>18}{'other thread progress':>23}")
+        for name, speed, progress in hash_table():
+            print(f"{name:<38}{speed:>18.2f}{progress:>23.2f}")
+        print("other thread progress: a pure-Python loop's speed while another thread hashes 256 MiB per call, "
+              "relative to idle (~0.5-1: the GIL is released; ~0: held)")
+        return
     import socket
 
+    import torch
     import torch.multiprocessing as mp
 
+    if args.ranks is None:
+        args.ranks = torch.cuda.device_count() if args.device == "cuda" else 2
     args.dir = args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,24 +471,66 @@ def main():
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.spawn(_worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True)
-    nbytes, rows = out.get()
+    res = out.get()
+    if res["hf_dir"]:
+        hq = ctx.SimpleQueue()
+        mp.spawn(_hf_worker, args=(args.ranks, port + 1, args, res["hf_dir"], hq), nprocs=args.ranks, join=True)
+        res["hf"] = hq.get()
+    reshard = None
+    if args.reshard:
+        worlds = [int(w) for w in args.reshard.split(",")]
+        rq = ctx.SimpleQueue()
+        mp.spawn(_reshard_worker, args=(res["last"], args.model, worlds, rq), nprocs=1, join=True)
+        reshard = rq.get()
     shutil.rmtree(args.dir, ignore_errors=True)
+    _report(args, res, reshard)
 
-    mb = 1e6
-    print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) fp32 = {nbytes / mb:.0f} MB, "
-          f"{args.ranks} ranks (gloo, CPU), median of {args.repeats}")
-    read, owned, verified = rows.pop("_stats")[-1]
-    med = {name: statistics.median(s for s, _ in vals) for name, vals in rows.items()}
-    rchar = {name: statistics.median(r for _, r in vals) for name, vals in rows.items()}
-    print(f"{'operation':<24}{'time (s)':>10}{'MB/s':>10}{'rank0 read() MB':>17}{'vs DCP':>9}")
+
+def _report(args, res, reshard):
+    import torch
+
+    gib, mb = 2**30, 1e6
+    total = res["total_bytes"]
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"model {args.model} {MODELS[args.model]} + AdamW: {total / gib:.2f} GiB of state, {args.ranks} rank(s), "
+          f"{device}, torch {torch.__version__}, {'cold' if args.cold else 'warm'} page cache for loads, "
+          f"median of {args.repeats}")
+    med = {name: statistics.median(s for s, _ in vals) for name, vals in res["rows"].items()}
+    rchar = {name: statistics.median(r for _, r in vals) for name, vals in res["rows"].items()}
+    print(f"{'operation':<28}{'time (s)':>10}{'GiB/s':>8}{'vs DCP':>9}{'rank0 read() MB':>17}")
     for name, seconds in med.items():
         ref = med["dcp save"] if "save" in name else med["dcp load"]
-        print(f"{name:<24}{seconds:>10.3f}{nbytes / mb / seconds:>10.0f}{rchar[name] / mb:>17.1f}"
-              f"{ref / seconds:>8.2f}x")
-    print(f"fsdp2 rank 0: tensor bytes read {read / mb:.1f} MB for {owned / mb:.1f} MB owned "
-          f"(ratio {read / owned:.3f}); checksum pass reads {verified / mb:.1f} MB")
-    print("'vs DCP' = DCP time / fsdp2 time (>1: fsdp2 faster). read() MB counts read syscalls only; "
-          "safetensors reads through mmap, so fsdp2's tensor reads show in the line above instead.")
+        print(f"{name:<28}{seconds:>10.3f}{total / gib / seconds:>8.2f}{seconds / ref:>8.2f}x{rchar[name] / mb:>17.1f}")
+    print("vs DCP = fsdp2 time / DCP time (<1: fsdp2 faster)")
+    read, owned, verified = res["stats"][-1]
+    print(f"fsdp2 verified load, rank 0: read {read / mb:.1f} MB for {owned / mb:.1f} MB owned "
+          f"(ratio {read / owned:.4f}), checksummed {verified / mb:.1f} MB")
+    if reshard:
+        for world, (r, o, worst) in reshard.items():
+            print(f"reshard {args.ranks} -> {world} ranks, verified: bytes read / owned = {r / o:.4f} over all ranks, "
+                  f"worst rank {worst:.4f}")
+    print()
+    print(f"async save (staging buffer allocations in this run: {res['allocations']})")
+    print(f"{'':<8}{'round':<7}{'call (s)':>10}{'blocked (s)':>13}{'overlap steps':>15}{'step / normal':>15}"
+          f"{'wait (s)':>10}{'total (s)':>11}")
+    for i, rnd in enumerate(res["async_rows"]):
+        normal = rnd["normal step"]
+        for name in ("fsdp2", "dcp"):
+            a = rnd[name]
+            ratio = statistics.median(a["overlap_steps"]) / normal if a["overlap_steps"] else float("nan")
+            print(f"{name:<8}{i + 1:<7}{a['call']:>10.3f}{a['blocked']:>13.3f}{len(a['overlap_steps']):>15}"
+                  f"{ratio:>14.2f}x{a['wait']:>10.3f}{a['total']:>11.3f}")
+    normal = ", ".join(f"{r['normal step']:.3f}" for r in res["async_rows"])
+    print(f"normal step (s), per round: {normal}")
+    if res.get("hf"):
+        print()
+        print("load_hf (save -> consolidate -> load_hf into a fresh sharded model, fresh processes)")
+        for rank, h in enumerate(res["hf"]):
+            dcp_part = (f", DCP HuggingFaceStorageReader {h['dcp_seconds']:.3f} s" if "dcp_seconds" in h
+                        else f", DCP HF reader failed: {h.get('dcp_error')}")
+            print(f"rank {rank}: {h['seconds']:.3f} s{dcp_part}; read {h['read'] / mb:.1f} MB "
+                  f"for {h['owned'] / mb:.1f} MB owned; peak RSS growth {h['peak_rss_growth'] / mb:.1f} MB for "
+                  f"{h['shard_bytes'] / mb:.1f} MB of shards (+{(h['peak_rss_growth'] - h['shard_bytes']) / mb:.1f} MB)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Rank functions live in test modules; this module holds what both sides use.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -69,3 +71,29 @@ def assert_same_state(a: dict, b: dict) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k], b[k]), k
+
+
+@contextlib.contextmanager
+def checksum_blocks(nbytes: int):
+    """Save with checksum blocks of about ``nbytes`` (1: one element, so every row edge is a block edge)."""
+    from fsdp2.checkpoint import integrity
+
+    old = integrity.BLOCK_BYTES
+    integrity.BLOCK_BYTES = nbytes
+    try:
+        yield
+    finally:
+        integrity.BLOCK_BYTES = old
+
+
+def load_outcome(path: str, model: nn.Module) -> tuple[str, bool]:
+    """("loaded" or the CheckpointError's message, whether the model is unchanged) of ``load``."""
+    import fsdp2.checkpoint as ck
+
+    before = full_state(model)
+    try:
+        ck.load(path, model)
+        outcome = "loaded"
+    except ck.CheckpointError as e:
+        outcome = str(e)
+    return outcome, all(torch.equal(v, before[k]) for k, v in full_state(model).items())

@@ -465,7 +465,7 @@ def _untrusted(tmp_path, kind):
         os.symlink(outside, data)
     if kind != "outside":
         def empty(m):
-            m["files"][rel] = {"size": 0, "crc32": "00000000"}
+            m["files"][rel] = {"size": 0, "header_crc32c": "00000000"}
         _edit_manifest(path, empty)
     return path
 
@@ -512,7 +512,8 @@ _MALFORMED = {
         "state": {}, "param_groups": [5]}}}),
     "unknown_dtype": lambda t: t.replace('"dtype":"float32"', '"dtype":"float128"', 1),
     "negative_offset": lambda t: t.replace('"offsets":[0,0]', '"offsets":[-1,0]', 1),
-    "crc_a_number": lambda t: t.replace('"crc32":"', '"crc32":7,"x":"', 1),
+    "crc_a_number": lambda t: t.replace('"header_crc32c":"', '"header_crc32c":7,"x":"', 1),
+    "block_crc_a_number": lambda t: t.replace('"crc32c":"', '"crc32c":7,"x":"', 1),
     "tied_weights_malformed": lambda t: json.dumps({**json.loads(t), "objects": {"tied_weights": 5}}),
 }
 

@@ -1,7 +1,8 @@
 """``python -m fsdp2.checkpoint {inspect,verify,consolidate} PATH ...``
 
 inspect      what a checkpoint holds: tensors, shapes, dtypes, chunks, file sizes
-verify       checksums of every file, every chunk present, chunks tile each tensor
+verify       every checksum (per block, or per file for format 1), every chunk present,
+             chunks tile each tensor (fsdp2.checkpoint.verify)
 consolidate  full tensors as Hugging Face style sharded safetensors + index.json,
              one tensor in memory at a time; --config copies config.json and
              tokenizer files so that from_pretrained loads the folder
@@ -21,10 +22,8 @@ from typing import Sequence
 
 from .consolidate import DTYPES, consolidate
 from .errors import CheckpointError
-from .format import safetensors_dtype
-from .paths import checkpoint_file
 from .reader import read_manifest
-from .safetensors_io import file_crc32
+from .verify import verify_checkpoint
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -55,7 +54,8 @@ def cmd_inspect(args) -> int:
     print(f"{args.path}: fsdp2 checkpoint, generation {m.generation}, saved by {m.world_size} rank(s)")
     print(f"files ({len(m.files)}, {_human(total)}):")
     for name, f in m.files.items():
-        print(f"  {name}  {_human(f.size)}  crc32={f.crc32}")
+        check = f"crc32={f.crc32}" if f.crc32 is not None else f"header crc32c={f.header_crc32c}"
+        print(f"  {name}  {_human(f.size)}  {check}")
     print(f"tensors ({len(m.tensors)}):")
     for key, t in m.tensors.items():
         try:
@@ -85,58 +85,6 @@ def cmd_inspect(args) -> int:
 
 
 # ---------------------------------------------------------------- verify
-
-
-def verify_checkpoint(path: str) -> list[str]:
-    """Every problem found in the checkpoint at ``path`` (empty list: all good)."""
-    from safetensors import safe_open
-
-    try:
-        m = read_manifest(path)
-    except CheckpointError as e:
-        return [str(e)]
-    try:
-        m.validate_files()
-    except CheckpointError as e:
-        return [str(e)]  # never open files an untrusted manifest points at outside PATH
-    problems = []
-    for key in m.tensors:
-        try:
-            m.validate([key])
-        except CheckpointError as e:
-            problems.append(str(e))
-    chunks_by_file: dict[str, list] = {}
-    for key, t in m.tensors.items():
-        for c in t.chunks:
-            chunks_by_file.setdefault(c.file, []).append((t, c))
-    for name, expected in m.files.items():
-        try:
-            full = checkpoint_file(path, name)  # a regular file inside the checkpoint
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        size = os.path.getsize(full)
-        if size != expected.size:
-            problems.append(f"{full}: {size} bytes, manifest says {expected.size} (truncated?)")
-            continue
-        crc, _ = file_crc32(full)
-        if crc != expected.crc32:
-            problems.append(f"{full}: crc32 {crc}, manifest says {expected.crc32} (corrupted)")
-            continue
-        try:
-            with safe_open(full, framework="pt") as f:
-                keys = set(f.keys())
-                for t, c in chunks_by_file.get(name, []):
-                    if c.key not in keys:
-                        problems.append(f"{full}: key {c.key!r} is missing")
-                        continue
-                    sl = f.get_slice(c.key)
-                    if tuple(sl.get_shape()) != c.shape or sl.get_dtype() != safetensors_dtype(t.torch_dtype):
-                        problems.append(f"{full}: key {c.key!r} is {sl.get_dtype()}{sl.get_shape()}, manifest "
-                                        f"says {t.dtype}{list(c.shape)}")
-        except Exception as e:  # noqa: BLE001 - report unreadable files as problems
-            problems.append(f"{full}: not a readable safetensors file ({e})")
-    return problems
 
 
 def cmd_verify(args) -> int:

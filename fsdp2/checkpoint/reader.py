@@ -3,8 +3,9 @@
 Reshard-on-load works because both sides are described as boxes in the global
 tensor: the manifest lists the saved chunks, and each rank computes the box it owns
 from its *target* DTensors (any mesh, any world size, or a plain tensor = the
-whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk through
-``safe_open(...).get_slice(key)[...]``, so bytes read ≈ bytes owned.
+whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk, widened to the
+edges of the checksummed blocks it touches (``tensor_reader.py``, several threads, checked
+in the same pass), so bytes read ≈ bytes owned.
 
 Failure safety: everything is checked, read into fresh tensors and decoded (optimizer
 state, ``extra``) first, and all ranks agree that this succeeded, before any model
@@ -14,7 +15,6 @@ resharded before planning, as PyTorch's ``load_state_dict`` does; that changes n
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
@@ -31,20 +31,22 @@ from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 
 from .directory import CheckpointDir
-from .format import MANIFEST_NAME, Manifest, TensorEntry, safetensors_dtype
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, safetensors_dtype
+from .integrity import checksum
 from .paths import checkpoint_file
 from .safetensors_io import file_crc32
 from .state import (decode, first_meta_tensor, model_key, optimizer_param_fqns, optimizer_type, reshard_model,
                     tensor_refs)
+from .tensor_reader import OpenFiles, ReadPass, StoredChunk
 
 
 @dataclass
 class LoadStats:
     """What one rank's ``load`` did; pass one in to have it filled."""
 
-    bytes_read: int = 0       # tensor bytes read from checkpoint files
+    bytes_read: int = 0       # tensor bytes read from checkpoint files (whole checksum blocks)
     bytes_owned: int = 0      # bytes of the target shards this rank filled
-    bytes_verified: int = 0   # bytes read to verify checksums (0 with verify=False)
+    bytes_verified: int = 0   # bytes checksummed: those read (format 2), whole files (format 1)
     files_read: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # With strict=False: model keys the checkpoint lacks (left as they were) and checkpoint
@@ -83,9 +85,6 @@ class _Target:
     entry: TensorEntry
     region: Region
     buffer: torch.Tensor
-    # True when the buffer is only copied into an existing tensor afterwards. Such a
-    # buffer may alias the file's memory map; kept tensors (optimizer state) must not.
-    transient: bool = False
 
 
 def _target_region(value: torch.Tensor) -> Region | None:
@@ -110,11 +109,11 @@ class _Plan:
             raise CheckpointError(f"{self.path}: checkpoint has no tensor {key!r}. {hint}")
         return entry
 
-    def add(self, key: str, entry: TensorEntry, region: Region | None, transient: bool = False) -> None:
+    def add(self, key: str, entry: TensorEntry, region: Region | None) -> None:
         if region is None:
             return
         buffer = torch.empty(region.shape, dtype=entry.torch_dtype)
-        self.targets[key] = _Target(key, entry, region, buffer, transient)
+        self.targets[key] = _Target(key, entry, region, buffer)
 
     def needed_files(self) -> list[str]:
         files = set()
@@ -168,7 +167,7 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -
         key = model_key(fqn)
         entry = plan.manifest.tensors[key]
         _check_like(plan.path, key, entry, value)
-        plan.add(key, entry, _target_region(value), transient=True)
+        plan.add(key, entry, _target_region(value))
         loaded[fqn] = value
     return loaded
 
@@ -264,6 +263,8 @@ def _plan_rank_extra(plan: _Plan, rank: int, world: int) -> Any:
 
 
 def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats) -> None:
+    """Cheap checks of every file before reading; format 1 also checks whole-file CRC-32s here
+    (format 2 checks each block as it is read, in ``_read_targets``)."""
     for rel in files:
         full = checkpoint_file(plan.path, rel)  # a regular file inside the checkpoint, or raises
         expected = plan.manifest.files[rel]
@@ -271,7 +272,7 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
         if size != expected.size:
             raise CheckpointError(f"{full} is {size} bytes but the manifest says {expected.size}: the file "
                                   "is truncated or was replaced; restore it or load an earlier checkpoint")
-        if verify:
+        if verify and plan.manifest.version == 1:
             crc, n = file_crc32(full)
             stats.bytes_verified += n
             if crc != expected.crc32:
@@ -279,44 +280,40 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
                                       "restore the file or load an earlier checkpoint")
 
 
-def _read_targets(plan: _Plan, stats: LoadStats) -> None:
-    from safetensors import safe_open
+def stored_chunk(manifest: Manifest, files: OpenFiles, entry: TensorEntry, chunk: Chunk,
+                 verify: bool) -> StoredChunk:
+    """Where ``chunk``'s bytes are, after checking the file's header against the manifest."""
+    full = files.full_path(chunk.file)
+    header = files.header(chunk.file)
+    expected_crc = manifest.files[chunk.file].header_crc32c
+    if verify and expected_crc is not None and f"{checksum(header.raw):08x}" != expected_crc:
+        raise CheckpointError(f"{full} is corrupted (crc32c of its header {checksum(header.raw):08x}, manifest "
+                              f"says {expected_crc}); restore the file or load an earlier checkpoint")
+    info = header.info(chunk.key)
+    if info.shape != chunk.shape or info.dtype_name != safetensors_dtype(entry.torch_dtype):
+        raise CheckpointError(f"{full}, key {chunk.key!r}: file holds {info.dtype_name}{list(info.shape)}, "
+                              f"manifest says {entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
+    dtype = entry.torch_dtype
+    checked = verify and chunk.crc32c is not None
+    return StoredChunk(full, files.open(chunk.file)[0], info.begin, chunk.region, dtype, f"key {chunk.key!r}",
+                       chunk.grid(dtype.itemsize) if checked else None, chunk.checksums() if checked else None)
 
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
 
-        def handle(rel: str):
-            if rel not in handles:
-                full = checkpoint_file(plan.path, rel)
-                try:
-                    handles[rel] = stack.enter_context(safe_open(full, framework="pt", device="cpu"))
-                except Exception as e:
-                    raise CheckpointError(f"{full} is not a readable safetensors file ({e}); restore it "
-                                          "or load an earlier checkpoint") from e
-            return handles[rel]
-
+def _read_targets(plan: _Plan, verify: bool, stats: LoadStats) -> None:
+    """One pass: each rank reads the blocks holding its boxes, checks them, fills its buffers."""
+    with OpenFiles(plan.path) as files:
+        reads = ReadPass(verify=verify)
         for t in plan.targets.values():
             for chunk in t.entry.chunks:
                 part = chunk.region.intersect(t.region) if t.region.numel else None
                 if part is None:
                     continue
-                f = handle(chunk.file)
-                where = f"{os.path.join(plan.path, chunk.file)}, key {chunk.key!r}"
-                try:
-                    sl = f.get_slice(chunk.key)
-                except Exception as e:
-                    raise CheckpointError(f"{where}: missing from the file ({e}); the checkpoint is "
-                                          "damaged, load an earlier one") from e
-                if tuple(sl.get_shape()) != chunk.shape or sl.get_dtype() != safetensors_dtype(t.entry.torch_dtype):
-                    raise CheckpointError(f"{where}: file holds {sl.get_dtype()}{sl.get_shape()}, manifest "
-                                          f"says {t.entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
-                data = sl[part.slices_within(chunk.region)] if chunk.shape else f.get_tensor(chunk.key)
-                if t.transient and part == t.region:
-                    t.buffer = data  # one chunk covers the whole target: skip a copy
-                else:
-                    t.buffer[part.slices_within(t.region)] = data
-                stats.bytes_read += data.numel() * data.element_size()
+                source = stored_chunk(plan.manifest, files, t.entry, chunk, verify)
+                reads.add(source, part, t.buffer[part.slices_within(t.region)])
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
+        counts = reads.run()
+    stats.bytes_read += counts.bytes_read
+    stats.bytes_verified += counts.bytes_verified
 
 
 @dataclass
@@ -336,8 +333,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     Works for any saving/loading world sizes and meshes (reshard on load) and for
     plain unsharded models. Collective when torch.distributed is initialized.
-    ``verify`` checks the CRC32 of every file this rank reads before anything is
-    modified (set False to skip the extra read). On any ``CheckpointError`` the
+    ``verify`` checks the checksum of every block this rank reads, as it reads it, before
+    anything is modified (``verify=False`` skips the hashing). On any ``CheckpointError`` the
     model and optimizer are unchanged. Pass a ``LoadStats`` to get byte counts.
     ``strict=False`` loads what the checkpoint has: model keys it lacks stay as they
     are and checkpoint keys the model lacks are ignored (both listed in
@@ -364,7 +361,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         files = plan.needed_files()
         stats.files_read = files
         _verify_files(plan, files, verify, stats)
-        _read_targets(plan, stats)
+        _read_targets(plan, verify, stats)
         restored = _restore(plan, model, model_sd, optimizer, saved_optim, encoded_extra, encoded_rank_extra)
     except CheckpointError as e:
         error = e

@@ -1,25 +1,30 @@
-"""Streaming safetensors writing with a running checksum, and file checksums.
+"""The safetensors layout: streaming writes with per-block checksums, and header parsing.
 
 We write the (simple) safetensors layout ourselves instead of calling
 ``safetensors.torch.save_file`` so that tensor bytes go straight from the tensor's
-memory to the file while the CRC is computed on the same buffer: no serialized
-copy of the whole shard in RAM and no second pass over the file. Files are read
-back with the real ``safetensors`` library.
+memory to the file while the block checksums are computed on the same buffer: no
+serialized copy of the whole shard in RAM and no second pass over the file. Readers
+parse the header (8-byte length + JSON, never code) to find each tensor's byte range
+and read those bytes themselves (``tensor_reader.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from .format import safetensors_dtype
+from .errors import CheckpointError
+from .format import dtype_from_safetensors, safetensors_dtype
+from .integrity import BlockGrid, checksum
 
 _READ_BLOCK = 16 << 20
 
@@ -54,6 +59,7 @@ class SafetensorsStreamWriter:
 
     The header (names, dtypes, shapes, offsets) is known up front, so tensors can be
     produced one at a time (e.g. assembled from slices) and dropped after writing.
+    ``header_crc`` is the CRC32C of the header; ``write`` returns the block checksums.
     """
 
     def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None):
@@ -69,25 +75,41 @@ class SafetensorsStreamWriter:
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
         self._specs = list(specs)
         self._next = 0
+        self._hasher: ThreadPoolExecutor | None = None
         self._file = open(path, "wb")
-        self.crc = 0
         self.size = 0
-        self._write(struct.pack("<Q", len(blob)) + blob)
+        header = struct.pack("<Q", len(blob)) + blob
+        self.header_crc = checksum(header)
+        self._write(header)
 
     def _write(self, data) -> None:
         self._file.write(data)
-        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
         self.size += len(data)
 
-    def write(self, tensor: torch.Tensor) -> None:
+    def write(self, tensor: torch.Tensor, grid: BlockGrid | None = None) -> list[int]:
+        """Append the next tensor; returns the CRC32C of each block of ``grid`` (none if None).
+
+        The checksums are computed on a helper thread while this one writes the same bytes
+        (both release the GIL), so hashing adds no time to a save that waits on the disk.
+        """
         spec = self._specs[self._next]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(f"tensor for {spec.name!r} is {tensor.dtype}{list(tensor.shape)}, "
                              f"expected {spec.dtype}{list(spec.shape)}")
-        self._write(tensor_bytes(tensor))
+        data = tensor_bytes(tensor)
+        crcs = None
+        if grid is not None:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp2-ckpt-hash")
+            crcs = self._hasher.submit(_block_checksums, data, grid)
+        self._write(data)
         self._next += 1
+        return [] if crcs is None else crcs.result()
 
     def close(self, fsync: bool = True) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if self._next != len(self._specs):
             self._file.close()
             raise ValueError(f"only {self._next} of {len(self._specs)} tensors were written")
@@ -101,13 +123,13 @@ class SafetensorsStreamWriter:
         if not self._file.closed:
             self._file.close()
 
-    @property
-    def crc_hex(self) -> str:
-        return f"{self.crc & 0xFFFFFFFF:08x}"
+
+def _block_checksums(data, grid: BlockGrid) -> list[int]:
+    return [checksum(data[lo:hi]) for _, lo, hi in grid.blocks(0, grid.rows)]
 
 
 def file_crc32(path: str) -> tuple[str, int]:
-    """(crc32 as 8 hex digits, bytes read) of a whole file."""
+    """(zlib crc32 as 8 hex digits, bytes read) of a whole file: format version 1's checksum."""
     crc, n = 0, 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_READ_BLOCK)
@@ -119,6 +141,80 @@ def file_crc32(path: str) -> tuple[str, int]:
             crc = zlib.crc32(view[:got], crc)
             n += got
     return f"{crc & 0xFFFFFFFF:08x}", n
+
+
+# ---------------------------------------------------------------- reading the header
+
+_MAX_HEADER = 100 << 20  # the limit the safetensors library itself enforces
+
+
+@dataclass(frozen=True)
+class StoredTensorInfo:
+    """Where one tensor's bytes lie in a safetensors file (absolute offsets)."""
+
+    dtype_name: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return dtype_from_safetensors(self.dtype_name)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    raw: bytes  # the 8-byte length and the JSON, as stored (what ``header_crc`` covers)
+    tensors: dict[str, StoredTensorInfo]
+    metadata: dict
+
+    @property
+    def data_start(self) -> int:
+        return len(self.raw)
+
+    def info(self, key: str) -> StoredTensorInfo:
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise CheckpointError(f"{self.path}, key {key!r}: missing from the file; the checkpoint is damaged "
+                                  "or the index is wrong") from None
+
+
+def read_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
+    """Parse the header of the safetensors file open as ``fd`` (plain JSON; nothing is executed)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a readable safetensors file ({why}); restore it or re-create it")
+
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise bad(f"{file_size} bytes, shorter than a header")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(_MAX_HEADER, file_size - 8):
+        raise bad(f"header length {length} exceeds the file or the {_MAX_HEADER >> 20} MiB limit")
+    blob = os.pread(fd, length, 8)
+    if len(blob) != length:
+        raise bad("file shorter than its header")
+    try:
+        parsed = json.loads(blob)
+        if not isinstance(parsed, dict):
+            raise ValueError("header is not a JSON object")
+        metadata = parsed.pop("__metadata__", None) or {}
+        data_start = 8 + length
+        tensors = {}
+        for name, d in parsed.items():
+            shape = tuple(int(n) for n in d["shape"])
+            begin, end = (int(x) for x in d["data_offsets"])
+            dtype = dtype_from_safetensors(d["dtype"])
+            if min(shape, default=0) < 0 or not 0 <= begin <= end or data_start + end > file_size:
+                raise ValueError(f"tensor {name!r} has shape {list(shape)} and bytes [{begin}, {end}) "
+                                 f"outside the {file_size - data_start} data bytes")
+            if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {name!r}: {end - begin} bytes for {d['dtype']}{list(shape)}")
+            tensors[name] = StoredTensorInfo(str(d["dtype"]), shape, data_start + begin, data_start + end)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise bad(str(e)) from None
+    return SafetensorsHeader(path, head + blob, tensors, metadata)
 
 
 def fsync_dir(path: str) -> None:

@@ -7,8 +7,8 @@ Commit protocol (why a reader never sees a half-written checkpoint):
    (lock.py), clears what interrupted saves left and creates ``PATH/gen-g.partial/``
    (directory.py); barrier.
 2. Each rank writes ``rank-XXXXX.safetensors`` (its local shards, replicas written
-   once) and a JSON sidecar with the file's size, CRC32 and chunk list into the
-   staging dir, each fsynced.
+   once) and a JSON sidecar with the file's size, header checksum and chunk list
+   (with each chunk's block checksums, integrity.py) into the staging dir, each fsynced.
 3. Barrier that also tells every rank whether all writes succeeded. If one failed
    (a full disk), rank 0 deletes the staging dir: the disk is not left full.
 4. Rank 0 reads the sidecars, checks that chunks tile every tensor, renames
@@ -45,8 +45,10 @@ from fsdp2.layout.regions import LayoutError, Region, local_region
 
 from .directory import CheckpointDir
 from .format import Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir, rank_file_name
+from .integrity import BlockGrid, to_hex
 from .lock import SaveLock
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec
+from .staging import SnapshotStaging, process_staging
 from .state import first_meta_tensor, flatten, reshard_model
 
 _CRASH_ENV = "FSDP2_CKPT_TEST_CRASH"  # "<stage>:<rank>", test-only fault injection
@@ -129,19 +131,21 @@ def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: d
     name = rank_file_name(rank)
     writer = SafetensorsStreamWriter(
         os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards])
+    chunks = []
     try:
         for s in shards:
-            writer.write(s.data)
+            itemsize = s.dtype.itemsize
+            grid = BlockGrid.of(s.region.offsets, s.region.shape, itemsize,
+                                BlockGrid.choose_block_elems(s.region.shape, itemsize))
+            crcs = writer.write(s.data, grid)
+            chunks.append({"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape),
+                           "block_elems": grid.block_elems, "crc32c": to_hex(crcs)})
         writer.close(fsync=True)
     except BaseException:
         writer.abort()  # close it, so deleting the partial file frees the space
         raise
-    sidecar = {
-        "file": name, "size": writer.size, "crc32": writer.crc_hex, "tensors": known,
-        "chunks": [{"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape)}
-                   for s in shards],
-        "rank_extra": rank_object,
-    }
+    sidecar = {"file": name, "size": writer.size, "header_crc32c": f"{writer.header_crc:08x}",
+               "tensors": known, "chunks": chunks, "rank_extra": rank_object}
     tmp = os.path.join(staging, f"rank-{rank:05d}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(sidecar, f)
@@ -158,14 +162,15 @@ def _build_manifest(staging: str, generation: int, world: int, objects: dict) ->
         with open(sidecar_path) as f:
             side = json.load(f)
         rel = f"{gen}/{side['file']}"
-        files[rel] = FileEntry(int(side["size"]), side["crc32"])
+        files[rel] = FileEntry(int(side["size"]), header_crc32c=side["header_crc32c"])
         for key, meta in side["tensors"].items():
             entry = tensors.setdefault(key, TensorEntry(tuple(meta["shape"]), meta["dtype"]))
             if list(entry.shape) != meta["shape"] or entry.dtype != meta["dtype"]:
                 raise CheckpointError(f"ranks disagree about {key!r}: {entry.shape}/{entry.dtype} vs "
                                       f"{meta['shape']}/{meta['dtype']} (rank {rank})")
         for c in side["chunks"]:
-            tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"])))
+            tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"]),
+                                                  int(c["block_elems"]), c["crc32c"]))
         if side.get("rank_extra") is not None:
             rank_extras[str(rank)] = side["rank_extra"]
     if rank_extras:
@@ -206,15 +211,20 @@ class _SaveJob:
         self.lock = lock  # rank 0 only
         self.path = directory.path
         self.staging = directory.staging(generation)
+        self.snapshot: SnapshotStaging | None = None  # where async shards were copied; freed once written
         self.error: BaseException | None = None
         self.stage = _Stage.WRITING
 
     def write(self) -> None:
         try:
+            if self.snapshot is not None:
+                self.snapshot.wait_copied()
             _write_rank_file(self.staging, self.rank, self.shards, self.known, self.rank_object)
         except BaseException as e:  # reported to all ranks in commit()
             self.error = e
         self.shards = []  # drop snapshots as soon as they are on disk
+        if self.snapshot is not None:
+            self.snapshot.release()
         self.stage = _Stage.WRITTEN
         _maybe_crash("after_write", self.rank)
 
@@ -304,8 +314,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     copy is saved. ``rank_extra`` (same kinds of values) is saved for every rank and
     comes back to the same rank from ``load(..., return_rank_extra=True)`` when the
     world size is unchanged (e.g. per-rank RNG states).
-    With ``async_save=True`` local shards are copied to CPU now, written by a
-    background thread, and the returned handle's ``wait()`` (collective) commits.
+    With ``async_save=True`` local shards are copied now into a host buffer that is
+    allocated once and reused by later saves (pinned, on a side stream, for CUDA
+    tensors: see ``staging.py``), written and checksummed by a background thread, and
+    the returned handle's ``wait()`` (collective) commits.
     Gathered (unsharded) fsdp2 groups are resharded first; values do not change.
     """
     path = os.fspath(path)
@@ -316,8 +328,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     job = _prepare(path, model, optimizer, extra, rank_extra)
     if async_save:
         # Copies: training may keep updating parameters while the thread writes.
-        for s in job.shards:
-            s.data = s.data.to("cpu", copy=True)
+        job.snapshot = process_staging()
+        for s, copy in zip(job.shards, job.snapshot.stage([s.data for s in job.shards])):
+            s.data = copy
         _pending[_pending_key(path)] = job
         return AsyncSave(job)
     job.write()

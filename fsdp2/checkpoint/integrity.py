@@ -1,0 +1,150 @@
+"""Checksums of stored tensor bytes: the hash, and how a chunk's bytes are cut into blocks.
+
+Hash: CRC32C in hardware through the ``crc32c`` package, chosen by measurement on the 2-core
+CI machine (``bench_checkpoint.py --hashes``, benchmarks/RESULTS.md): the fastest of zlib.crc32,
+crc32c, google-crc32c and xxHash's XXH3, and it releases the GIL while it runs, so reader
+threads hash in parallel. XXH3 (vectorized software) came second; google-crc32c
+only accepts ``bytes`` (a copy of every block). CRC32C detects every burst error up to 32 bits
+and any odd number of flipped bits.
+
+Blocks (:class:`BlockGrid`): a chunk (one stored box of a tensor, row-major) is cut into runs
+of whole dim-0 rows, a power of two of them per block, with block edges at *global* row
+indices that are multiples of it. Any reshard that splits dim 0 at multiples of the block
+therefore reads and checks exactly the rows it owns. Rows bigger than a block are cut into
+pieces of ``block_elems`` elements instead (every row edge is then a block edge).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import crc32c as _crc32c
+import numpy as np
+
+HASH_NAME = "crc32c"
+BLOCK_BYTES = 128 << 10  # block size of large chunks; format.py explains the trade-off
+MIN_BLOCK_BYTES = 4 << 10  # smaller chunks get about 64 blocks, but none below a page
+BLOCKS_PER_CHUNK = 64
+MAX_BLOCKS_PER_CHUNK = 4096  # huge chunks get bigger blocks so the manifest stays small
+_HEX_DIGITS = 8
+
+
+def checksum(data, value: int = 0) -> int:
+    """CRC32C of a buffer (bytes, memoryview, numpy array), continuing from ``value``."""
+    return _crc32c.crc32c(data, value)
+
+
+def to_hex(values: Sequence[int]) -> str:
+    return "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
+
+
+def from_hex(text: str) -> list[int]:
+    if len(text) % _HEX_DIGITS:
+        raise ValueError(f"checksum list of {len(text)} hex digits is not a multiple of {_HEX_DIGITS}")
+    return np.frombuffer(bytes.fromhex(text), dtype=">u4").tolist()
+
+
+def hex_count(text: str) -> int:
+    return len(text) // _HEX_DIGITS
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """The checksummed blocks of one stored chunk, in rows of its dim 0.
+
+    Rows are chunk-relative (0 .. rows); a 0-d chunk is one row of one element. In row mode
+    (``block_elems`` a multiple of the row) a block is ``rows_per_block`` rows and block edges
+    sit where the *global* row index is a multiple of it. In piece mode (a row is bigger than
+    ``block_elems``) each row is cut into ``pieces_per_row`` blocks.
+    """
+
+    row0: int  # global index of the chunk's first row
+    rows: int
+    row_elems: int
+    itemsize: int
+    block_elems: int
+
+    @classmethod
+    def of(cls, offsets: Sequence[int], shape: Sequence[int], itemsize: int, block_elems: int) -> "BlockGrid":
+        row_elems = math.prod(shape[1:]) if len(shape) else 1
+        grid = cls(offsets[0] if len(shape) else 0, shape[0] if len(shape) else 1, row_elems, itemsize, block_elems)
+        if block_elems < 1 or row_elems < 1 or (block_elems >= row_elems and block_elems % row_elems):
+            raise ValueError(f"block of {block_elems} elements does not fit rows of {row_elems}")
+        return grid
+
+    @staticmethod
+    def choose_block_elems(shape: Sequence[int], itemsize: int) -> int:
+        """The block size a writer uses for a chunk of ``shape``."""
+        row_elems = math.prod(shape[1:]) if len(shape) else 1
+        chunk_bytes = math.prod(shape) * itemsize
+        target = _pow2_floor(min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, chunk_bytes // BLOCKS_PER_CHUNK)))
+        target = max(target, _pow2_ceil(-(-chunk_bytes // MAX_BLOCKS_PER_CHUNK)))
+        row_bytes = row_elems * itemsize
+        if row_bytes <= target:
+            return _pow2_floor(target // row_bytes) * row_elems
+        return max(1, target // itemsize)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_elems * self.itemsize
+
+    @property
+    def row_mode(self) -> bool:
+        return self.block_elems >= self.row_elems
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_elems // self.row_elems
+
+    @property
+    def pieces_per_row(self) -> int:
+        return -(-self.row_elems // self.block_elems)
+
+    @property
+    def count(self) -> int:
+        if not self.row_mode:
+            return self.rows * self.pieces_per_row
+        k = self.rows_per_block
+        return (self.row0 + self.rows - 1) // k - self.row0 // k + 1
+
+    def expand_rows(self, lo: int, hi: int) -> tuple[int, int]:
+        """The smallest block-aligned row range holding rows ``[lo, hi)``."""
+        if not self.row_mode:
+            return lo, hi
+        k = self.rows_per_block
+        g_lo = (self.row0 + lo) // k * k
+        g_hi = -(-(self.row0 + hi) // k) * k
+        return max(0, g_lo - self.row0), min(self.rows, g_hi - self.row0)
+
+    def is_edge(self, row: int) -> bool:
+        """True if a block starts (or the chunk ends) at chunk row ``row``."""
+        return not self.row_mode or row in (0, self.rows) or (self.row0 + row) % self.rows_per_block == 0
+
+    def blocks(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(index, first byte, end byte)`` (chunk-relative) of the blocks in the aligned rows ``[lo, hi)``."""
+        out = []
+        if not self.row_mode:
+            piece = self.block_elems * self.itemsize
+            m = self.pieces_per_row
+            for r in range(lo, hi):
+                base = r * self.row_bytes
+                for j in range(m):
+                    out.append((r * m + j, base + j * piece, base + min(self.row_bytes, (j + 1) * piece)))
+            return out
+        k = self.rows_per_block
+        first = self.row0 // k
+        for g in range((self.row0 + lo) // k, -(-(self.row0 + hi) // k)):
+            start = max(lo, g * k - self.row0)
+            end = min(hi, (g + 1) * k - self.row0)
+            out.append((g - first, start * self.row_bytes, end * self.row_bytes))
+        return out

@@ -1,0 +1,334 @@
+"""Read boxes of stored tensors from files: several threads, one pass, checking what is read.
+
+A request says: this stored chunk (a row-major box of a tensor at some offset of a file), the
+part of it I need (a box in global coordinates), and the tensor to put it in (shaped like the
+part, any dtype: a dtype conversion happens in the copy). :class:`ReadPass` turns requests
+into tasks of at most :data:`PIECE_BYTES`, runs them on :data:`READ_THREADS` threads and
+returns how many bytes it read and checked.
+
+What a task reads:
+- needed part spans whole rows (dim-0 splits, the FSDP case): one contiguous range;
+  with checksums, widened to block edges (``integrity.BlockGrid``);
+- needed part is a column range: whole rows when checking (blocks are rows), otherwise just
+  the runs, one ``pread`` each.
+
+Where it lands: straight in the destination when the dtype matches and the rows are
+contiguous there (the edge bytes outside the owned rows go to small side buffers, one
+``preadv`` call scatters them), else in a per-thread scratch buffer that is checked and then
+copied out. The checksum of each block is computed on the bytes just read, before the task
+ends; a mismatch raises :class:`CheckpointError` naming the file, key and byte range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from fsdp2.layout.regions import Region
+
+from .errors import CheckpointError
+from .integrity import BlockGrid, checksum
+from .paths import open_checkpoint_file
+from .safetensors_io import SafetensorsHeader, read_header
+
+READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
+
+
+class OpenFiles:
+    """Data files opened once each (through :func:`fsdp2.checkpoint.paths.open_checkpoint_file`) and their parsed headers.
+
+    A context manager: every file is closed on exit.
+    """
+
+    def __init__(self, root: str, links_may_leave_root: bool = False):
+        self.root = root
+        self._links_may_leave_root = links_may_leave_root
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._headers: dict[str, SafetensorsHeader] = {}
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def full_path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def open(self, rel: str) -> tuple[int, int]:
+        """(fd, size) of ``rel``."""
+        if rel not in self._fds:
+            self._fds[rel] = open_checkpoint_file(self.root, rel, self._links_may_leave_root)
+        return self._fds[rel]
+
+    def header(self, rel: str) -> SafetensorsHeader:
+        if rel not in self._headers:
+            fd, size = self.open(rel)
+            self._headers[rel] = read_header(fd, self.full_path(rel), size)
+        return self._headers[rel]
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A row-major box of a tensor stored contiguously in an open file."""
+
+    path: str  # for messages
+    fd: int
+    offset: int  # absolute file offset of the first byte
+    region: Region  # global box it holds
+    dtype: torch.dtype
+    label: str  # e.g. "key 'model/fc.weight'"
+    grid: BlockGrid | None = None  # with ``checksums``: what verification checks
+    checksums: Sequence[int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.region.shape[0] if self.region.shape else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.region.shape[1:])
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+
+@dataclass
+class ReadCounts:
+    bytes_read: int = 0
+    bytes_verified: int = 0
+
+
+@dataclass
+class _Task:
+    chunk: StoredChunk
+    lo: int  # chunk rows [lo, hi) to read
+    hi: int
+    own_lo: int  # of which [own_lo, own_hi) are needed
+    own_hi: int
+    cols: tuple[slice, ...]  # needed part of a row (chunk-relative); full slices when whole rows
+    dest: torch.Tensor | None  # rows [own_lo, own_hi) of the destination (None: only check)
+    direct: bool  # read straight into ``dest``
+    runs: bool  # read only the column runs (no checksums)
+    verify: bool
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.chunk.row_bytes
+
+
+@dataclass
+class ReadPass:
+    """Collect requests with :meth:`add`, then :meth:`run` them; reusable scratch per thread."""
+
+    verify: bool = True
+    threads: int = READ_THREADS
+    tasks: list[_Task] = field(default_factory=list)
+
+    def add(self, chunk: StoredChunk, part: Region, dest: torch.Tensor | None) -> None:
+        """Read ``part`` (global box inside ``chunk.region``) into ``dest`` (shaped like ``part``)."""
+        if part.numel == 0:
+            return
+        scalar = not part.shape
+        rel = [o - co for o, co in zip(part.offsets, chunk.region.offsets)]
+        lo, hi = (0, 1) if scalar else (rel[0], rel[0] + part.shape[0])
+        cols = tuple(slice(o, o + n) for o, n in zip(rel[1:], part.shape[1:]))
+        whole_rows = tuple(part.shape[1:]) == chunk.row_shape
+        verify = self.verify and chunk.checksums is not None
+        runs = dest is not None and not verify and not whole_rows
+        a, b = chunk.grid.expand_rows(lo, hi) if verify else (lo, hi)
+        if dest is not None:
+            dest = dest.reshape(1, *dest.shape) if scalar else dest
+            if dest.device.type != "cpu":
+                raise CheckpointError(f"internal: read destination of {chunk.label} is on {dest.device}")
+        direct = (dest is not None and whole_rows and dest.dtype == chunk.dtype and dest.is_contiguous())
+        step = max(1, PIECE_BYTES // max(1, chunk.row_bytes))
+        start = a
+        while start < b:
+            end = min(b, start + step)
+            if verify:  # pieces end on block edges so each block is checked by one task
+                while end < b and not chunk.grid.is_edge(end):
+                    end += 1
+            own_lo, own_hi = max(start, lo), min(end, hi)
+            piece_dest = None if dest is None else dest[own_lo - lo:own_hi - lo]
+            self.tasks.append(_Task(chunk, start, end, own_lo, own_hi, cols, piece_dest, direct, runs, verify))
+            start = end
+
+    def run(self) -> ReadCounts:
+        counts = ReadCounts()
+        if not self.tasks:
+            return counts
+        tasks = sorted(self.tasks, key=lambda t: (t.chunk.path, t.chunk.offset + t.lo * t.chunk.row_bytes))
+        local = threading.local()
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def work(task: _Task) -> None:
+            if stop.is_set():
+                return
+            try:
+                read, verified = _run_task(task, local)
+            except OSError as e:
+                stop.set()
+                raise CheckpointError(f"{task.chunk.path}: reading {task.chunk.label} failed ({e})") from e
+            except BaseException:
+                stop.set()
+                raise
+            with lock:
+                counts.bytes_read += read
+                counts.bytes_verified += verified
+
+        if self.threads <= 1 or len(tasks) == 1:
+            for t in tasks:
+                work(t)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.threads, len(tasks)),
+                                    thread_name_prefix="fsdp2-ckpt-read") as pool:
+                futures = [pool.submit(work, t) for t in tasks]
+                for f in futures:
+                    f.result()  # the first error, in file order
+        self.tasks = []
+        return counts
+
+
+def _scratch(local: threading.local, nbytes: int) -> torch.Tensor:
+    buf = getattr(local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = local.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _preadv(chunk: StoredChunk, views: list[memoryview], offset: int) -> None:
+    """Fill ``views`` from ``offset`` on (scatter read, retried until complete)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.preadv(chunk.fd, views, offset) if hasattr(os, "preadv") else _pread_into(chunk.fd, views[0], offset)
+        if n <= 0:
+            raise CheckpointError(f"{chunk.path}: {chunk.label} ends past the end of the file (truncated?); "
+                                  "restore it or load an earlier checkpoint")
+        offset += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(view), offset)
+    view[:len(data)] = data
+    return len(data)
+
+
+def _check_blocks(task: _Task, segments: list[memoryview]) -> int:
+    """Verify every block of rows [lo, hi) over the concatenated ``segments``; bytes checked."""
+    chunk = task.chunk
+    base = task.lo * chunk.row_bytes
+    seg_starts, pos = [], 0
+    for s in segments:
+        seg_starts.append(pos)
+        pos += len(s)
+    checked = 0
+    for index, b_lo, b_hi in chunk.grid.blocks(task.lo, task.hi):
+        lo, hi = b_lo - base, b_hi - base
+        crc = 0
+        for s, s0 in zip(segments, seg_starts):
+            a, b = max(lo, s0), min(hi, s0 + len(s))
+            if a < b:
+                crc = checksum(s[a - s0:b - s0], crc)
+        if crc != chunk.checksums[index]:
+            start = chunk.offset + b_lo
+            raise CheckpointError(
+                f"{chunk.path} is corrupted (crc32c {crc:08x}, manifest says {chunk.checksums[index]:08x} for "
+                f"bytes [{start}, {start + b_hi - b_lo}) of {chunk.label}, block {index}); restore the file "
+                "or load an earlier checkpoint")
+        checked += hi - lo
+    return checked
+
+
+def _run_task(task: _Task, local: threading.local) -> tuple[int, int]:
+    """Read one piece; returns (bytes read, bytes checked)."""
+    chunk = task.chunk
+    rb = chunk.row_bytes
+    file_offset = chunk.offset + task.lo * rb
+    if task.runs:
+        return _run_column_runs(task, local), 0
+    if task.direct:
+        head = _scratch_side(local, "head", (task.own_lo - task.lo) * rb)
+        tail = _scratch_side(local, "tail", (task.hi - task.own_hi) * rb)
+        segments = [head, _bytes_of(task.dest), tail]
+        _preadv(chunk, list(segments), file_offset)
+        checked = _check_blocks(task, segments) if task.verify else 0
+        return task.nbytes, checked
+    buf = _scratch(local, task.nbytes)
+    view = memoryview(buf.numpy())
+    _preadv(chunk, [view], file_offset)
+    checked = _check_blocks(task, [view]) if task.verify else 0
+    if task.dest is not None:
+        rows = buf.view(chunk.dtype).view(task.hi - task.lo, *chunk.row_shape)
+        owned = rows[task.own_lo - task.lo:task.own_hi - task.lo]
+        task.dest.copy_(owned[(slice(None), *task.cols)])
+    return task.nbytes, checked
+
+
+def _scratch_side(local: threading.local, name: str, nbytes: int) -> memoryview:
+    if nbytes == 0:
+        return memoryview(b"")
+    buf = getattr(local, name, None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        setattr(local, name, buf)
+    return memoryview(buf[:nbytes].numpy())
+
+
+def _run_column_runs(task: _Task, local: threading.local) -> int:
+    """Read only the needed column runs of rows [lo, hi) (no checksums); bytes read."""
+    chunk = task.chunk
+    itemsize = chunk.dtype.itemsize
+    row_shape = chunk.row_shape
+    part_shape = tuple(s.stop - s.start for s in task.cols)
+    # The trailing dims a run spans whole, and the dim where it starts being partial.
+    k = len(row_shape) - 1
+    while k > 0 and part_shape[k] == row_shape[k]:
+        k -= 1
+    run_elems = math.prod(part_shape[k:])
+    outer = [range(s.start, s.stop) for s in task.cols[:k]]
+    strides = [math.prod(row_shape[d + 1:]) for d in range(len(row_shape))]
+    rows = task.hi - task.lo
+    n_runs = math.prod(part_shape[:k]) if k else 1
+    buf = _scratch(local, rows * n_runs * run_elems * itemsize)
+    out = memoryview(buf.numpy())
+    run_bytes = run_elems * itemsize
+    pos = 0
+    for r in range(task.lo, task.hi):
+        row_start = chunk.offset + r * chunk.row_bytes
+        for idx in _product(outer):
+            elem = sum(i * strides[d] for d, i in enumerate(idx)) + task.cols[k].start * strides[k]
+            _preadv(chunk, [out[pos:pos + run_bytes]], row_start + elem * itemsize)
+            pos += run_bytes
+    task.dest.copy_(buf.view(chunk.dtype).view(rows, *part_shape))
+    return pos
+
+
+def _product(ranges: list[range]):
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)

@@ -1,0 +1,345 @@
+"""Per-block checksums (format 2): what a rank reads, what it checks, and format-1 checkpoints.
+
+Also the async save's reusable snapshot buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+import fsdp2.checkpoint as ck
+from fsdp2.checkpoint import cli
+from fsdp2.checkpoint.integrity import BlockGrid
+from tests.ckpt_helpers import (assert_same_state, checksum_blocks, full_state, load_outcome, make_model, mesh_1d,
+                                mesh_2d, shard)
+
+V1_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "ckpt_v1")
+
+
+# ---------------------------------------------------------------- block geometry
+
+
+@settings(max_examples=60, deadline=None)
+@given(row0=st.integers(0, 40), rows=st.integers(1, 40), row_elems=st.integers(1, 9), rows_mode=st.booleans(),
+       k=st.integers(1, 8), lo=st.integers(0, 39), n=st.integers(1, 40))
+def test_blocks_tile_the_chunk_and_expansion_lands_on_edges(row0, rows, row_elems, rows_mode, k, lo, n):
+    # k rows per block, or (pieces) blocks of k elements when that is less than a row
+    block_elems = k * row_elems if rows_mode or k >= row_elems else k
+    grid = BlockGrid.of((row0, 0), (rows, row_elems), 4, block_elems)
+    blocks = grid.blocks(0, rows)
+    assert [i for i, _, _ in blocks] == list(range(grid.count))
+    assert blocks[0][1] == 0 and blocks[-1][2] == rows * row_elems * 4
+    assert all(a[2] == b[1] for a, b in zip(blocks, blocks[1:]))  # contiguous, no overlap
+    lo = min(lo, rows - 1)
+    hi = min(rows, lo + n)
+    a, b = grid.expand_rows(lo, hi)
+    assert a <= lo < hi <= b and grid.is_edge(a) and grid.is_edge(b)
+    if grid.row_mode:  # edges sit at global multiples of the block, not chunk-relative ones
+        k = grid.rows_per_block
+        assert all((row0 + r) % k == 0 or r in (0, rows) for r in range(rows + 1) if grid.is_edge(r))
+
+
+def test_block_size_policy():
+    # 2048-wide fp32 rows (8 KiB): 16 rows per 128 KiB block.
+    assert BlockGrid.choose_block_elems((4096, 2048), 4) == 16 * 2048
+    # A row bigger than a block: pieces (800 KB / 64 -> 8 KiB).
+    assert BlockGrid.choose_block_elems((2, 100_000), 4) == 2048
+    # Small chunks: about 64 blocks, none smaller than 4 KiB.
+    assert BlockGrid.choose_block_elems((512, 256), 4) == 8 * 256  # 512 KiB: 8 KiB blocks
+    assert BlockGrid.choose_block_elems((7, 16), 4) == 64 * 16  # 448 B: one block
+    # A huge chunk: blocks grow so that there are at most 4096 of them.
+    big = BlockGrid.of((0, 0), (1 << 20, 1024), 4, BlockGrid.choose_block_elems((1 << 20, 1024), 4))
+    assert big.count <= 4096
+    assert BlockGrid.of((), (), 8, BlockGrid.choose_block_elems((), 8)).count == 1  # 0-d: one block
+
+
+# ---------------------------------------------------------------- what a rank reads
+
+
+def _rows_model(seed, rows=24, width=64):
+    """Weights whose rows split evenly on 2, 3 and 4 ranks (and 2x2)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, rows), nn.Linear(rows, 12))
+
+
+def _save_rows(rank, ws, path, block_bytes, mesh_shape):
+    model = _rows_model(0)
+    mesh = mesh_1d(ws) if len(mesh_shape) == 1 else mesh_2d(*mesh_shape)
+    shard(model, mesh)
+    with checksum_blocks(block_bytes):
+        ck.save(path, model)
+    return full_state(model)
+
+
+def _load_rows(rank, ws, path, mesh_shape, verify=True):
+    model = _rows_model(7)
+    mesh = mesh_1d(ws) if len(mesh_shape) == 1 else mesh_2d(*mesh_shape)
+    shard(model, mesh)
+    stats = ck.LoadStats()
+    ck.load(path, model, verify=verify, stats=stats)
+    return full_state(model), stats.bytes_read, stats.bytes_owned, stats.bytes_verified
+
+
+@pytest.mark.parametrize("save_mesh,load_mesh", [((2,), (3,)), ((4,), (1,)), ((4,), (2, 2)), ((2, 2), (3,))],
+                         ids=["2to3", "4to1", "1d-to-hsdp", "hsdp-to-1d"])
+def test_verified_load_reads_only_owned_bytes(worlds, tmp_path, save_mesh, load_mesh):
+    """One-row blocks: every dim-0 reshard reads exactly what each rank owns, and checks all of it."""
+    import math
+
+    path = str(tmp_path / "c")
+    saved = worlds.run(math.prod(save_mesh), _save_rows, path, 1, save_mesh)[0]
+    results = worlds.run(math.prod(load_mesh), _load_rows, path, load_mesh)
+    for state, read, owned, verified in results:
+        assert_same_state(state, saved)
+        assert read == owned == verified > 0
+
+
+def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
+    """Default blocks (512 KiB chunks of 256-byte rows: 8 KiB = 32 rows): exact when the splits
+    fall on block edges, else less than one block more per edge."""
+    path = str(tmp_path / "c")
+    worlds.run(2, _save_wide, path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
+    assert block_rows == 32
+    aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
+    assert all(read == owned for read, owned, _ in aligned)
+    unaligned = worlds.run(3, _load_wide, path, block_rows)  # edges at rows 1366, 2732: inside blocks
+    block = block_rows * 256
+    for read, owned, n_edges in unaligned:
+        assert owned < read < owned + n_edges * block
+    assert sum(read for read, _, _ in unaligned) < 4096 * 256 + 4 * block
+
+
+def _wide_module(ws, seed):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(seed)
+    module = nn.Module()
+    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(4096, 64), mesh_1d(ws), [Shard(0)])))
+    return module
+
+
+def _save_wide(rank, ws, path):
+    ck.save(path, _wide_module(ws, 0))
+
+
+def _load_wide(rank, ws, path, block_rows):
+    module = _wide_module(ws, 1)
+    stats = ck.LoadStats()
+    ck.load(path, module, stats=stats)
+    assert torch.equal(module.w.full_tensor(), _wide_module(ws, 0).w.full_tensor())
+    rows = -(-4096 // ws)
+    lo, hi = rank * rows, min(4096, (rank + 1) * rows)
+    n_edges = (lo % block_rows != 0) + (hi % block_rows != 0)
+    return stats.bytes_read, stats.bytes_owned, n_edges
+
+
+def _load_columns(rank, ws, path, verify):
+    """Load a dim-0-sharded checkpoint into a Shard(1) (tensor-parallel style) parameter."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module = nn.Module()
+    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.zeros(8, 4096), mesh_1d(ws), [Shard(1)])))
+    stats = ck.LoadStats()
+    ck.load(path, module, verify=verify, stats=stats)
+    torch.manual_seed(0)
+    return torch.equal(module.w.full_tensor(), torch.randn(8, 4096)), stats.bytes_read, stats.bytes_owned
+
+
+def test_column_split_reads_runs_unverified_whole_rows_verified(tmp_path, worlds):
+    path = str(tmp_path / "c")
+    module = nn.Module()
+    torch.manual_seed(0)
+    module.register_parameter("w", nn.Parameter(torch.randn(8, 4096)))
+    ck.save(path, module)
+    for ok, read, owned in worlds.run(2, _load_columns, path, False):
+        assert ok and read == owned == 8 * 2048 * 4  # 8 KiB runs, one pread each
+    for ok, read, owned in worlds.run(2, _load_columns, path, True):
+        assert ok and read == 2 * owned  # blocks are whole rows: a column half reads them all
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _byte_of(path, key, row, block_rows=None):
+    """File and absolute offset of the first byte of ``row`` of the chunk of ``key`` holding it."""
+    from fsdp2.checkpoint.safetensors_io import read_header
+
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    for c in manifest["tensors"][key]["chunks"]:
+        if c["offsets"][0] <= row < c["offsets"][0] + c["shape"][0]:
+            full = os.path.join(path, c["file"])
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                info = read_header(fd, full, os.path.getsize(full)).tensors[c["key"]]
+            finally:
+                os.close(fd)
+            row_bytes = (info.end - info.begin) // c["shape"][0]
+            return full, info.begin + (row - c["offsets"][0]) * row_bytes
+    raise AssertionError(key)
+
+
+def _load_rows_outcome(rank, ws, path):
+    return load_outcome(path, shard(_rows_model(7), mesh_1d(ws)))
+
+
+def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
+    path = str(tmp_path / "c")
+    worlds.run(1, _save_rows, path, 1024, (1,))  # one file; 0.weight is 24 rows of 256 B: 4 rows a block
+    data, offset = _byte_of(path, "model/0.weight", 20)  # rank 1 of 2 owns rows 12..23
+    _flip(data, offset + 5)
+    results = worlds.run(2, _load_rows_outcome, path)
+    assert all(untouched for _, untouched in results)
+    assert "rank-00000.safetensors is corrupted (crc32c" in results[1][0]
+    assert "key 'model/0.weight', block 5)" in results[1][0]  # rows 20..23
+    assert "failed on another rank" in results[0][0]  # rank 0 never read that block
+
+
+def test_corruption_outside_what_is_read_is_not_read(tmp_path):
+    """A flipped byte in optimizer state: a model-only load neither reads nor trips on it."""
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    path = str(tmp_path / "c")
+    ck.save(path, model, opt)
+    data, offset = _byte_of(path, "optim/state/0.weight/exp_avg", 3)
+    _flip(data, offset)
+    target = make_model(1)
+    stats = ck.LoadStats()
+    ck.load(path, target, stats=stats)  # model only
+    assert_same_state(full_state(target), full_state(model))
+    model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert stats.bytes_read == stats.bytes_owned == stats.bytes_verified == model_bytes
+    with pytest.raises(ck.CheckpointError, match=r"corrupted \(crc32c .* key 'optim/state/0.weight/exp_avg'"):
+        other = make_model(1)
+        ck.load(path, other, torch.optim.AdamW(other.parameters()))
+    problems = ck.verify_checkpoint(path)
+    assert len(problems) == 1 and "optim/state/0.weight/exp_avg" in problems[0] and "(corrupted)" in problems[0]
+    assert ck.load(path, make_model(1), verify=False) is None  # unverified: reads, trusts
+
+
+def test_corrupted_header_is_caught(tmp_path):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    data = os.path.join(path, "gen-000001", "rank-00000.safetensors")
+    with open(data, "rb") as f:
+        head = f.read(4096)
+    _flip(data, head.index(b'"model/0.bias"') + 7)  # '0' -> ' ': still JSON, a renamed tensor
+    with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors is corrupted \(crc32c of its header"):
+        ck.load(path, make_model(1))
+    assert any("header crc32c" in p for p in ck.verify_checkpoint(path))
+
+
+def test_checksum_list_of_wrong_length_is_refused(tmp_path):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    manifest_path = os.path.join(path, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["tensors"]["model/0.weight"]["chunks"][0]["crc32c"] += "00000000"
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ck.CheckpointError, match=r"lists 2 block checksums, its shape needs 1"):
+        ck.load(path, make_model(1))
+
+
+# ---------------------------------------------------------------- format 1
+
+
+def _expected_v1():
+    return load_file(V1_FIXTURE + ".expected.safetensors")
+
+
+def _load_v1(rank, ws, path):
+    model = shard(make_model(9), mesh_1d(ws))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = ck.LoadStats()
+    extra = ck.load(path, model, opt, stats=stats)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model/{k}": v for k, v in full_state(model).items()}
+    for p, s in opt.state.items():
+        state[f"optim/{names[id(p)]}/exp_avg"] = s["exp_avg"].full_tensor()
+    return state, extra, stats.bytes_verified
+
+
+@pytest.mark.parametrize("load_ws", [1, 3])
+def test_format_1_checkpoint_still_loads_verified(worlds, load_ws):
+    expected = _expected_v1()
+    for state, extra, verified in worlds.run(load_ws, _load_v1, V1_FIXTURE):
+        assert extra == {"step": 1, "note": "format 1 fixture"}
+        assert_same_state(state, expected)
+        assert verified > 0  # whole-file CRC-32, as format 1 defines
+
+
+def test_format_1_verify_and_corruption(tmp_path, capsys):
+    assert ck.verify_checkpoint(V1_FIXTURE) == []
+    assert cli.main(["verify", V1_FIXTURE]) == 0
+    copy = str(tmp_path / "v1")
+    shutil.copytree(V1_FIXTURE, copy)
+    _flip(os.path.join(copy, "gen-000001", "rank-00001.safetensors"), 900)
+    assert cli.main(["verify", copy]) == 1
+    assert "crc32" in capsys.readouterr().out
+    with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32 "):
+        ck.load(copy, make_model(1))
+
+
+# ---------------------------------------------------------------- async snapshot buffer
+
+
+def test_async_save_reuses_staging_and_snapshots_while_training_goes_on(tmp_path, monkeypatch):
+    from fsdp2.checkpoint import safetensors_io
+    from fsdp2.checkpoint.staging import StagingState, process_staging
+
+    staging = process_staging()
+    model = make_model(0)
+    writing = threading.Event()
+    resume = threading.Event()
+    original = safetensors_io.SafetensorsStreamWriter.write
+
+    def slow_write(self, tensor, grid=None):
+        writing.set()
+        assert resume.wait(30)
+        return original(self, tensor, grid)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsStreamWriter, "write", slow_write)
+    pointers, allocations = [], staging.allocations
+    for i in range(2):
+        expected = full_state(model)
+        writing.clear()
+        resume.clear()
+        handle = ck.save(str(tmp_path / f"c{i}"), model, async_save=True)
+        pointers.append(staging.buffer.data_ptr())
+        assert writing.wait(30)  # the background write has started ...
+        with torch.no_grad():  # ... and training changes every parameter under it
+            for p in model.parameters():
+                p.add_(1000.0)
+        with pytest.raises(ck.CheckpointError, match="still writing from the snapshot buffer"):
+            staging.stage([torch.zeros(3)])
+        resume.set()
+        handle.wait()
+        assert staging.state is StagingState.IDLE
+        loaded = make_model(5)
+        ck.load(str(tmp_path / f"c{i}"), loaded)
+        assert_same_state(full_state(loaded), expected)  # the snapshot, not the changed values
+    assert pointers[0] == pointers[1] and staging.allocations - allocations <= 1
