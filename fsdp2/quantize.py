@@ -126,7 +126,10 @@ def quantize_into(shard: torch.Tensor, out: torch.Tensor, policy: AllGatherPolic
     numel = shard.numel() if numel is None else numel
     _check_wire(out, (wire_bytes(numel, policy),), "out")
     if not shard.is_floating_point() or shard.numel() > numel:
-        raise ValueError(f"quantize_into: shard must be floating point with at most {numel} elements, got {shard.dtype} {tuple(shard.shape)}")
+        raise ValueError(
+            f"quantize_into: shard must be floating point with at most {numel} elements, "
+            f"got {shard.dtype} {tuple(shard.shape)}"
+        )
     nblocks, nvalues, nscales = _regions(numel, policy)
     if not nblocks:
         return
@@ -167,7 +170,10 @@ def dequantize_from(gathered: torch.Tensor, out: torch.Tensor, policy: AllGather
     world, numel = out.shape
     _check_wire(gathered, (world, wire_bytes(numel, policy)), "gathered")
     if not out.is_floating_point() or out.stride(-1) != 1:
-        raise ValueError(f"dequantize_from: out must be floating point with unit stride along dim 1, got {out.dtype} strides {out.stride()}")
+        raise ValueError(
+            f"dequantize_from: out must be floating point with unit stride along dim 1, "
+            f"got {out.dtype} strides {out.stride()}"
+        )
     nblocks, nvalues, nscales = _regions(numel, policy)
     if not nblocks:
         return

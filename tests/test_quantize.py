@@ -142,13 +142,18 @@ def test_matches_float64_reference(x, policy, out_dtype):
     assert torch.equal(back, reference_dequantize(expected, x.numel(), policy, out_dtype))
 
 
-@pytest.mark.parametrize("policy", [AllGatherPolicy(d, 16, scale_dtype=s) for d in QDTYPES for s in (torch.float32, torch.bfloat16)], ids=str)
+SMALL_POLICIES = [AllGatherPolicy(d, 16, scale_dtype=s) for d in QDTYPES for s in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("policy", SMALL_POLICIES, ids=str)
 def test_special_blocks_match_reference(policy):
     """Signed zeros, a block whose scale underflows to 0, fp32 subnormals, exact ties."""
-    x = torch.tensor([-0.0] * 16 + [1e-44, -3e-45] * 8 + [1e-39] * 15 + [-1e-38] + [127.0, 0.5, 1.5, -2.5, 64.5] * 3 + [3.0])
+    ties = [127.0, 0.5, 1.5, -2.5, 64.5] * 3 + [3.0]
+    x = torch.tensor([-0.0] * 16 + [1e-44, -3e-45] * 8 + [1e-39] * 15 + [-1e-38] + ties)
     expected, scale = reference_quantize(x, policy)
     assert scale[1] == 0 and torch.equal(quantize(x, policy), expected)
-    assert torch.equal(dequantize(expected, x.numel(), policy, torch.float32), reference_dequantize(expected, x.numel(), policy, torch.float32))
+    back = dequantize(expected, x.numel(), policy, torch.float32)
+    assert torch.equal(back, reference_dequantize(expected, x.numel(), policy, torch.float32))
 
 
 @settings(max_examples=150, deadline=None)
@@ -287,7 +292,10 @@ def _gather_two_params(rank, world_size, qdtype):
 
     policy = AllGatherPolicy(qdtype, block_size=64)
     sizes = [300, 1024]  # a tail block, then whole blocks
-    shards = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * r + i)) for i, n in enumerate(sizes)] for r in range(world_size)]
+    shards = [
+        [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + i)) for i, n in enumerate(sizes)]
+        for r in range(world_size)
+    ]
     wires = [wire_bytes(n, policy) for n in sizes]
     row = sum(wires)
     output = torch.empty(world_size * row, dtype=torch.uint8)
