@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from fsdp2.quantize import AllGatherPolicy, dequantize_from, quantize_into, wire_bytes
+from fsdp2 import AllGatherPolicy
+from fsdp2.runtime.quantize import dequantize_from, quantize_into, wire_bytes
 
 
 def _timer(device: torch.device):

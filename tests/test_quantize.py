@@ -1,4 +1,4 @@
-"""The block quantizer of the low-precision all-gather (fsdp2.quantize).
+"""The block quantizer of the low-precision all-gather (fsdp2.runtime.quantize).
 
 - Exactness: the wire bytes and the dequantized values equal those of a second implementation
   written plainly in float64 (fp32 rounding applied where the format says "in fp32"; e4m3
@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsdp2 import FSDPUsageError
-from fsdp2.quantize import SLOT_ALIGN, AllGatherPolicy, dequantize_from, quantize_into, wire_bytes
+from fsdp2 import AllGatherPolicy, FSDPUsageError
+from fsdp2.runtime.quantize import SLOT_ALIGN, dequantize_from, quantize_into, wire_bytes
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
@@ -287,8 +287,8 @@ def test_compiled_matches_eager(qdtype):
 
 
 def _gather_two_params(rank, world_size, qdtype):
-    from fsdp2 import collectives
-    from fsdp2.comm_stats import count_comm
+    from fsdp2.runtime import collectives
+    from fsdp2.tools.comm_stats import count_comm
 
     policy = AllGatherPolicy(qdtype, block_size=64)
     sizes = [300, 1024]  # a tail block, then whole blocks

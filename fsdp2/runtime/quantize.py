@@ -31,78 +31,19 @@ Wire format of one slot of ``numel`` elements (``nblocks = ceil(numel / block_si
 Values are the raw bytes of int8 / float8_e4m3fn codes; the tail block is zero-padded (its
 padding codes are 0). ``block_size`` is a multiple of 16 and every slot a multiple of 16 bytes,
 so in a buffer of slots side by side (one per parameter, as fsdp2's flat gather buffer lays
-out its columns, see :mod:`fsdp2.shard_layout`) and of ranks one after another, every value
+out its columns, see :mod:`fsdp2.layout.shard_layout`) and of ranks one after another, every value
 and scale region starts 16-byte aligned: scales view as fp32 / bf16 in place, with no copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-from fsdp2.errors import FSDPUsageError
+from fsdp2.policies import BLOCK_SIZE_MULTIPLE, AllGatherPolicy
 
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-_SCALE_DTYPES = (torch.float32, torch.bfloat16)
-SLOT_ALIGN = 16  # bytes; every slot is a multiple of this (see the module docstring)
-
-
-def skip_1d(fqn: str, param: torch.Tensor) -> bool:
-    """The default rule: quantize matrices and larger; 1-D parameters (norms, biases) stay exact."""
-    return param.ndim >= 2
-
-
-@dataclass(frozen=True)
-class AllGatherPolicy:
-    """Communicate parameters in 1 byte per element, with one scale per block.
-
-    - ``dtype``: ``torch.float8_e4m3fn`` (relative error <= 2^-4 per element) or ``torch.int8``
-      (absolute error <= absmax/254 per block).
-    - ``block_size``: elements per scale, a multiple of 16. The default 128 costs 2/128 of a byte
-      per element with bf16 scales: 0.508x the bytes of a bf16 all-gather (0.516x with fp32
-      scales); larger blocks save little more and let one outlier coarsen more neighbours.
-    - ``scale_dtype``: ``torch.bfloat16`` (default) or ``torch.float32``. The scale's precision
-      does not limit the error bounds (values are divided by the stored, rounded scale); bf16
-      halves the scale bytes and lets bf16 parameters dequantize in bf16 arithmetic, exactly.
-    - ``applies_to(fqn, param)``: which parameters are quantized; the others are all-gathered
-      in ``param_dtype`` as usual. Default :func:`skip_1d`: everything but 1-D parameters.
-    """
-
-    dtype: torch.dtype
-    block_size: int = 128
-    scale_dtype: torch.dtype = torch.bfloat16
-    applies_to: Callable[[str, torch.Tensor], bool] = skip_1d
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _QMAX:
-            raise FSDPUsageError(
-                f"AllGatherPolicy(dtype={self.dtype}): dtype must be torch.float8_e4m3fn or torch.int8; "
-                "to all-gather in a 2-byte float instead, use MixedPrecisionPolicy(param_dtype=...)"
-            )
-        size = self.block_size
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % SLOT_ALIGN:
-            raise FSDPUsageError(
-                f"AllGatherPolicy(block_size={size!r}): block_size must be a positive multiple of "
-                f"{SLOT_ALIGN} (elements per scale), e.g. 128"
-            )
-        if self.scale_dtype not in _SCALE_DTYPES:
-            raise FSDPUsageError(
-                f"AllGatherPolicy(scale_dtype={self.scale_dtype}): scale_dtype must be torch.float32 "
-                "or torch.bfloat16"
-            )
-        if not callable(self.applies_to):
-            raise FSDPUsageError(
-                f"AllGatherPolicy(applies_to={self.applies_to!r}): applies_to must be a function "
-                "(fqn, param) -> bool choosing the parameters to quantize"
-            )
-
-    @property
-    def qmax(self) -> float:
-        """The largest code magnitude: a block's absmax maps to it."""
-        return _QMAX[self.dtype]
+# A block of whole multiples of 16 elements ends 16-byte aligned, and so does every slot.
+SLOT_ALIGN = BLOCK_SIZE_MULTIPLE
 
 
 def _regions(numel: int, policy: AllGatherPolicy) -> tuple[int, int, int]:
