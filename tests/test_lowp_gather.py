@@ -9,8 +9,9 @@
   dequantized again: backward sees exactly forward's values, by construction.
 - Quality: 20 steps of the test GPT within 1% of the bf16 all-gather's loss at every step
   (the 300-step run is a benchmark: benchmarks/RESULTS.md); compiled blocks compose.
-- Bytes: ``count_comm`` equals ``estimate_memory``'s prediction exactly; <= 0.53x of bf16's on
-  the benchmark GPT. Checkpoints hold the full-precision masters. Misuse raises FSDPUsageError.
+- Bytes: ``count_comm`` equals ``estimate_memory``'s prediction exactly (per-group policies,
+  forward prefetch); <= 0.53x of bf16's on the benchmark GPT. Checkpoints hold the
+  full-precision masters. Misuse raises FSDPUsageError.
 """
 
 import pytest
@@ -294,6 +295,7 @@ def _bytes_and_checkpoint(rank, ws, path):
     policy = _policy("int8")
     for block in model.blocks:  # the root's embeddings and head stay exact
         block.set_all_gather_policy(policy)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         x, y = _batch(step, rank, ws)
