@@ -4,6 +4,8 @@
     python benchmarks/bench_fsdp.py --mode fake --world-size 64 --model small
     python benchmarks/bench_fsdp.py --mode gpu --model 1b                 # 1 GPU, NCCL, world size 1
     python benchmarks/bench_fsdp.py --mode fake --world-size 8 --model 1b --device cuda
+    python benchmarks/bench_fsdp.py --mode fake --impls fsdp2,fsdp2-int8,fsdp2-float8   # low-precision all-gather
+    python benchmarks/bench_fsdp.py --mode gpu --model 1b --force-collectives --impls fsdp2,fsdp2-int8,fsdp2-float8
 
 Every implementation runs in its own fresh process(es) (one per rank), so process groups,
 meshes, allocator peaks and max RSS never leak from one into the next. Each builds the same
@@ -42,6 +44,9 @@ Modes:
   into each of the N output chunks (N copies per all-gather: at N = 1024 that copying dominates
   the step). Gathered values are garbage (denormals are flushed so they cannot slow CPU math
   down); losses are meaningless there.
+``fsdp2-int8`` / ``fsdp2-float8`` are fsdp2 with ``set_all_gather_policy(AllGatherPolicy(dtype))``
+on every group (1-D parameters exact). ``--force-collectives`` runs fsdp2's collectives even in
+one-rank shard groups (world size 1), which otherwise skip them (and quantization with them).
 The unsharded baseline is a plain replica per rank with the same optimizer and no gradient
 sync at all: the compute-only floor, not a DDP run. With --model 1b it uses bf16 autocast,
 the counterpart of the FSDP runs' bf16 params + fp32 reduce MixedPrecisionPolicy.
@@ -67,6 +72,7 @@ import warnings
 MiB = 2**20
 IMPLS = ("fsdp2", "torch", "unsharded")
 EXTRA_IMPLS = ("fsdp2-local", "floor")  # --local-step, --floor
+QUANTIZED = {"fsdp2-int8": "int8", "fsdp2-float8": "float8_e4m3fn"}  # fsdp2 + AllGatherPolicy(dtype)
 
 # dim 2048, 18 layers, 16 heads, vocab 32000, seq 2048: 1.04B params untied
 # (16 layers would be ~0.94B).
@@ -250,10 +256,16 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     estimate = None
     autocast = contextlib.nullcontext()  # the unsharded bf16 baseline autocasts instead
     floor = None
-    if impl in ("fsdp2", "fsdp2-local", "torch"):
+    ours = impl.startswith("fsdp2")  # fsdp2, fsdp2-local, fsdp2-int8, fsdp2-float8
+    all_gather_policy = None
+    if impl in QUANTIZED:
+        from fsdp2 import AllGatherPolicy
+
+        all_gather_policy = AllGatherPolicy(getattr(torch, QUANTIZED[impl]))
+    if ours or impl == "torch":
         from torch.distributed.device_mesh import init_device_mesh
 
-        if impl.startswith("fsdp2"):
+        if ours:
             from fsdp2 import MixedPrecisionPolicy, fully_shard
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -261,7 +273,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         )
-        if impl.startswith("fsdp2"):
+        if ours:
             from fsdp2 import MixedPrecisionPolicy as MP
             from fsdp2.tools.estimate import estimate_memory
 
@@ -269,7 +281,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
                 meta_model = GPT(cfg)
             estimate = estimate_memory(
                 meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP(),
-                sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y),
+                sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y), all_gather_policy=all_gather_policy,
             )
             del meta_model
         shard_kwargs = dict(mesh=mesh, mp_policy=mp_policy)
@@ -279,9 +291,17 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy
             shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=on_gpu)  # pinning needs an accelerator
-        for block in model.blocks:
-            fully_shard(block, **shard_kwargs)
-        fully_shard(model, **shard_kwargs)
+        communicate = contextlib.nullcontext()
+        if ours and args["force_collectives"]:
+            from fsdp2.runtime.schedule import always_communicate
+
+            communicate = always_communicate()
+        with communicate:
+            for block in model.blocks:
+                fully_shard(block, **shard_kwargs)
+            fully_shard(model, **shard_kwargs)
+        if all_gather_policy is not None:
+            model.set_all_gather_policy(all_gather_policy)
     elif impl == "floor":
         floor = FloorStep(model, torch.bfloat16 if bf16 else torch.float32, device,
                           torch.cuda.synchronize if on_gpu else (lambda: None))
@@ -320,7 +340,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
 
     # Comm bytes of one step (counted outside the timed steps).
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    if impl.startswith("fsdp2"):
+    if ours:
         from fsdp2.tools.comm_stats import count_comm
 
         with count_comm() as stats:
@@ -449,7 +469,8 @@ def render(args: dict, results: dict[str, dict]) -> str:
     lines = [head, "|" + "---|" * head.count(" |")]
     for impl, r in results.items():
         st = r["state"]
-        predicted = est["peak"] if impl.startswith("fsdp2") and est and est.get("peak") else None
+        own = r.get("estimate")
+        predicted = own["peak"] if own and own.get("peak") else None
         row = (
             f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * statistics.median(r['cpu_times']):.1f} | "
             f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | {_fmt_mib(r.get('peak_alloc'))} |"
@@ -483,6 +504,13 @@ def render(args: dict, results: dict[str, dict]) -> str:
         others = [impl for impl in results if impl != "floor"]
         out.append("step time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in others)
                    + "; CPU time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', c)}" for impl in others))
+    g = lambda r: r["comm"]["all_gather"]  # noqa: E731
+    for q in QUANTIZED:
+        if q in results:
+            out.append(
+                f"{q} / fsdp2: step time {ratio(q, 'fsdp2', t)}, CPU time {ratio(q, 'fsdp2', c)}, "
+                f"all-gather bytes {ratio(q, 'fsdp2', g)} (predicted {_fmt_mib(results[q]['estimate']['comm']['all_gather'])} MiB)"
+            )
     if est:
         f = results["fsdp2"]
         out.append(
@@ -506,7 +534,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the impls this many times, alternating order; step times are pooled")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS + EXTRA_IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join((*IMPLS, *EXTRA_IMPLS, *QUANTIZED)))
     parser.add_argument("--local-step", action="store_true",
                         help="add fsdp2-local: fsdp2 with fsdp2.optim.step_on_local_shards(optimizer), which steps "
                              "AdamW on the local shards as plain tensors (no DTensor dispatch), fused where the "
@@ -517,6 +545,8 @@ def main(argv=None) -> None:
     parser.add_argument("--pg", choices=["noop", "fake"], default="noop",
                         help="fake mode's process group: noop (fsdp2.tools.noop_pg, collectives do nothing) or "
                              "PyTorch's fake (its all-gathers copy the input into every rank's chunk)")
+    parser.add_argument("--force-collectives", action="store_true",
+                        help="fsdp2: all-gather and reduce-scatter even in one-rank shard groups (world size 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
@@ -549,9 +579,10 @@ def main(argv=None) -> None:
     args["threads"] = ns.threads or max(1, (os.cpu_count() or 1) // nproc)
     impls = [i for i in ns.impls.split(",") if i]
     impls += [extra for extra, wanted in zip(EXTRA_IMPLS, (ns.local_step, ns.floor)) if wanted and extra not in impls]
-    unknown = set(impls) - set(IMPLS + EXTRA_IMPLS)
+    known = (*IMPLS, *EXTRA_IMPLS, *QUANTIZED)
+    unknown = set(impls) - set(known)
     if unknown:
-        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {IMPLS + EXTRA_IMPLS}")
+        sys.exit(f"unknown --impls {sorted(unknown)}; choose from {known}")
 
     import torch
 
@@ -559,7 +590,7 @@ def main(argv=None) -> None:
     print(
         f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
         f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
-        f"threads/proc={args['threads']} torch={torch.__version__}",
+        f"threads/proc={args['threads']} force_collectives={args['force_collectives']} torch={torch.__version__}",
         flush=True,
     )
     results = {}

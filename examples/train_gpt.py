@@ -4,6 +4,7 @@
     python examples/train_gpt.py --nproc 2 --steps 40 --ckpt runs/ckpt --resume
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 40      # the same, ranks started by torchrun
     python examples/train_gpt.py --nproc 2 --steps 200 --optimizer muon   # fsdp2.optim.Muon + AdamW
+    python examples/train_gpt.py --nproc 2 --steps 300 --bf16 --all-gather int8   # low-precision all-gather
 
 Every rank trains on its own slice of each global batch; batches depend only on the step
 number, so a resumed run sees exactly the batches the original run would have seen.
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp2 import fully_shard
+from fsdp2 import AllGatherPolicy, MixedPrecisionPolicy, fully_shard
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.optim import Muon, muon_param_groups
 from fsdp2.tools.estimate import local_bytes
@@ -75,9 +76,15 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
     torch.manual_seed(0)
     model = GPT(cfg)
+    mp_policy = MixedPrecisionPolicy()
+    if args.bf16:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    if args.all_gather:
+        qdtype = {"int8": torch.int8, "float8": torch.float8_e4m3fn}[args.all_gather]
+        model.set_all_gather_policy(AllGatherPolicy(qdtype))  # every group; 1-D parameters stay exact
     if args.optimizer == "muon":
         # Hidden matrices by Muon (each orthogonalized once, on its owner rank); embeddings,
         # head, biases and norms by the optimizer's AdamW group with the AdamW run's settings.
@@ -143,6 +150,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (and Muon's AdamW group's)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--muon-lr", type=float, default=0.02, help="lr of the Muon matrices")
+    parser.add_argument("--bf16", action="store_true", help="bf16 parameters for compute and all-gather, fp32 reduction")
+    parser.add_argument("--all-gather", choices=["int8", "float8"], help="all-gather parameters quantized (AllGatherPolicy)")
     parser.add_argument("--corpus-mb", type=int, default=8)
     parser.add_argument("--ckpt", default="", help="checkpoint directory (save under it, or resume from it)")
     parser.add_argument("--save-every", type=int, default=20)

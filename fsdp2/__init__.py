@@ -2,12 +2,13 @@
 
 from fsdp2.errors import FSDPUsageError
 from fsdp2.optim.grad_clip import clip_grad_norm_
-from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.policies import AllGatherPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.runtime.dp_mesh import DataParallelMeshDims
 from fsdp2.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from fsdp2.runtime.fully_shard import fully_shard
 
 __all__ = [
+    "AllGatherPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",

@@ -346,6 +346,119 @@ def test_pipelining_trains_fsdp2_stages_correctly(worlds):
     worlds.run(2, _pipelining)
 
 
+# -- tensor-subclass all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather) -------------------
+
+
+def _subclass_gpt():
+    """The test GPT with hook-carrying weights: bf16-gathered attention and head (67 rows: uneven
+    over 2 and 4 ranks), int8 + row-scale gathered MLP (even)."""
+    from tests.gather_subclasses import Bf16Gathered, Int8Gathered
+
+    def swap(linear, cls):
+        linear.weight = nn.Parameter(cls(linear.weight.detach().clone()))
+
+    model = GPT(CFG)
+    for block in model.blocks:
+        swap(block.attn.qkv, Bf16Gathered)
+        swap(block.attn.proj, Bf16Gathered)
+        swap(block.mlp[0], Int8Gathered)
+        swap(block.mlp[2], Int8Gathered)
+    swap(model.lm_head, Bf16Gathered)
+    return model
+
+
+def _assert_same_local_params(theirs, ours):
+    from tests.gather_subclasses import unwrap
+
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+        assert type(a.to_local()) is type(b.to_local()), name
+        assert torch.equal(unwrap(a.to_local()), unwrap(b.to_local())), f"parameter {name} differs from PyTorch FSDP2"
+
+
+def _subclass_hooks(rank, ws, reshard_after_forward):
+    from fsdp2.runtime.extensions import SubclassCodec
+
+    kwargs = dict(reshard_after_forward=reshard_after_forward)
+    theirs, ours = _twins(_subclass_gpt, lambda m, fs: _shard_blocks_then_root(m, fs, **kwargs))
+    codecs = {type(p.codec) for s in (ours.blocks[0]._fsdp_state, ours._fsdp_state) for p in s.group.params}
+    assert SubclassCodec in codecs and len(codecs) == 2  # hook-carrying weights next to plain biases and norms
+    their_opt, our_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(3):  # the first unshard builds the parameter, later ones refill it through out=
+        their_loss, their_comm = _step(theirs, their_opt, step, rank, ws)
+        our_loss, our_comm = _step(ours, our_opt, step, rank, ws)
+        assert torch.equal(their_loss, our_loss), (step, their_loss.item(), our_loss.item())
+        # One all-gather per group, mixed dtypes; at world size 1 fsdp2 communicates nothing.
+        assert their_comm == our_comm or ws == 1, (step, their_comm, our_comm)
+        _assert_same_local_params(theirs, ours)
+        for p in ours.blocks[0]._fsdp_state.group.params:  # resharded: outputs and inner tensors freed
+            if isinstance(p.codec, SubclassCodec):
+                assert all(t.untyped_storage().size() == 0 for t in (*p.codec._outputs, *p.codec._inner)), p.fqn
+
+
+def test_tensor_subclass_all_gather_hooks_like_pytorch(worlds):
+    """Both hook signatures (bf16 cast, 5 arguments, uneven head; int8 + scales, 1 argument),
+    trained next to PyTorch's FSDP2: bitwise equal losses and parameters, equal collectives."""
+    worlds.run(2, _subclass_hooks, True)
+    worlds.run(1, _subclass_hooks, True)  # one rank: the hooks still run, around no collective
+
+
+def _subclass_hooks_kept_rows(rank, ws):
+    """reshard_after_forward=2, which PyTorch refuses for hook parameters: the gathered inputs
+    are kept and re-gathered over 2 ranks; the numbers match PyTorch resharding fully."""
+    from tests.gather_subclasses import unwrap
+
+    theirs = _subclass_gpt_pair_for(rank, ws, True)[0]
+    ours = _subclass_gpt_pair_for(rank, ws, 2)[1]
+    their_opt, our_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(2):
+        their_loss, _ = _step(theirs, their_opt, step, rank, ws)
+        our_loss, _ = _step(ours, our_opt, step, rank, ws)
+        assert torch.equal(their_loss, our_loss), step
+        _assert_same_local_params(theirs, ours)
+    x, y = _batch(5, rank, ws)
+    ours.loss(x, y)
+    assert ours.blocks[0]._fsdp_state.group.state.name == "PARTIALLY_SHARDED"
+    assert unwrap(ours.blocks[0].attn.qkv.weight.to_local()).dtype == torch.float32
+
+
+def _subclass_gpt_pair_for(rank, ws, reshard_after_forward):
+    return _twins(_subclass_gpt, lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=reshard_after_forward))
+
+
+def test_tensor_subclass_hooks_with_reshard_after_forward_int(worlds):
+    worlds.run(4, _subclass_hooks_kept_rows)
+
+
+def _subclass_hook_errors(rank, ws):
+    from torch.distributed.tensor import Shard
+
+    from fsdp2 import FSDPModule, FSDPUsageError, fully_shard
+    from tests.gather_subclasses import Bf16Gathered, PreOnly, WrongArity
+
+    def model_with(cls):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+        weight = model[1].weight
+        model[1].weight = nn.Parameter(cls(weight.detach().clone()))
+        return model
+
+    cases = [
+        (PreOnly, {}, "defines fsdp_pre_all_gather but not fsdp_post_all_gather"),
+        (WrongArity, {}, "takes 2 arguments"),
+        (Bf16Gathered, {"shard_placement_fn": lambda p: Shard(1) if isinstance(p, Bf16Gathered) else None}, "dim-0 shards"),
+    ]
+    for cls, kwargs, message in cases:
+        model = model_with(cls)
+        before = dict(model.named_parameters())
+        with pytest.raises(FSDPUsageError, match=message) as error:
+            fully_shard(model, mesh=_mesh(), **kwargs)
+        assert "parameter 1.weight" in str(error.value)
+        assert not isinstance(model, FSDPModule) and dict(model.named_parameters()) == before  # nothing changed
+
+
+def test_tensor_subclass_hook_errors(worlds):
+    worlds.run(2, _subclass_hook_errors)
+
+
 # -- defects --------------------------------------------------------------------------------------------
 
 

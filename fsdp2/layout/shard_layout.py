@@ -80,6 +80,15 @@ class ShardLayout:
         return math.prod(self.full_shape)
 
     @functools.cached_property
+    def full_strides(self) -> tuple[int, ...]:
+        """Contiguous strides of ``full_shape``."""
+        strides, step = [], 1
+        for n in reversed(self.full_shape):
+            strides.append(step)
+            step *= max(n, 1)
+        return tuple(reversed(strides))
+
+    @functools.cached_property
     def is_even(self) -> bool:
         return self.full_shape[self.dim] == self.chunk * self.world
 

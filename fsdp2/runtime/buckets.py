@@ -1,19 +1,22 @@
-"""Parameters sharing one dtype, packed side by side in one flat communication buffer.
+"""Parameters packed side by side in one flat communication buffer.
 
-An all-gather or reduce-scatter buffer of a bucket is ``world x numel_per_rank``: row ``r`` is
-shard rank ``r``'s slot, and each parameter owns one column block of ``padded_shard_numel``
-(see fsdp2.layout.shard_layout for how a tensor maps to its padded shards).
+A buffer is ``world x numel_per_rank``: row ``r`` is shard rank ``r``'s slot, and each parameter
+owns column blocks of it. Gradients (:class:`FlatBucket`) take one block of ``padded_shard_numel``
+per parameter, per reduce dtype (see fsdp2.layout.shard_layout for how a tensor maps to its padded
+shards). The all-gather (:class:`GatherBucket`) takes whatever :class:`Column` s each parameter's
+gather codec (fsdp2.runtime.codecs) asks for, all of a group in one buffer.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-from fsdp2.runtime.sharded_param import ShardedParam
+if TYPE_CHECKING:
+    from fsdp2.runtime.sharded_param import ShardedParam
 
 
 @dataclass
@@ -42,3 +45,80 @@ def buckets_by_dtype(params: list[ShardedParam], dtype_of: Callable[[ShardedPara
     for p in params:
         by_dtype.setdefault(dtype_of(p), []).append(p)
     return [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+
+
+# -- all-gather ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor a parameter contributes to its group's all-gather: ``numel`` elements of
+    ``dtype`` per rank (the default codec: its padded shard in ``param_dtype``)."""
+
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+# In a buffer of mixed dtypes every column starts this many bytes apart at least, so a column
+# views as its own dtype in place (and a quantized slot's scales as theirs).
+COLUMN_ALIGN = 16
+
+
+def gather_row(columns: Sequence[Column]) -> tuple[torch.dtype, list[int]]:
+    """The all-gather buffer's dtype and each column's width in it (buffer elements), for one
+    group's ``columns`` in order. Columns of one dtype sit side by side in that dtype; mixed
+    dtypes travel as bytes, each column padded to ``COLUMN_ALIGN`` bytes (one collective per
+    group either way, as PyTorch's FSDP2 does)."""
+    dtypes = {c.dtype for c in columns}
+    if len(dtypes) <= 1:
+        return (dtypes.pop() if dtypes else torch.uint8), [c.numel for c in columns]
+    return torch.uint8, [-(-c.nbytes // COLUMN_ALIGN) * COLUMN_ALIGN for c in columns]
+
+
+def gather_row_bytes(columns: Sequence[Column]) -> int:
+    """Bytes of one rank's row of the all-gather of ``columns`` (shared with the estimator)."""
+    dtype, widths = gather_row(columns)
+    return sum(widths) * dtype.itemsize
+
+
+@dataclass
+class GatherBucket:
+    """One group's all-gather buffer: every parameter's columns side by side in each rank's row.
+
+    ``plain``: every parameter uses the default codec and one dtype, so copy-in and copy-out can
+    each be one fused copy over ``widths`` (one column per parameter).
+    """
+
+    params: list[ShardedParam]
+    columns: list[tuple[Column, ...]]  # per parameter
+    dtype: torch.dtype = field(init=False)
+    widths: list[int] = field(init=False)  # per column, all parameters' in order
+    numel_per_rank: int = field(init=False)
+    plain: bool = field(init=False)
+    kept_from_unsharded: bool = field(init=False)  # reshard_after_forward=k rebuilds kept rows from the params
+
+    def __post_init__(self) -> None:
+        flat = [c for cols in self.columns for c in cols]
+        self.dtype, self.widths = gather_row(flat)
+        self.numel_per_rank = sum(self.widths)
+        codecs = [p.codec for p in self.params]
+        self.plain = all(c.plain for c in codecs) and len({c.dtype for c in flat}) <= 1
+        self.kept_from_unsharded = all(c.kept_from_unsharded for c in codecs)
+
+    def pieces(self, buffer: torch.Tensor) -> Iterator[tuple[ShardedParam, list[torch.Tensor]]]:
+        """(param, its columns of ``buffer`` viewed as their dtypes) for a 1-D rank slot
+        (``numel_per_rank``) or a 2-D ``rows x numel_per_rank`` buffer."""
+        split = torch.split_with_sizes(buffer, self.widths, dim=-1)
+        index = 0
+        for p, cols in zip(self.params, self.columns):
+            yield p, [self._typed(piece, col) for piece, col in zip(split[index : index + len(cols)], cols)]
+            index += len(cols)
+
+    def _typed(self, piece: torch.Tensor, column: Column) -> torch.Tensor:
+        if column.dtype == self.dtype:
+            return piece
+        return piece[..., : column.nbytes].view(column.dtype)

@@ -117,6 +117,15 @@ class DataParallelMesh:
         return compat.make_dtensor(local, sub, placements, param.shape, param.stride())
 
     @property
+    def shard_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of the shard dim (what tensor-subclass all-gather hooks receive, as in
+        PyTorch); None for an HSDP mesh without dim names, which cannot be sliced."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        return self.mesh[names[-1]] if names else None
+
+    @property
     def is_hybrid(self) -> bool:
         return self.replicate_group is not None
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2.errors import FSDPUsageError
+from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime.hooks import FSDPState
 
 
@@ -165,6 +166,15 @@ class FSDPModule:
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's
         caching allocator (use set_custom_all_gather/set_custom_reduce_scatter to choose)."""
+
+    def set_all_gather_policy(self, policy: AllGatherPolicy | None, *, recurse: bool = True) -> None:
+        """All-gather the parameters ``policy`` picks in 1 byte per element with block scales
+        (fsdp2's own, not in PyTorch: fully_shard keeps PyTorch's signature, so the policy is set
+        here). ``None`` gathers them in ``param_dtype`` again. Call it between steps; with
+        ``recurse=False`` only this module's own group changes (e.g. keep the root's embeddings
+        and head exact: ``model.set_all_gather_policy(None, recurse=False)`` after setting it on all)."""
+        for state in self._fsdp_states(recurse):
+            state.group.set_all_gather_policy(policy, type(self).__name__)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise FSDPUsageError(

@@ -15,7 +15,7 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.runtime import schedule
+from fsdp2.runtime import extensions, schedule
 from fsdp2.runtime.dp_mesh import DataParallelMesh, DataParallelMeshDims
 from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.runtime.fsdp_module import FSDPModule
@@ -70,6 +70,7 @@ def fully_shard(
     for plan in plans:
         plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
         plan.spec = sharded_spec(plan.managed.fqn, dp.tensor_parallel_view(plan.managed.param), dp, plan.shard_dim)
+        extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, dp, name)
     subgroup = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
         if 1 < reshard_after_forward < dp.shard_size:

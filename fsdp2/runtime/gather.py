@@ -1,10 +1,16 @@
-"""The all-gather side of one group: shards in, one collective per dtype, full parameters out.
+"""The all-gather side of one group: shards in, one collective, full parameters out.
 
-Copy-in: every shard of a bucket is cast-copied into this rank's slot of the output buffer with
-one fused copy (the all-gather is in place: our input is our own slot). Copy-out: one
-``split_with_sizes_copy`` per bucket writes every dim-0 parameter's rows into its unsharded
-storage. With ``reshard_after_forward=k`` backward gathers over a k-rank subgroup from the rows
-kept after forward instead of from the shards.
+Each parameter's gather codec (fsdp2.runtime.codecs) says which columns it takes in the group's
+buffer (fsdp2.runtime.buckets.GatherBucket) and packs / unpacks them. With only default codecs
+and one dtype (the common case), copy-in is one fused cast-copy of every shard into this rank's
+slot of the output buffer (the all-gather is in place: our input is our own slot) and copy-out
+one ``split_with_sizes_copy`` of every dim-0 parameter's rows into its unsharded storage. Other
+codecs add what is not a copy (quantize, dequantize, a tensor subclass's hooks) and hand their
+plain copies to one fused ``_foreach_copy_``.
+
+With ``reshard_after_forward=k`` backward gathers over a k-rank subgroup from the rows kept after
+forward instead of from the shards: rebuilt from the unsharded parameters where every codec
+allows it, else this rank's 1/k of the gathered buffer itself, kept when forward's gather ends.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch.distributed as dist
 
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives
-from fsdp2.runtime.buckets import FlatBucket, buckets_by_dtype
+from fsdp2.runtime.buckets import GatherBucket
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.sharded_param import ShardedParam
 from fsdp2.runtime.streams import CommStreams, Completion
@@ -34,7 +40,7 @@ class Subgroup:
 
 @dataclass
 class PendingGather:
-    bucket: FlatBucket
+    bucket: GatherBucket
     output: torch.Tensor
     # Gathered from a k-rank subgroup: the output holds rank rows interleaved by k.
     subgroup_size: int | None = None
@@ -51,14 +57,20 @@ class PendingGather:
         return self.output.view(k, world // k, n).transpose(0, 1).reshape(world, n)
 
     def copy_out(self, world: int) -> None:
-        """Write every parameter's gathered rows into its unsharded storage."""
+        """Build every parameter's unsharded form from the gathered rows."""
         rows = self.rank_rows(world)
-        targets = [p.gather_target() for p in self.bucket.params]
-        if all(t is not None for t in targets):
-            torch.split_with_sizes_copy(rows, self.bucket.sizes, dim=1, out=targets)  # one copy per bucket
-        else:
-            for p, block in self.bucket.columns(rows):
-                p.copy_gathered_out(block)
+        bucket = self.bucket
+        if bucket.plain:
+            targets = [p.gather_target() for p in bucket.params]
+            if all(t is not None for t in targets):
+                torch.split_with_sizes_copy(rows, bucket.widths, dim=1, out=targets)  # one copy per bucket
+                return
+        pairs = []
+        for p, blocks in bucket.pieces(rows):
+            pairs += p.codec.unpack(blocks)
+        _copy_pairs(pairs)
+        for p in bucket.params:
+            p.codec.finish()
 
 
 def _copy_pairs(pairs) -> None:
@@ -91,10 +103,28 @@ class GroupGather:
         self.rebuild()
         self._pending: list[PendingGather] = []
         self._completion: Completion | None = None
+        self._kept: list[torch.Tensor | None] = []  # per bucket: gathered rows kept at finish(keep=...)
 
     def rebuild(self) -> None:
-        """Re-bucket by the parameters' current dtypes (they follow ``module.to(dtype)``)."""
-        self.buckets = buckets_by_dtype(self.params, lambda p: p.param_dtype)
+        """Lay the buffer out anew at the next gather: codecs or dtypes (``module.to(dtype)``) changed."""
+        self._buckets: list[GatherBucket] | None = None
+        self._all_plain = all(p.codec.plain for p in self.params)
+        # Codecs whose columns are known only after their prepare() (a tensor subclass's hook).
+        self._preparing = [p.codec for p in self.params if p.codec.prepares]
+        self._prepared_columns: list = []
+
+    @property
+    def buckets(self) -> list[GatherBucket]:
+        """The group's one all-gather buffer layout (none without parameters)."""
+        if self._buckets is None:
+            self._buckets = [GatherBucket(self.params, [p.codec.columns() for p in self.params])] if self.params else []
+            self._prepared_columns = [codec.columns() for codec in self._preparing]
+        return self._buckets
+
+    def _buckets_after_prepare(self) -> list[GatherBucket]:
+        if self._preparing and [codec.columns() for codec in self._preparing] != self._prepared_columns:
+            self._buckets = None  # a hook's inputs changed shape or dtype: lay the buffer out again
+        return self.buckets
 
     @property
     def gathered_numel_per_rank(self) -> int:
@@ -106,19 +136,35 @@ class GroupGather:
         """Shard group of one rank: the shard is the whole parameter, so skip the all-gather and
         its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
         _check_not_meta(self.params)
-        _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
+        if self._all_plain:
+            _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
+            return
+        pairs = []
+        for p in self.params:
+            pairs += p.codec.unshard_locally()
+        _copy_pairs(pairs)
+        for p in self.params:
+            p.codec.finish()
 
     def issue_from_shards(self, wait_for_compute: bool) -> None:
         _check_not_meta(self.params)
         world, rank = self.dp.shard_size, self.dp.shard_rank
         with self.streams.all_gather.launch(wait_for_compute) as completion:
             self.streams.gather_buffers.release_before_allocating()
-            for bucket in self.buckets:
+            for codec in self._preparing:
+                codec.prepare()
+            for bucket in self._buckets_after_prepare():
                 output = self._allocate(world * bucket.numel_per_rank, bucket.dtype)
                 # In-place all-gather: our input is our own slot of the output, no separate buffer.
                 own_slot = output.narrow(0, rank * bucket.numel_per_rank, bucket.numel_per_rank)
-                slots = torch.split_with_sizes(own_slot, bucket.sizes)
-                _copy_pairs(p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots))
+                if bucket.plain:
+                    slots = torch.split_with_sizes(own_slot, bucket.widths)
+                    _copy_pairs(p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots))
+                else:
+                    pairs = []
+                    for p, slots in bucket.pieces(own_slot):
+                        pairs += p.codec.pack(slots)
+                    _copy_pairs(pairs)
                 self._issue(completion, output, own_slot, self.dp.shard_group, PendingGather(bucket, output))
         self._completion = completion
 
@@ -146,24 +192,42 @@ class GroupGather:
 
     # -- finish -----------------------------------------------------------------------------------
 
-    def finish(self) -> None:
-        """Wait for the issued all-gathers and copy them out into the unsharded parameters."""
+    def finish(self, keep: Subgroup | None = None) -> None:
+        """Wait for the issued all-gathers and copy them out into the unsharded parameters.
+
+        ``keep``: forward will reshard to this subgroup (reshard_after_forward=k); for buffers
+        whose kept rows cannot be rebuilt from the unsharded parameters (quantized or hook
+        columns), keep this rank's 1/k of the gathered rows now, as they were communicated.
+        """
         self._completion.wait()
         self._completion = None
+        world = self.dp.shard_size
         for pending in self._pending:
-            pending.copy_out(self.dp.shard_size)
+            pending.copy_out(world)
+        self._kept = [
+            pending.rank_rows(world)[keep.position :: keep.size].clone()
+            if keep is not None and pending.subgroup_size is None and not pending.bucket.kept_from_unsharded
+            else None
+            for pending in self._pending
+        ]
         self.streams.gather_buffers.consumed(
             [pending.output for pending in self._pending], self.streams.all_gather.compute_event()
         )
         self._pending.clear()
 
-    def keep_rows(self, subgroup: Subgroup) -> list[torch.Tensor]:
-        """This rank's 1/k of the gathered group (every k-th rank row), kept for backward."""
+    def keep_rows(self, subgroup: Subgroup) -> list[torch.Tensor] | None:
+        """This rank's 1/k of the gathered group (every k-th rank row), kept for backward; None
+        if some of it can only come from the gather's own rows and those were not kept."""
         world, k = self.dp.shard_size, subgroup.size
         kept_rows = []
-        for bucket in self.buckets:
-            kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
-            for p, block in bucket.columns(kept):
-                block.copy_(p.gathered_rank_rows()[subgroup.position :: k])
+        kept_at_finish = self._kept + [None] * (len(self.buckets) - len(self._kept))
+        self._kept = []
+        for bucket, kept in zip(self.buckets, kept_at_finish):
+            if bucket.kept_from_unsharded:
+                kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+                for p, blocks in bucket.pieces(kept):
+                    blocks[0].copy_(p.gathered_rank_rows()[subgroup.position :: k])
+            elif kept is None:
+                return None
             kept_rows.append(kept)
         return kept_rows

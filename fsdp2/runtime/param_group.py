@@ -24,8 +24,12 @@ from enum import Enum, auto
 
 import torch
 
+from fsdp2.errors import FSDPUsageError
+from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime import schedule
+from fsdp2.runtime.codecs import GatherCodec, PlainCodec, QuantizedCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
 from fsdp2.runtime.sharded_param import ShardedParam
@@ -106,6 +110,8 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
+        self.all_gather_policy: AllGatherPolicy | None = None
+        self._assign_codecs()
         self.streams = CommStreams.for_device(dp.device)
         self.gather = GroupGather(params, dp, self.streams)
         self.reduce = GroupReduce(params, dp, self.streams, self.local_only)
@@ -123,8 +129,45 @@ class ParamGroup:
         """Re-read parameters replaced or converted from outside (see ShardedParam.refresh)."""
         for p in self.params:
             p.refresh()
+        self._assign_codecs()
         self.gather.rebuild()
         self.reduce.rebuild()
+
+    def set_all_gather_policy(self, policy: AllGatherPolicy | None, owner: str) -> None:
+        """Gather the parameters ``policy`` picks quantized from now on (None: as they are)."""
+        if policy is not None and not isinstance(policy, AllGatherPolicy):
+            raise FSDPUsageError(
+                f"{owner}.set_all_gather_policy: expected an fsdp2.AllGatherPolicy or None, got {type(policy).__name__}"
+            )
+        if self.phase is not Phase.IDLE:
+            raise FSDPUsageError(
+                f"{owner}.set_all_gather_policy: called during {self.phase.name.lower()}; change the all-gather "
+                "policy between training steps (after backward, or before the first forward)"
+            )
+        self.reshard()  # what is gathered now was gathered under the old policy
+        self.all_gather_policy = policy
+        self._assign_codecs()
+        self.gather.rebuild()
+
+    def _assign_codecs(self) -> None:
+        """Give every parameter the codec it travels with: a tensor subclass's own all-gather
+        hooks if it has them; quantized if the all-gather policy picks it and this group
+        communicates at all; else the default. A parameter whose codec builds the unsharded
+        parameter differently starts that anew."""
+        policy = self.all_gather_policy
+        for p in self.params:
+            codec: GatherCodec
+            if has_hooks(p.local_shard):
+                codec = SubclassCodec(p, self.dp.shard_mesh)
+            elif policy is not None and not self.local_only and policy.quantizes(p.fqn, p.sharded_param, p.param_dtype):
+                codec = QuantizedCodec(p, policy)
+            else:
+                codec = PlainCodec(p)
+            if codec.same_as(p.codec):
+                continue
+            if codec.builds_unsharded or p.codec.builds_unsharded:
+                p.forget_unsharded()
+            p.codec = codec
 
     # -- lifecycle verbs --------------------------------------------------------------------------
 
@@ -221,8 +264,15 @@ class ParamGroup:
         """Complete an issued all-gather and register the full parameters on the modules."""
         if self.state != GroupState.UNSHARDING:
             return
-        self.gather.finish()
+        self.gather.finish(keep=self._subgroup_to_keep())
         self._hold_unsharded()
+
+    def _subgroup_to_keep(self) -> Subgroup | None:
+        """The subgroup this forward's gather will reshard to after forward, if any."""
+        action = schedule.after_this_forward(self.reshard_after_forward.action, grad_enabled=torch.is_grad_enabled())
+        if self.phase is Phase.FORWARD and action is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
+            return self.reshard_after_forward.subgroup
+        return None
 
     def _hold_unsharded(self) -> None:
         for p in self.params:
@@ -246,7 +296,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state != GroupState.UNSHARDED:
             return
-        self._kept_rows = self.gather.keep_rows(self.reshard_after_forward.subgroup)
+        kept_rows = self.gather.keep_rows(self.reshard_after_forward.subgroup)
+        if kept_rows is None:
+            # Gathered outside this forward (e.g. a manual unshard()), with rows that cannot be
+            # rebuilt from the parameters: free all; backward gathers from the shards again.
+            self.reshard()
+            return
+        self._kept_rows = kept_rows
         self._free_unsharded()
         self.state = GroupState.PARTIALLY_SHARDED
 

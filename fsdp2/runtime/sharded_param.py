@@ -14,6 +14,7 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.layout.shard_layout import ShardLayout
 from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, param_dtype_of, reduce_dtype_of
+from fsdp2.runtime.codecs import GatherCodec, PlainCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.dtensor_spec import ShardedSpec
 
@@ -61,6 +62,8 @@ class ShardedParam:
     under ``CPUOffloadPolicy``. The unsharded form is one persistent ``nn.Parameter`` whose
     storage is allocated on unshard and freed (resized to 0) on reshard: keeping the same tensor
     object lets autograd's saved references stay valid across reshard/unshard cycles.
+
+    ``codec`` (fsdp2.runtime.codecs, set by the group) says how it travels through the all-gather.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ShardedParam:
         self._flat_shard_of: torch.Tensor | None = None  # the local shard _flat_shard views
         self._flat_shard: torch.Tensor | None = None
         self._read_dtypes()
+        self.codec: GatherCodec = PlainCodec(self)
         self.hold_sharded()
 
     def bind_grad_ready(self, on_grad_ready: Callable[["ShardedParam"], None]) -> None:
@@ -160,8 +164,12 @@ class ShardedParam:
         mark_managed(self.sharded_param, self.owner)  # a tensor swap replaced its __dict__
         param_dtype = self.param_dtype
         self._read_dtypes()
-        if self.param_dtype != param_dtype and self.unsharded_param is not None:
-            # The gathered storage has the old dtype: build it anew at the next unshard.
+        if self.param_dtype != param_dtype:
+            self.forget_unsharded()  # the gathered storage has the old dtype
+
+    def forget_unsharded(self) -> None:
+        """Drop the unsharded parameter: the next unshard builds it anew."""
+        if self.unsharded_param is not None:
             self.free_unsharded()
             self.unsharded_param = self._padded_full = None
 
@@ -272,9 +280,19 @@ class ShardedParam:
         self.layout.copy_full_in(self._padded_full[: self.layout.full_numel].view(self.layout.full_shape), slots)
         return slots
 
+    def adopt_unsharded(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor``, built by the codec (a tensor subclass's post-all-gather hook), the
+        unsharded parameter, viewed with the parameter's shape and contiguous strides."""
+        full = torch.as_strided(tensor, self.layout.full_shape, self.layout.full_strides, 0)
+        if self.tensor_parallel is not None:
+            full = self.tensor_parallel.wrap(full)
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._grad_hook_registered = False
+
     def free_unsharded(self) -> None:
         if self._padded_full is not None:
             self._padded_full.untyped_storage().resize_(0)
+        self.codec.release()
 
     # -- gradients ------------------------------------------------------------------------------
 
@@ -325,3 +343,4 @@ class ShardedParam:
             self.sharded_param.grad = compat.dtensor_like(self.sharded_param, local.contiguous())
         else:
             compat.local_tensor(existing).add_(local)
+

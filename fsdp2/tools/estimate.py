@@ -39,8 +39,10 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from fsdp2.policies import MixedPrecisionPolicy, param_dtype_of, reduce_dtype_of
+from fsdp2.policies import AllGatherPolicy, MixedPrecisionPolicy, param_dtype_of, reduce_dtype_of
 from fsdp2.runtime import schedule
+from fsdp2.runtime.buckets import gather_row_bytes
+from fsdp2.runtime.codecs import plain_column, quantized_column
 from fsdp2.layout.shard_layout import ShardLayout
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
@@ -63,7 +65,7 @@ class GroupEstimate:
     num_params: int  # elements of the full (unsharded) parameters
     sharded_bytes: int  # this rank's shards, in the parameters' own dtypes
     gathered_bytes: int  # unsharded parameters in param_dtype, padded as fsdp2 stores them
-    all_gather_bytes: int  # all-gather output buffers (== gathered_bytes: same padded layout; 0 at world 1)
+    all_gather_bytes: int  # all-gather output buffers (== gathered_bytes unless quantized; 0 at world 1)
     unsharded_grad_bytes: int  # full gradients in param_dtype, before reduction
     reduce_scatter_bytes: int  # reduce-scatter input (world x numel_per_rank) + output, reduce_dtype
     reduce_scatter_input_bytes: int
@@ -165,17 +167,17 @@ def _group_members(model: nn.Module, groups, root: bool) -> list[tuple[str, nn.M
     return chosen
 
 
-def _assign_params(model: nn.Module, members: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
+def _assign_params(model: nn.Module, members: list[tuple[str, nn.Module]]) -> list[list[schedule.ManagedParam]]:
     """Each parameter goes to its innermost group, as fully_shard applied bottom-up assigns it."""
     group_modules = {id(m) for _, m in members}
     claimed: set[int] = set()
-    params: list[list[nn.Parameter]] = [[] for _ in members]
+    params: list[list[schedule.ManagedParam]] = [[] for _ in members]
     for index in reversed(range(len(members))):  # innermost (latest in pre-order) first
         module = members[index][1]
         for managed in schedule.managed_params((module,), lambda m: id(m) in group_modules):
             if id(managed.param) not in claimed:
                 claimed.add(id(managed.param))
-                params[index].append(managed.param)
+                params[index].append(managed)
     return params
 
 
@@ -201,8 +203,12 @@ def estimate_memory(
     rank: int | None = None,
     sample_input: tuple | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    all_gather_policy: AllGatherPolicy | Callable[[str], AllGatherPolicy | None] | None = None,
 ) -> MemoryEstimate:
     """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh).
+
+    ``all_gather_policy``: the ``set_all_gather_policy`` of every group, or a function of the
+    group's name (``"<root>"`` or its module name) giving each group's (None: not quantized).
 
     ``sample_input``: one rank's batch (a tuple of model arguments, meta tensors or not) for a
     dry run of forward + backward on meta, which fills ``activations`` and ``peak`` (see
@@ -225,20 +231,25 @@ def estimate_memory(
     frees = _frees_after_forward(members, root, reshard_after_forward, world)
     estimates: list[GroupEstimate] = []
     sharded_params = sharded_grads = optimizer_state = largest_param_shard = 0
-    for (name, _), params in zip(members, group_params):
+    for (name, _), managed in zip(members, group_params):
         g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0)
         per_rank_reduce = 0  # numel_per_rank * elem of the reduce buffers, summed over dtypes
-        for p in params:
+        policy = all_gather_policy(name) if callable(all_gather_policy) else all_gather_policy
+        columns = []  # of the group's all-gather, as its parameters' codecs lay them out
+        for fqn, p in ((m.fqn, m.param) for m in managed):
             dim = 0
             if shard_placement_fn is not None:
                 placement = shard_placement_fn(p)
                 dim = placement.dim % p.dim() if placement is not None else 0
             layout = ShardLayout(p.shape, dim, world, rank)
             elem = p.dtype.itemsize
-            param_elem = param_dtype_of(p, mp_policy).itemsize
+            param_dtype = param_dtype_of(p, mp_policy)
+            param_elem = param_dtype.itemsize
             reduce_elem = reduce_dtype_of(p, mp_policy).itemsize
             local = math.prod(layout.local_shape) * elem
             padded_full = world * layout.padded_shard_numel
+            quantized = policy is not None and world > 1 and policy.quantizes(fqn, p, param_dtype)
+            columns.append(quantized_column(layout, policy) if quantized else plain_column(layout, param_dtype))
             g.num_params += p.numel()
             g.sharded_bytes += local
             g.gathered_bytes += padded_full * param_elem
@@ -256,7 +267,7 @@ def estimate_memory(
             g.reduce_scatter_input_bytes = 0
             g.reduce_scatter_bytes = per_rank_reduce
         else:
-            g.all_gather_bytes = g.gathered_bytes
+            g.all_gather_bytes = world * gather_row_bytes(columns) if columns else 0
             g.reduce_scatter_input_bytes = world * per_rank_reduce
             g.reduce_scatter_bytes = (world + 1) * per_rank_reduce
         sharded_params += g.sharded_bytes
@@ -301,7 +312,7 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, frees, s
 
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
-    params = _assign_params(twin, members)
+    params = [[m.param for m in group] for group in _assign_params(twin, members)]
     sizes = [
         GroupBytes(
             gathered=g.gathered_bytes,

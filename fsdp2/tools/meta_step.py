@@ -43,7 +43,7 @@ class GroupBytes:
     """What fsdp2 allocates for one fully_shard group, per rank (from fsdp2.tools.estimate)."""
 
     gathered: int  # unsharded params, padded as fsdp2 stores them
-    gather_buffer: int  # all-gather output (== gathered; 0 for a one-rank shard group)
+    gather_buffer: int  # all-gather output (== gathered unless quantized; 0 for a one-rank shard group)
     reduce_scatter: int  # reduce-scatter input + output buffers
     sharded_grads: int  # this rank's gradient shards, once reduced
 

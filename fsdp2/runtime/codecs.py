@@ -1,0 +1,157 @@
+"""Gather codecs: how one parameter travels through its group's all-gather.
+
+A codec says which columns (dtype, elements per rank) the parameter takes in the group's
+all-gather buffer (fsdp2.runtime.buckets), how this rank's shard is packed into its slots of
+them, and how the gathered columns (``world x numel`` blocks) become the unsharded parameter.
+
+- :class:`PlainCodec` (the default): the padded shard, cast to ``param_dtype``; the gathered rows
+  are the padded unsharded parameter. A group of only these keeps one fused copy in and one
+  fused copy out (fsdp2.runtime.gather).
+- :class:`QuantizedCodec` (``AllGatherPolicy``): int8 / float8 values and per-block scales in
+  one uint8 column (fsdp2.runtime.quantize), dequantized into ``param_dtype``.
+- ``SubclassCodec`` (fsdp2.runtime.extensions): a tensor subclass's own ``fsdp_pre_all_gather`` /
+  ``fsdp_post_all_gather``, as PyTorch's FSDP2 calls them.
+
+Codecs hand back the plain copies they need as ``(destination, source)`` pairs, so a group
+still copies everything in (and out) with one fused ``_foreach_copy_``; what is not a copy
+(quantizing, the extension's post hook) they do themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp2.layout.shard_layout import ShardLayout
+from fsdp2.policies import AllGatherPolicy
+from fsdp2.runtime import quantize
+from fsdp2.runtime.buckets import Column
+
+if TYPE_CHECKING:
+    from fsdp2.runtime.sharded_param import ShardedParam
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class GatherCodec:
+    """The protocol, with the default codec's answers where a codec has nothing to do.
+
+    Called by fsdp2.runtime.gather, in this order for a gather from the shards: ``prepare``,
+    ``columns``, ``pack`` (all-gather stream), then after the collective ``unpack`` and ``finish``
+    (compute stream); ``release`` when the group reshards.
+    """
+
+    plain = False  # the default codec: the group may fuse its copies across parameters
+    # reshard_after_forward=k: this parameter's kept rows can be rebuilt from its unsharded form
+    # (otherwise the gathered columns themselves are kept: see GroupGather.finish).
+    kept_from_unsharded = False
+    builds_unsharded = False  # makes the unsharded parameter object itself (else: ShardedParam's storage)
+    prepares = False  # its columns are known only after prepare()
+
+    def __init__(self, param: ShardedParam):
+        self.param = param
+
+    def same_as(self, other: "GatherCodec") -> bool:
+        """``other`` does what this codec does (so a re-assignment keeps the current one)."""
+        return type(other) is type(self)
+
+    def prepare(self) -> None:
+        """Before every gather from the shards (e.g. run the tensor subclass's pre-all-gather hook)."""
+
+    def columns(self) -> tuple[Column, ...]:
+        raise NotImplementedError
+
+    def pack(self, slots: list[torch.Tensor]) -> Pairs:
+        """Fill this rank's ``slots`` (one per column, typed); return the plain copies to fuse."""
+        raise NotImplementedError
+
+    def unpack(self, blocks: list[torch.Tensor]) -> Pairs:
+        """From the gathered ``world x numel`` ``blocks`` (one per column, views of the group's
+        buffer, valid until ``finish``) fill the unsharded parameter; return copies to fuse."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the group's fused copy-out."""
+
+    def unshard_locally(self) -> Pairs:
+        """One-rank shard group: nothing is communicated, the shard is the whole parameter."""
+        pair = self.param.copy_in_pair(self.param.unsharded_storage())
+        return [pair] if pair is not None else []
+
+    def release(self) -> None:
+        """The group reshards: free what the codec holds besides the unsharded storage."""
+
+
+def plain_column(layout: ShardLayout, param_dtype: torch.dtype) -> Column:
+    return Column(param_dtype, layout.padded_shard_numel)
+
+
+def quantized_column(layout: ShardLayout, policy: AllGatherPolicy) -> Column:
+    return Column(torch.uint8, quantize.wire_bytes(layout.padded_shard_numel, policy))
+
+
+class PlainCodec(GatherCodec):
+    """The padded shard, cast to ``param_dtype``."""
+
+    plain = True
+    kept_from_unsharded = True
+
+    def columns(self) -> tuple[Column, ...]:
+        return (plain_column(self.param.layout, self.param.param_dtype),)
+
+    def pack(self, slots: list[torch.Tensor]) -> Pairs:
+        pair = self.param.copy_in_pair(slots[0])
+        return [pair] if pair is not None else []
+
+    def unpack(self, blocks: list[torch.Tensor]) -> Pairs:
+        target = self.param.gather_target()
+        if target is None:
+            self.param.copy_gathered_out(blocks[0])
+            return []
+        return [(target, blocks[0])]
+
+
+class QuantizedCodec(GatherCodec):
+    """Block-quantized values and scales in one uint8 column, dequantized into ``param_dtype``.
+
+    The shard is quantized from its own dtype (the fp32 master, not a bf16 copy of it), padding
+    rows as zeros. ``kept_from_unsharded`` is False: reshard_after_forward=k keeps the gathered
+    wire rows themselves (half the bytes of ``param_dtype`` rows, re-gathered as they are), so
+    backward dequantizes exactly what forward did, without quantizing dequantized values again.
+    """
+
+    def __init__(self, param: ShardedParam, policy: AllGatherPolicy):
+        super().__init__(param)
+        self.policy = policy
+
+    def same_as(self, other: GatherCodec) -> bool:
+        return isinstance(other, QuantizedCodec) and other.policy == self.policy
+
+    def columns(self) -> tuple[Column, ...]:
+        return (quantized_column(self.param.layout, self.policy),)
+
+    def pack(self, slots: list[torch.Tensor]) -> Pairs:
+        p, layout = self.param, self.param.layout
+        shard = p.local_shard
+        if shard.device != p.device:  # CPU offload: quantize on the device
+            shard = shard.to(p.device, non_blocking=shard.is_pinned())
+        if layout.dim != 0 and 0 < layout.local_rows < layout.chunk:
+            # Padding inside the slot (not a flat prefix of it): lay the shard out padded first.
+            padded = shard.new_zeros(layout.padded_shard_shape)
+            layout.shard_rows(padded.view(-1)).copy_(shard)
+            shard = padded
+        quantize.quantize_into(shard, slots[0], self.policy, numel=layout.padded_shard_numel)
+        return []
+
+    def unpack(self, blocks: list[torch.Tensor]) -> Pairs:
+        p = self.param
+        target = p.gather_target()
+        if target is None:
+            rows = torch.empty(p.layout.world, p.layout.padded_shard_numel, dtype=p.param_dtype, device=p.device)
+            quantize.dequantize_from(blocks[0], rows, self.policy)
+            p.copy_gathered_out(rows)
+        else:
+            quantize.dequantize_from(blocks[0], target, self.policy)
+        return []
+
