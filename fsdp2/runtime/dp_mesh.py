@@ -176,7 +176,7 @@ class DataParallelMesh:
 
 def _default_mesh(module_name: str) -> DeviceMesh:
     """As PyTorch's fully_shard: the default process group (initialized from the environment,
-    e.g. by torchrun, if nobody did yet) as a 1-D mesh on the accelerator if there is one."""
+    e.g. by torchrun, if nobody did yet) as a 1-D mesh on the accelerator if one is usable."""
     if not dist.is_initialized():
         try:
             dist.init_process_group()
@@ -185,6 +185,7 @@ def _default_mesh(module_name: str) -> DeviceMesh:
                 f"fully_shard({module_name}): no mesh was given and torch.distributed could not be initialized from the environment "
                 f"({e}). Launch with torchrun, call torch.distributed.init_process_group() first, or pass mesh=."
             ) from e
-    accelerator = torch.accelerator.current_accelerator()
+    # check_available: a CUDA build on a machine without a GPU (or driver) trains on CPU ranks.
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
