@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fsdp2 import compat
 from fsdp2.runtime import schedule
 
 
@@ -331,7 +332,10 @@ def record_step(
         del keep[:]
         recorder.in_backward = True
         recorder.hook(Event.BACKWARD, -1)
-        loss.backward()
+        # Straight into the autograd engine: ``loss.backward()`` would pass through
+        # _FusedAttention's handler, which runs with the mode off, and activation checkpointing
+        # recomputes attention in backward.
+        compat.run_backward(loss)
         del loss
         hooks.finish_backward()
     trace.tail_flops = recorder.flops

@@ -1,0 +1,454 @@
+"""Evaluate every strategy for one model, workload and cluster: memory, bytes, step time, verdict.
+
+See fsdp2/plan/__init__.py for the model behind the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from fsdp2.policies import MixedPrecisionPolicy
+from fsdp2.plan.cluster import Cluster
+from fsdp2.plan.model_source import (
+    ModelSource,
+    PlanInputError,
+    checkpoint_blocks,
+    count_params,
+    model_source,
+    tensor_parallel_activations,
+    tensor_parallel_local,
+)
+from fsdp2.plan.strategies import Kind, Strategy, enumerate_strategies, tp_candidates
+from fsdp2.plan.timeline import Collective, GroupComm, MicroStep, ring_seconds, simulate
+from fsdp2.runtime import schedule
+from fsdp2.tools.estimate import MemoryEstimate, estimate_memory, trace_step
+from fsdp2.tools.meta_step import StepTrace
+
+OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "muon")
+
+# Low-precision all-gather (issue 14, modelled): one byte per element plus one fp32 scale per
+# block of this many elements.
+LOW_PRECISION_BLOCK = 128
+# Muon (issue 16, modelled): Newton-Schulz iterations per update of a matrix.
+MUON_NS_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision as fully_shard's MixedPrecisionPolicy (master weights stay fp32)."""
+
+    param_dtype: torch.dtype | None = torch.bfloat16  # compute and all-gather dtype (None: fp32)
+    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduction dtype (None: param_dtype)
+    low_precision_all_gather: bool = False  # modelled: 1 byte/element + scales (issue 14)
+
+    def policy(self) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+    @property
+    def compute_bytes(self) -> int:
+        return (self.param_dtype or torch.float32).itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        return (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
+
+    def describe(self) -> str:
+        name = lambda d: str(d or torch.float32).replace("torch.", "")  # noqa: E731
+        text = f"params {name(self.param_dtype)}, reduce {name(self.reduce_dtype or self.param_dtype)}"
+        return text + (", low-precision all-gather (modelled)" if self.low_precision_all_gather else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, over the whole cluster
+    micro_batch: int = 1  # sequences per data-parallel rank per forward/backward
+    optimizer: str = "adamw"
+    precision: Precision = Precision()
+    activation_checkpointing: bool = False
+
+    def accumulation(self, strategy: Strategy) -> int | None:
+        """Micro-batches per step for ``strategy`` (None: the global batch does not split evenly)."""
+        per_step = strategy.data_parallel * self.micro_batch
+        return self.global_batch // per_step if self.global_batch % per_step == 0 else None
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass
+class MemoryPerRank:
+    """Bytes on one GPU. ``peak`` is the predicted allocator peak of a step (everything at once)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_peak: int  # fsdp2's gathered parameters + all-gather buffers at their own peak
+    activations: int  # saved for backward (one micro-batch)
+    peak: int
+    peak_phase: str
+    extra: int = 0  # DDP: its gradient buckets
+
+
+@dataclass
+class CommPerStep:
+    """Bytes per optimizer step on one rank."""
+
+    fsdp: dict[str, int]  # buffer bytes as fsdp2.tools.comm_stats counts them (all_gather/reduce_scatter/all_reduce)
+    ddp_all_reduce: int = 0  # modelled: torch DDP's bucket all-reduces
+    tensor_parallel: int = 0  # modelled: DTensor's all-reduces of activations (not counted by count_comm)
+    muon_all_to_all: int = 0  # modelled (issue 16)
+    wire: dict[str, int] = field(default_factory=dict)  # bytes through this rank's link, per link ("intra"/"inter")
+    exact: bool = True  # fsdp comm equals count_comm (False: low-precision all-gather modelled)
+
+
+@dataclass
+class StepTime:
+    seconds: float  # one optimizer step
+    compute: float  # FLOPs / rate, all micro-batches
+    tensor_parallel: float
+    exposed_comm: float  # collectives compute had to wait for
+    optimizer: float  # optimizer step (HBM-bound; Muon adds its Newton-Schulz FLOPs and all-to-all)
+    accumulation: int  # micro-batches per step
+    flops_per_gpu: int  # per step
+
+
+@dataclass
+class StrategyResult:
+    strategy: Strategy
+    skipped: str | None = None  # why it was not evaluated
+    fits: bool = False
+    memory: MemoryPerRank | None = None
+    comm: CommPerStep | None = None
+    time: StepTime | None = None
+    tokens_per_second: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+
+@dataclass
+class Plan:
+    model: str
+    num_params: int
+    workload: Workload
+    cluster: Cluster
+    results: list[StrategyResult]
+    recommended: StrategyResult | None
+    reason: str
+    tolerance: float
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        from fsdp2.plan.report import render_table
+
+        return render_table(self)
+
+    def to_json(self) -> dict:
+        from fsdp2.plan.report import to_json
+
+        return to_json(self)
+
+    def result(self, name: str) -> StrategyResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"no strategy named {name!r}; have {[r.name for r in self.results]}")
+
+
+# -- per-TP-degree model: one recording each -----------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    """The model as one TP rank sees it, and its recorded micro-step."""
+
+    model: nn.Module
+    trace: StepTrace
+    tp_elements: tuple[int, int]  # all-reduced elements per token, (forward, backward)
+    tp_calls: tuple[int, int]
+
+
+def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload) -> _Variant:
+    plan = source.tp_plan() if tp > 1 else {}
+    local = tensor_parallel_local(base, source.is_block, plan, tp)
+    if workload.activation_checkpointing:
+        checkpoint_blocks(local, source.is_block)
+    inputs = source.inputs(workload.micro_batch, workload.seq_len)
+    trace = trace_step(local, groups=source.is_block, mp_policy=workload.precision.policy(),
+                       sample_input=inputs, loss_fn=source.loss)
+    elements = tensor_parallel_activations(local, source.is_block, plan) if tp > 1 else (0, 0)
+    blocks = sum(1 for m in local.modules() if source.is_block(m))
+    rows = sum(1 for style in plan.values() if type(style).__name__ == "RowwiseParallel")
+    calls = (blocks * rows, blocks * (len(plan) - rows)) if tp > 1 else (0, 0)
+    return _Variant(local, trace, elements, calls)
+
+
+# -- one strategy ---------------------------------------------------------------------------------
+
+
+def _estimate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload) -> MemoryEstimate:
+    mesh: Any = 1 if strategy.kind is Kind.DDP else (
+        (strategy.replicate, strategy.shard) if strategy.replicate > 1 else strategy.shard)
+    return estimate_memory(
+        variant.model, mesh, groups=source.is_block, mp_policy=workload.precision.policy(),
+        # DDP: every parameter stays gathered (in the compute dtype, as autocast's cast cache)
+        reshard_after_forward=False if strategy.kind is Kind.DDP else strategy.reshard_after_forward,
+        optimizer="sgd_momentum" if workload.optimizer == "muon" else workload.optimizer,
+        step_trace=variant.trace,
+    )
+
+
+def _matrix_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """2-D parameters other than embeddings (Muon orthogonalizes these; AdamW takes the rest)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [tuple(p.shape) for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2 and id(p) not in embeddings]
+
+
+def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload, cluster: Cluster) -> StrategyResult:
+    result = StrategyResult(strategy)
+    accumulation = workload.accumulation(strategy)
+    est = _estimate(strategy, variant, source, workload)
+    precision = workload.precision
+    ddp = strategy.kind is Kind.DDP
+
+    # -- memory
+    buckets = est.sharded_grads if ddp else 0  # DDP's flat gradient buckets, a second copy of the grads
+    result.memory = MemoryPerRank(
+        params=est.sharded_params, grads=est.sharded_grads, optimizer=est.optimizer_state,
+        gathered_peak=0 if ddp else est.peak_gathered_params, activations=est.activations or 0,
+        peak=est.peak + buckets, peak_phase=est.peak_phase or "", extra=buckets,
+    )
+    result.fits = result.memory.peak <= cluster.usable_bytes
+
+    # -- collectives per micro-step, per group
+    s, r, t = strategy.shard, strategy.replicate, strategy.tp
+    shard_link, replicate_link = strategy.shard_link(cluster), strategy.replicate_link(cluster)
+    ddp_link = cluster.link(1, cluster.gpus) if ddp else "none"
+    frees = _frees(est, strategy)
+    groups: list[GroupComm] = []
+    wire: dict[str, float] = {}
+    fsdp_bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    ddp_bytes = 0
+
+    def add_wire(link: str, nbytes: float, size: int, all_reduce: bool = False) -> None:
+        if size > 1 and nbytes:
+            wire[link] = wire.get(link, 0.0) + (2 if all_reduce else 1) * (size - 1) / size * nbytes
+
+    def collective(link: str, nbytes: float, size: int, all_reduce: bool = False) -> Collective | None:
+        if size <= 1 or not nbytes:
+            return None
+        return Collective(ring_seconds(nbytes, size, cluster.bandwidth(link), cluster.latency(link), all_reduce=all_reduce), link)
+
+    for g, free in zip(est.groups, frees):
+        if ddp:
+            grad_bytes = g.reduce_output_bytes  # at shard size 1: the whole gradient in the reduce dtype
+            ddp_bytes += grad_bytes
+            add_wire(ddp_link, grad_bytes, cluster.gpus, all_reduce=True)
+            groups.append(GroupComm(all_reduce=collective(ddp_link, grad_bytes, cluster.gpus, all_reduce=True)))
+            continue
+        gather = g.all_gather_bytes
+        if precision.low_precision_all_gather and gather:
+            gather = _low_precision_bytes(g.all_gather_bytes // precision.compute_bytes)
+        gathers = 2 if free else 1
+        fsdp_bytes["all_gather"] += gathers * gather
+        fsdp_bytes["reduce_scatter"] += g.reduce_scatter_input_bytes
+        add_wire(shard_link, gathers * gather, s)
+        add_wire(shard_link, g.reduce_scatter_input_bytes, s)
+        all_reduce = g.reduce_output_bytes if r > 1 else 0
+        fsdp_bytes["all_reduce"] += all_reduce
+        add_wire(replicate_link, all_reduce, r, all_reduce=True)
+        groups.append(GroupComm(
+            gather=collective(shard_link, gather, s),
+            reduce=collective(shard_link, g.reduce_scatter_input_bytes, s),
+            all_reduce=collective(replicate_link, all_reduce, r, all_reduce=True),
+            frees_after_forward=free,
+        ))
+
+    # -- tensor parallel (modelled): all-reduces of activations on the compute stream
+    tokens = workload.micro_batch * workload.seq_len
+    act = precision.compute_bytes
+    recomputes = 2 if workload.activation_checkpointing else 1
+    tp_forward = variant.tp_elements[0] * tokens * act * recomputes
+    tp_backward = variant.tp_elements[1] * tokens * act
+    tp_link = strategy.tp_link(cluster)
+    calls_forward, calls_backward = variant.tp_calls[0] * recomputes, variant.tp_calls[1]
+    tp_seconds = lambda nbytes, calls: (  # noqa: E731
+        ring_seconds(nbytes, t, cluster.bandwidth(tp_link), 0.0, all_reduce=True) + calls * cluster.latency(tp_link) if t > 1 else 0.0)
+    add_wire(tp_link, tp_forward + tp_backward, t, all_reduce=True)
+
+    micro: MicroStep = simulate(
+        variant.trace, groups, flops_per_second=cluster.tflops * 1e12,
+        tp_forward_seconds=tp_seconds(tp_forward, calls_forward), tp_backward_seconds=tp_seconds(tp_backward, calls_backward),
+        reduce_window=None if ddp else schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT,
+    )
+    wire = {link: accumulation * nbytes for link, nbytes in wire.items()}
+
+    # -- optimizer step (once per step)
+    optimizer_seconds, muon_bytes = _optimizer_seconds(est, strategy, variant, workload, cluster, shard_link)
+    add_wire(shard_link, muon_bytes, s)
+    step = accumulation * micro.total + optimizer_seconds
+    result.time = StepTime(
+        seconds=step, compute=accumulation * micro.compute, tensor_parallel=accumulation * micro.tensor_parallel,
+        exposed_comm=accumulation * micro.exposed_comm, optimizer=optimizer_seconds, accumulation=accumulation,
+        flops_per_gpu=accumulation * variant.trace.flops,
+    )
+    result.comm = CommPerStep(
+        fsdp={k: accumulation * v for k, v in fsdp_bytes.items()},
+        ddp_all_reduce=accumulation * ddp_bytes,
+        tensor_parallel=accumulation * (tp_forward + tp_backward),
+        muon_all_to_all=muon_bytes,
+        wire={link: int(nbytes) for link, nbytes in wire.items()},
+        exact=not precision.low_precision_all_gather,
+    )
+    result.tokens_per_second = workload.tokens / step
+    return result
+
+
+def _frees(est: MemoryEstimate, strategy: Strategy) -> list[bool]:
+    """Which groups free their gathered parameters after forward (and gather again in backward)."""
+    setting = strategy.reshard_after_forward
+    return [
+        schedule.after_forward(setting, is_root=i == 0, shard_size=est.world_size) is schedule.AfterForward.FREE
+        for i in range(len(est.groups))
+    ]
+
+
+def _low_precision_bytes(numel: int) -> int:
+    return numel + 4 * math.ceil(numel / LOW_PRECISION_BLOCK)
+
+
+def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Variant, workload: Workload,
+                       cluster: Cluster, shard_link: str) -> tuple[float, int]:
+    """HBM time of the update (read params, grads, state; write params, state) plus Muon's work."""
+    touched = 2 * est.sharded_params + est.sharded_grads + 2 * est.optimizer_state
+    seconds = touched / (cluster.hbm_gbps * 1e9)
+    if workload.optimizer != "muon":
+        return seconds, 0
+    # Muon (modelled): each rank orthogonalizes 1/shard of the matrices after an all-to-all that
+    # brings it whole matrices, and one that sends the updates back: 2x the matrix shards' bytes.
+    shapes = _matrix_shapes(variant.model)
+    ns_flops = sum(MUON_NS_STEPS * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for a, b in shapes)
+    share = strategy.shard if strategy.shards_params else 1
+    seconds += ns_flops / share / (cluster.tflops * 1e12)
+    if share == 1:
+        return seconds, 0
+    matrix_bytes = sum(a * b for a, b in shapes) * 4 // share  # fp32 momentum/updates, this rank's shards
+    nbytes = 2 * matrix_bytes
+    seconds += ring_seconds(nbytes, share, cluster.bandwidth(shard_link), cluster.latency(shard_link))
+    return seconds, nbytes
+
+
+# -- verdict --------------------------------------------------------------------------------------
+
+
+def _verdict(results: list[StrategyResult], tolerance: float, cluster: Cluster) -> tuple[StrategyResult | None, str]:
+    evaluated = [r for r in results if r.skipped is None]
+    fitting = [r for r in evaluated if r.fits]
+    gib = lambda b: b / 2**30  # noqa: E731
+    if not fitting:
+        if not evaluated:
+            return None, "no strategy could be evaluated (see the skipped reasons)"
+        least = min(evaluated, key=lambda r: r.memory.peak)
+        return None, (f"nothing fits: the smallest peak is {least.name} at {gib(least.memory.peak):.1f} GiB "
+                      f"> {gib(cluster.usable_bytes):.1f} GiB usable; use activation checkpointing, a smaller "
+                      "micro-batch, more GPUs or a larger TP degree")
+    best = min(fitting, key=lambda r: r.time.seconds)
+    close = [r for r in fitting if r.time.seconds <= best.time.seconds * (1 + tolerance)]
+    chosen = min(close, key=lambda r: (r.strategy.kind.simplicity, r.time.seconds))
+    simpler = [r for r in evaluated if r.strategy.kind.simplicity < chosen.strategy.kind.simplicity]
+    misfit = next((r for r in sorted(simpler, key=lambda r: r.strategy.kind.simplicity) if not r.fits), None)
+    why = f"{chosen.name} fits ({gib(chosen.memory.peak):.1f} of {gib(cluster.usable_bytes):.1f} GiB usable)"
+    if misfit is not None:
+        why = f"{misfit.name} needs {gib(misfit.memory.peak):.1f} GiB > {gib(cluster.usable_bytes):.1f} GiB usable; " + why
+    if chosen is best:
+        why += " and is the fastest"
+    else:
+        why += f", within {chosen.time.seconds / best.time.seconds - 1:.1%} of the fastest ({best.name})"
+    fitting_simpler = [r for r in simpler if r.fits]
+    if fitting_simpler:
+        simplest = min(fitting_simpler, key=lambda r: r.strategy.kind.simplicity)
+        why += f"; simpler {simplest.name} fits too but is {simplest.time.seconds / best.time.seconds - 1:.0%} slower"
+    return chosen, why
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+
+def plan(
+    model: Any,
+    *,
+    seq_len: int,
+    global_batch: int | None = None,
+    micro_batch: int = 1,
+    optimizer: str = "adamw",
+    precision: Precision = Precision(),
+    activation_checkpointing: bool = False,
+    cluster: Cluster = Cluster(),
+    strategies: list[str] | None = None,
+    tolerance: float = 0.05,
+    block: str | None = None,
+    tp_plan: Callable[[], dict] | None = None,
+) -> Plan:
+    """Predict memory, communication and step time of every strategy; pick the simplest that fits.
+
+    ``model``: a preset name, a Hugging Face ``config.json``, ``"package.module:factory"``, a
+    GPTConfig/LlamaConfig or a meta ``nn.Module`` (see fsdp2.plan.model_source). ``global_batch``
+    (sequences per step; default ``micro_batch x gpus``) is split into micro-batches of
+    ``micro_batch`` sequences per data-parallel rank, with gradient accumulation where a strategy
+    has fewer data-parallel ranks. ``strategies``: names or kinds to keep (e.g. ``["FSDP", "HSDP"]``).
+    The verdict is the simplest fitting strategy within ``tolerance`` of the fastest fitting one.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise PlanInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if seq_len < 1 or micro_batch < 1:
+        raise PlanInputError(f"seq_len and micro_batch must be >= 1, got {seq_len} and {micro_batch}")
+    global_batch = micro_batch * cluster.gpus if global_batch is None else global_batch
+    if global_batch < 1:
+        raise PlanInputError(f"global_batch must be >= 1, got {global_batch}")
+    source = model_source(model, block=block, tp_plan=tp_plan)
+    workload = Workload(seq_len, global_batch, micro_batch, optimizer, precision, activation_checkpointing)
+    base = source.meta_model(seq_len)
+    notes = list(source.notes)
+
+    tp_ok = []
+    for t in tp_candidates(cluster):
+        problem = source.tp_problem(t, base)
+        if problem is None:
+            tp_ok.append(t)
+        elif source.tp_plan is not None:
+            notes.append(f"TP {t} not planned: {problem}")
+    if source.tp_plan is None:
+        notes.append(f"no TP strategies: {source.name} has no tensor-parallel plan")
+    candidates = enumerate_strategies(cluster, tp_ok)
+    if strategies is not None:
+        wanted = set(strategies)
+        candidates = [c for c in candidates if c.name in wanted or c.kind.value in wanted]
+        if not candidates:
+            raise PlanInputError(f"strategies={strategies}: none of these names or kinds ({', '.join(k.value for k in Kind)}) apply")
+
+    variants: dict[int, _Variant] = {}
+    results = []
+    for strategy in candidates:
+        if workload.accumulation(strategy) is None:
+            results.append(StrategyResult(strategy, skipped=(
+                f"global batch {global_batch} does not split into {strategy.data_parallel} ranks x micro-batch {micro_batch}")))
+            continue
+        if strategy.tp not in variants:
+            variants[strategy.tp] = _variant(source, base, strategy.tp, workload)
+        results.append(_evaluate(strategy, variants[strategy.tp], source, workload, cluster))
+    recommended, reason = _verdict(results, tolerance, cluster)
+    if precision.low_precision_all_gather:
+        notes.append("low-precision all-gather is modelled (issue 14): 1 byte/element + one fp32 scale per "
+                     f"{LOW_PRECISION_BLOCK} elements on the wire; buffers kept at the compute dtype")
+    if optimizer == "muon":
+        notes.append("Muon is modelled (issue 16): one momentum buffer; all-to-all of 2x the matrix shards; "
+                     f"{MUON_NS_STEPS} Newton-Schulz steps per matrix, split over the shard group")
+    return Plan(source.name, count_params(base), workload, cluster, results, recommended, reason, tolerance, notes)
