@@ -71,12 +71,13 @@ class Cluster:
         return (self.intra_latency_us if link == "intra" else self.inter_latency_us) * 1e-6
 
     def describe(self) -> str:
+        num = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.3g}"  # noqa: E731
         nodes = max(1, self.gpus // self.gpus_per_node)
-        rate = f"{self.tflops:.0f} TFLOP/s achievable per GPU" + (f" ({self.calibrated})" if self.calibrated else " (assumed: 40% of peak)")
+        rate = f"{num(self.tflops)} TFLOP/s achievable per GPU" + (f" ({self.calibrated})" if self.calibrated else " (assumed: 40% of peak)")
         return (
             f"{self.gpus} GPUs = {nodes} node(s) x {self.node_size}; {self.gpu_memory_gib:.1f} GiB each, "
             f"{self.usable_fraction:.0%} usable; {rate}; NVLink {self.intra_node_gbps:.0f} GB/s, "
-            f"network {self.inter_node_gbps:.0f} GB/s per GPU; HBM {self.hbm_gbps:.0f} GB/s"
+            f"network {self.inter_node_gbps:.0f} GB/s per GPU; HBM {num(self.hbm_gbps)} GB/s"
         )
 
     def to_dict(self) -> dict:

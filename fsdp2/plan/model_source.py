@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fsdp2.models import GPT, GPTConfig, Llama, LlamaConfig, tensor_parallel_plan
 from fsdp2.models import gpt as gpt_module
@@ -63,8 +64,12 @@ class ModelSource:
     tp_plan: Callable[[], dict] | None = None  # per block: {submodule name: ColwiseParallel()/RowwiseParallel()}
     notes: list[str] = field(default_factory=list)  # approximations, printed with the plan
     with_layers: Callable[[int], "ModelSource"] | None = None  # same model, fewer blocks (calibration)
+    language_model: bool = False  # the output is logits: the loss is their cross-entropy
 
     def loss(self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss, through ``model``'s forward (so wrappers such as DDP see the call)."""
+        if self.language_model:
+            return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
         if hasattr(model, "loss"):
             return model.loss(tokens, targets)
         out = model(tokens)
@@ -162,6 +167,7 @@ def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: li
             vocab_size=cfg.vocab_size,
             tp_plan=tensor_parallel_plan,
             notes=list(notes or []),
+            language_model=True,
             with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{name or 'Llama'} ({n} layers)"),
         )
     if isinstance(cfg, GPTConfig):
@@ -170,6 +176,7 @@ def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: li
             build=lambda seq_len: GPT(dataclasses.replace(cfg, seq_len=seq_len)),
             is_block=lambda m: isinstance(m, gpt_module.Block),
             vocab_size=cfg.vocab_size,
+            language_model=True,
             notes=list(notes or []) + ["fsdp2's GPT fuses q/k/v with a fixed head count: no tensor-parallel plan"],
             with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{name or 'GPT'} ({n} layers)"),
         )
@@ -249,7 +256,7 @@ def from_module_factory(build: Callable[[int], nn.Module], probe: nn.Module, nam
     if not embeddings:
         raise PlanInputError(f"{name}: no nn.Embedding found; the planner feeds token ids and needs the vocabulary size")
     return ModelSource(name=name, build=build, is_block=is_block, vocab_size=embeddings[0].num_embeddings, tp_plan=tp_plan,
-                       notes=[f"{name}: blocks = {block or 'entries of its largest nn.ModuleList'}; "
+                       notes=[f"{name}: blocks = {block or 'modules of the classes in its largest nn.ModuleList'}; "
                               "sequence length fixed by the factory's model"])
 
 
@@ -261,8 +268,9 @@ def _block_predicate(model: nn.Module, block: str | None, name: str) -> Callable
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise PlanInputError(f"{name}: no nn.ModuleList of blocks found; name the block class (block=... / --block)")
-    blocks = {id(m) for m in max(lists, key=len)}
-    return lambda m: id(m) in blocks
+    # By class, not identity: the predicate must recognize the blocks of every model the factory builds.
+    classes = {type(m) for m in max(lists, key=len)}
+    return lambda m: type(m) in classes
 
 
 def model_source(model: Any, *, block: str | None = None, tp_plan: Callable[[], dict] | None = None) -> ModelSource:

@@ -5,6 +5,7 @@ See fsdp2/plan/__init__.py for the model behind the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,8 +27,8 @@ from fsdp2.plan.model_source import (
 from fsdp2.plan.strategies import Kind, Strategy, enumerate_strategies, tp_candidates
 from fsdp2.plan.timeline import Collective, GroupComm, MicroStep, ring_seconds, simulate
 from fsdp2.runtime import schedule
-from fsdp2.tools.estimate import MemoryEstimate, estimate_memory, trace_step
-from fsdp2.tools.meta_step import StepTrace
+from fsdp2.tools.estimate import MemoryEstimate, add_step_profile, estimate_memory, group_bytes, trace_step
+from fsdp2.tools.meta_step import StepTrace, repeat_blocks, replay_step
 
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "muon")
 
@@ -176,16 +177,31 @@ class _Variant:
     tp_calls: tuple[int, int]
 
 
+# Blocks recorded when a model has more: the dry run of 4 blocks, repeated, is the dry run of all
+# of them (fsdp2.tools.meta_step.repeat_blocks; exact, and checked on every use).
+RECORDED_BLOCKS = 4
+
+
+def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload) -> StepTrace:
+    plan = source.tp_plan() if tp > 1 else {}
+    local = tensor_parallel_local(model, source.is_block, plan, tp)
+    if workload.activation_checkpointing:
+        checkpoint_blocks(local, source.is_block)
+    return trace_step(local, groups=source.is_block, mp_policy=workload.precision.policy(),
+                      sample_input=source.inputs(workload.micro_batch, workload.seq_len), loss_fn=source.loss)
+
+
 def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload) -> _Variant:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(base, source.is_block, plan, tp)
-    if workload.activation_checkpointing:
-        checkpoint_blocks(local, source.is_block)
-    inputs = source.inputs(workload.micro_batch, workload.seq_len)
-    trace = trace_step(local, groups=source.is_block, mp_policy=workload.precision.policy(),
-                       sample_input=inputs, loss_fn=source.loss)
-    elements = tensor_parallel_activations(local, source.is_block, plan) if tp > 1 else (0, 0)
     blocks = sum(1 for m in local.modules() if source.is_block(m))
+    trace = None
+    if source.with_layers is not None and blocks > RECORDED_BLOCKS + 2:
+        short = source.with_layers(RECORDED_BLOCKS)
+        trace = repeat_blocks(_record(short, short.meta_model(workload.seq_len), tp, workload), blocks)
+    if trace is None:
+        trace = _record(source, base, tp, workload)
+    elements = tensor_parallel_activations(local, source.is_block, plan) if tp > 1 else (0, 0)
     rows = sum(1 for style in plan.values() if type(style).__name__ == "RowwiseParallel")
     calls = (blocks * rows, blocks * (len(plan) - rows)) if tp > 1 else (0, 0)
     return _Variant(local, trace, elements, calls)
@@ -195,21 +211,89 @@ def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload) 
 
 
 def _estimate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload) -> MemoryEstimate:
-    mesh: Any = 1 if strategy.kind is Kind.DDP else (
-        (strategy.replicate, strategy.shard) if strategy.replicate > 1 else strategy.shard)
+    optimizer = "sgd_momentum" if workload.optimizer == "muon" else workload.optimizer
+    policy = workload.precision.policy()
+    if strategy.kind is Kind.DDP:
+        return _ddp_estimate(variant, source, policy, optimizer)
+    mesh: Any = (strategy.replicate, strategy.shard) if strategy.replicate > 1 else strategy.shard
     return estimate_memory(
-        variant.model, mesh, groups=source.is_block, mp_policy=workload.precision.policy(),
-        # DDP: every parameter stays gathered (in the compute dtype, as autocast's cast cache)
-        reshard_after_forward=False if strategy.kind is Kind.DDP else strategy.reshard_after_forward,
-        optimizer="sgd_momentum" if workload.optimizer == "muon" else workload.optimizer,
-        step_trace=variant.trace,
+        variant.model, mesh, groups=source.is_block, mp_policy=policy,
+        reshard_after_forward=strategy.reshard_after_forward, optimizer=optimizer, step_trace=variant.trace,
     )
+
+
+def _ddp_estimate(variant: _Variant, source: ModelSource, policy: MixedPrecisionPolicy, optimizer: str) -> MemoryEstimate:
+    """torch DDP as fsdp2 at one rank would hold it, except that nothing is gathered: parameters
+    are used in place, and only a compute dtype other than theirs makes a copy of each (what
+    autocast caches), alive from its forward until backward ends. DDP's gradient buckets are
+    added by the caller."""
+    est = estimate_memory(variant.model, 1, groups=source.is_block, mp_policy=policy, optimizer=optimizer)
+    casts = policy.param_dtype is not None and policy.param_dtype != torch.float32
+    sizes = [dataclasses.replace(g, gathered=g.gathered if casts else 0, gather_buffer=0) for g in group_bytes(est)]
+    add_step_profile(est, replay_step(variant.trace, sizes, frees_after_forward=[False] * len(sizes)))
+    return est
 
 
 def _matrix_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """2-D parameters other than embeddings (Muon orthogonalizes these; AdamW takes the rest)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [tuple(p.shape) for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2 and id(p) not in embeddings]
+
+
+class _Links:
+    """Collectives of one strategy on the cluster's links: their durations and the bytes each
+    link carries for this rank (ring factors)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.wire: dict[str, float] = {}
+
+    def collective(self, link: str, nbytes: float, size: int, *, all_reduce: bool = False, times: int = 1) -> Collective | None:
+        """One collective of an ``nbytes`` buffer over ``size`` ranks, issued ``times`` per micro-step."""
+        if size <= 1 or not nbytes:
+            return None
+        factor = (2 if all_reduce else 1) * (size - 1) / size
+        self.wire[link] = self.wire.get(link, 0.0) + times * factor * nbytes
+        bandwidth, latency = self.cluster.bandwidth(link), self.cluster.latency(link)
+        return Collective(ring_seconds(nbytes, size, bandwidth, latency, all_reduce=all_reduce), link)
+
+
+def _group_collectives(est: MemoryEstimate, strategy: Strategy, precision: Precision, links: _Links) -> list[GroupComm]:
+    """Each group's collectives in one micro-step (DDP: its gradient all-reduce)."""
+    cluster = links.cluster
+    if strategy.kind is Kind.DDP:
+        ddp_link = cluster.link(1, cluster.gpus)
+        # at shard size 1 a group's reduce output is its whole gradient in the reduce dtype
+        return [GroupComm(all_reduce=links.collective(ddp_link, g.reduce_output_bytes, cluster.gpus, all_reduce=True))
+                for g in est.groups]
+    s, r = strategy.shard, strategy.replicate
+    shard_link, replicate_link = strategy.shard_link(cluster), strategy.replicate_link(cluster)
+    groups = []
+    for g, free in zip(est.groups, _frees(est, strategy)):
+        gather = g.all_gather_bytes
+        if precision.low_precision_all_gather and gather:
+            gather = _low_precision_bytes(gather // precision.compute_bytes)
+        groups.append(GroupComm(
+            gather=links.collective(shard_link, gather, s, times=2 if free else 1),
+            reduce=links.collective(shard_link, g.reduce_scatter_input_bytes, s),
+            all_reduce=links.collective(replicate_link, g.reduce_output_bytes if r > 1 else 0, r, all_reduce=True),
+            frees_after_forward=free,
+        ))
+    return groups
+
+
+def _fsdp_bytes(est: MemoryEstimate, strategy: Strategy, precision: Precision, groups: list[GroupComm]) -> dict[str, int]:
+    """fsdp2's own collectives per micro-step as count_comm counts them: the estimator's count,
+    with the all-gathers modelled at one byte per element under a low-precision all-gather."""
+    if strategy.kind is Kind.DDP:
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    counted = dict(est.comm_bytes_per_step)
+    if precision.low_precision_all_gather:
+        counted["all_gather"] = sum(
+            (2 if free else 1) * _low_precision_bytes(g.all_gather_bytes // precision.compute_bytes)
+            for g, free in zip(est.groups, _frees(est, strategy)) if g.all_gather_bytes
+        )
+    return counted
 
 
 def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload, cluster: Cluster) -> StrategyResult:
@@ -219,7 +303,6 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     precision = workload.precision
     ddp = strategy.kind is Kind.DDP
 
-    # -- memory
     buckets = est.sharded_grads if ddp else 0  # DDP's flat gradient buckets, a second copy of the grads
     result.memory = MemoryPerRank(
         params=est.sharded_params, grads=est.sharded_grads, optimizer=est.optimizer_state,
@@ -228,82 +311,43 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     )
     result.fits = result.memory.peak <= cluster.usable_bytes
 
-    # -- collectives per micro-step, per group
-    s, r, t = strategy.shard, strategy.replicate, strategy.tp
-    shard_link, replicate_link = strategy.shard_link(cluster), strategy.replicate_link(cluster)
-    ddp_link = cluster.link(1, cluster.gpus) if ddp else "none"
-    frees = _frees(est, strategy)
-    groups: list[GroupComm] = []
-    wire: dict[str, float] = {}
-    fsdp_bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    ddp_bytes = 0
+    links = _Links(cluster)
+    groups = _group_collectives(est, strategy, precision, links)
 
-    def add_wire(link: str, nbytes: float, size: int, all_reduce: bool = False) -> None:
-        if size > 1 and nbytes:
-            wire[link] = wire.get(link, 0.0) + (2 if all_reduce else 1) * (size - 1) / size * nbytes
-
-    def collective(link: str, nbytes: float, size: int, all_reduce: bool = False) -> Collective | None:
-        if size <= 1 or not nbytes:
-            return None
-        return Collective(ring_seconds(nbytes, size, cluster.bandwidth(link), cluster.latency(link), all_reduce=all_reduce), link)
-
-    for g, free in zip(est.groups, frees):
-        if ddp:
-            grad_bytes = g.reduce_output_bytes  # at shard size 1: the whole gradient in the reduce dtype
-            ddp_bytes += grad_bytes
-            add_wire(ddp_link, grad_bytes, cluster.gpus, all_reduce=True)
-            groups.append(GroupComm(all_reduce=collective(ddp_link, grad_bytes, cluster.gpus, all_reduce=True)))
-            continue
-        gather = g.all_gather_bytes
-        if precision.low_precision_all_gather and gather:
-            gather = _low_precision_bytes(g.all_gather_bytes // precision.compute_bytes)
-        gathers = 2 if free else 1
-        fsdp_bytes["all_gather"] += gathers * gather
-        fsdp_bytes["reduce_scatter"] += g.reduce_scatter_input_bytes
-        add_wire(shard_link, gathers * gather, s)
-        add_wire(shard_link, g.reduce_scatter_input_bytes, s)
-        all_reduce = g.reduce_output_bytes if r > 1 else 0
-        fsdp_bytes["all_reduce"] += all_reduce
-        add_wire(replicate_link, all_reduce, r, all_reduce=True)
-        groups.append(GroupComm(
-            gather=collective(shard_link, gather, s),
-            reduce=collective(shard_link, g.reduce_scatter_input_bytes, s),
-            all_reduce=collective(replicate_link, all_reduce, r, all_reduce=True),
-            frees_after_forward=free,
-        ))
-
-    # -- tensor parallel (modelled): all-reduces of activations on the compute stream
+    # Tensor parallel (modelled): all-reduces of activations, inline on the compute stream.
+    t, tp_link = strategy.tp, strategy.tp_link(cluster)
     tokens = workload.micro_batch * workload.seq_len
-    act = precision.compute_bytes
     recomputes = 2 if workload.activation_checkpointing else 1
-    tp_forward = variant.tp_elements[0] * tokens * act * recomputes
-    tp_backward = variant.tp_elements[1] * tokens * act
-    tp_link = strategy.tp_link(cluster)
-    calls_forward, calls_backward = variant.tp_calls[0] * recomputes, variant.tp_calls[1]
-    tp_seconds = lambda nbytes, calls: (  # noqa: E731
-        ring_seconds(nbytes, t, cluster.bandwidth(tp_link), 0.0, all_reduce=True) + calls * cluster.latency(tp_link) if t > 1 else 0.0)
-    add_wire(tp_link, tp_forward + tp_backward, t, all_reduce=True)
+    tp_bytes = (variant.tp_elements[0] * recomputes * tokens * precision.compute_bytes,
+                variant.tp_elements[1] * tokens * precision.compute_bytes)
+    tp_calls = (variant.tp_calls[0] * recomputes, variant.tp_calls[1])
+    tp_seconds = [0.0, 0.0]
+    for phase in (0, 1):
+        op = links.collective(tp_link, tp_bytes[phase], t, all_reduce=True)
+        if op is not None:  # one latency per call, the bytes as if in one call
+            tp_seconds[phase] = op.seconds + (tp_calls[phase] - 1) * cluster.latency(tp_link)
 
     micro: MicroStep = simulate(
         variant.trace, groups, flops_per_second=cluster.tflops * 1e12,
-        tp_forward_seconds=tp_seconds(tp_forward, calls_forward), tp_backward_seconds=tp_seconds(tp_backward, calls_backward),
+        tp_forward_seconds=tp_seconds[0], tp_backward_seconds=tp_seconds[1],
         reduce_window=None if ddp else schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT,
     )
-    wire = {link: accumulation * nbytes for link, nbytes in wire.items()}
+    micro_wire, links.wire = links.wire, {}
 
-    # -- optimizer step (once per step)
-    optimizer_seconds, muon_bytes = _optimizer_seconds(est, strategy, variant, workload, cluster, shard_link)
-    add_wire(shard_link, muon_bytes, s)
+    optimizer_seconds, muon_bytes = _optimizer_seconds(est, strategy, variant, workload, cluster, links)
     step = accumulation * micro.total + optimizer_seconds
     result.time = StepTime(
         seconds=step, compute=accumulation * micro.compute, tensor_parallel=accumulation * micro.tensor_parallel,
         exposed_comm=accumulation * micro.exposed_comm, optimizer=optimizer_seconds, accumulation=accumulation,
         flops_per_gpu=accumulation * variant.trace.flops,
     )
+    wire = {link: accumulation * nbytes for link, nbytes in micro_wire.items()}
+    for link, nbytes in links.wire.items():  # once per step: the optimizer's
+        wire[link] = wire.get(link, 0.0) + nbytes
     result.comm = CommPerStep(
-        fsdp={k: accumulation * v for k, v in fsdp_bytes.items()},
-        ddp_all_reduce=accumulation * ddp_bytes,
-        tensor_parallel=accumulation * (tp_forward + tp_backward),
+        fsdp={k: accumulation * v for k, v in _fsdp_bytes(est, strategy, precision, groups).items()},
+        ddp_all_reduce=accumulation * sum(g.reduce_output_bytes for g in est.groups) if ddp else 0,
+        tensor_parallel=accumulation * sum(tp_bytes) if t > 1 else 0,
         muon_all_to_all=muon_bytes,
         wire={link: int(nbytes) for link, nbytes in wire.items()},
         exact=not precision.low_precision_all_gather,
@@ -326,7 +370,7 @@ def _low_precision_bytes(numel: int) -> int:
 
 
 def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Variant, workload: Workload,
-                       cluster: Cluster, shard_link: str) -> tuple[float, int]:
+                       cluster: Cluster, links: _Links) -> tuple[float, int]:
     """HBM time of the update (read params, grads, state; write params, state) plus Muon's work."""
     touched = 2 * est.sharded_params + est.sharded_grads + 2 * est.optimizer_state
     seconds = touched / (cluster.hbm_gbps * 1e9)
@@ -342,7 +386,7 @@ def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Varian
         return seconds, 0
     matrix_bytes = sum(a * b for a, b in shapes) * 4 // share  # fp32 momentum/updates, this rank's shards
     nbytes = 2 * matrix_bytes
-    seconds += ring_seconds(nbytes, share, cluster.bandwidth(shard_link), cluster.latency(shard_link))
+    seconds += links.collective(strategy.shard_link(cluster), nbytes, share).seconds
     return seconds, nbytes
 
 

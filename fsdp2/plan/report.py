@@ -16,6 +16,12 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f}"
 
 
+def _memory_unit(plan: "Plan") -> tuple[str, float]:
+    """GiB, or MiB for models whose peaks are all below 1 GiB."""
+    peaks = [r.memory.peak for r in plan.results if r.memory is not None]
+    return ("GiB", GiB) if not peaks or max(peaks) >= GiB else ("MiB", 2**20)
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f}"
 
@@ -28,37 +34,45 @@ def _tokens(rate: float) -> str:
     return f"{rate / 1e3:.1f}k" if rate < 1e6 else f"{rate / 1e6:.2f}M"
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _header(plan: "Plan") -> list[str]:
     w = plan.workload
     ac = ", activation checkpointing" if w.activation_checkpointing else ""
     return [
-        f"fsdp2 plan: {plan.model}, {plan.num_params / 1e9:.2f}B params",
+        f"fsdp2 plan: {plan.model}, {_params(plan.num_params)} params",
         f"workload: global batch {w.global_batch} x {w.seq_len} tokens, micro-batch {w.micro_batch} per data-parallel rank, "
         f"{w.optimizer}, {w.precision.describe()}{ac}",
         f"cluster: {plan.cluster.describe()}",
     ]
 
 
-COLUMNS = ("strategy", "fits", "peak GiB", "params", "grads", "optim", "gathered", "activ.", "NVLink GB", "network GB",
-           "compute ms", "exposed comm ms", "step ms", "tokens/s")
+def _columns(unit: str) -> tuple[str, ...]:
+    return ("strategy", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ.", "NVLink GB", "network GB",
+            "compute ms", "exposed comm ms", "step ms", "tokens/s")
 
 
-def _row(r: "StrategyResult") -> tuple[str, ...]:
+def _row(r: "StrategyResult", scale: float, width: int) -> tuple[str, ...]:
     if r.skipped is not None:
-        return (r.name, "-", "skipped: " + r.skipped) + ("",) * (len(COLUMNS) - 3)
+        return (r.name, "-", "skipped: " + r.skipped) + ("",) * (width - 3)
     m, c, t = r.memory, r.comm, r.time
+    mem = lambda nbytes: f"{nbytes / scale:.1f}"  # noqa: E731
     return (
-        r.name, "yes" if r.fits else "NO", _gib(m.peak), _gib(m.params), _gib(m.grads + m.extra), _gib(m.optimizer),
-        _gib(m.gathered_peak), _gib(m.activations), _gb(c.wire.get("intra", 0)), _gb(c.wire.get("inter", 0)),
+        r.name, "yes" if r.fits else "NO", mem(m.peak), mem(m.params), mem(m.grads + m.extra), mem(m.optimizer),
+        mem(m.gathered_peak), mem(m.activations), _gb(c.wire.get("intra", 0)), _gb(c.wire.get("inter", 0)),
         _ms(t.compute + t.tensor_parallel), _ms(t.exposed_comm), _ms(t.seconds), _tokens(r.tokens_per_second),
     )
 
 
 def render_table(plan: "Plan") -> str:
-    rows = [COLUMNS] + [_row(r) for r in plan.results]
+    unit, scale = _memory_unit(plan)
+    columns = _columns(unit)
+    rows = [columns] + [_row(r, scale, len(columns)) for r in plan.results]
     skipped = [r for r in rows[1:] if r[2].startswith("skipped")]
     shown = [rows[0]] + [r for r in rows[1:] if r not in skipped]
-    widths = [max(len(r[i]) for r in shown) for i in range(len(COLUMNS))]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(columns))]
     lines = _header(plan) + [""]
     for index, row in enumerate(shown):
         cells = [cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)]

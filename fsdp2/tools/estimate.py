@@ -46,7 +46,7 @@ import torch.nn as nn
 from fsdp2.policies import MixedPrecisionPolicy, param_dtype_of, reduce_dtype_of
 from fsdp2.runtime import schedule
 from fsdp2.layout.shard_layout import ShardLayout
-from fsdp2.tools.meta_step import GroupBytes, StepTrace, meta_copy, record_step, replay_step
+from fsdp2.tools.meta_step import GroupBytes, StepProfile, StepTrace, meta_copy, record_step, replay_step
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
 # tensor is kept per parameter (torch.optim's Adam/AdamW keep a float32 0-dim tensor).
@@ -345,19 +345,18 @@ _OPTIMIZER_STEP_TEMPS = 2
 
 
 def _add_step_peak(est: MemoryEstimate, trace: StepTrace, frees: list[bool]) -> None:
-    """Fill ``activations``/``peak`` from a recorded meta step (fsdp2.tools.meta_step).
-
-    The peak of a step = what is held between steps (sharded params + optimizer state) plus the
-    higher of: the replayed step's peak (activations, autograd's gradients, gathered params and
-    fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
-    optimizer step (sharded grads + its temporaries).
-    """
+    """Fill ``activations``/``peak`` from a recorded meta step (fsdp2.tools.meta_step)."""
     if trace.n_groups != len(est.groups):
         raise ValueError(
             f"estimate_memory: step_trace was recorded with {trace.n_groups} groups, this estimate has "
             f"{len(est.groups)}; record it with the same model, groups and root"
         )
-    sizes = [
+    add_step_profile(est, replay_step(trace, group_bytes(est), frees_after_forward=frees))
+
+
+def group_bytes(est: MemoryEstimate) -> list[GroupBytes]:
+    """What fsdp2 allocates per group, as the dry run's replay takes it."""
+    return [
         GroupBytes(
             gathered=g.gathered_bytes,
             gather_buffer=g.all_gather_bytes,
@@ -366,7 +365,16 @@ def _add_step_peak(est: MemoryEstimate, trace: StepTrace, frees: list[bool]) -> 
         )
         for g in est.groups
     ]
-    profile = replay_step(trace, sizes, frees_after_forward=frees)
+
+
+def add_step_profile(est: MemoryEstimate, profile: StepProfile) -> None:
+    """Fill ``activations``/``peak`` of ``est`` from a replayed step.
+
+    The peak of a step = what is held between steps (sharded params + optimizer state) plus the
+    higher of: the replayed step's peak (activations, autograd's gradients, gathered params and
+    fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
+    optimizer step (sharded grads + its temporaries).
+    """
     optimizer_step = est.sharded_grads + _OPTIMIZER_STEP_TEMPS * est.largest_param_shard
     est.activations = profile.saved_activations
     est.peak = est.sharded_params + est.optimizer_state + max(profile.peak, optimizer_step)

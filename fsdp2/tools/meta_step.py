@@ -94,6 +94,7 @@ class StepTrace:
     events: list[tuple[Event, int, int]] = field(default_factory=list)
     saved_activations: int = 0
     tail_flops: int = 0  # after the last hook event (end of backward)
+    saved_before_forward: dict[int, int] = field(default_factory=dict)  # group -> bytes saved for backward when its forward began
 
     @property
     def flops(self) -> int:
@@ -136,11 +137,12 @@ _FLOP_FORMULAS = {
 
 
 class _Recorder:
-    """Appends events to a StepTrace; counts FLOPs between hook events."""
+    """Appends events to a StepTrace; counts FLOPs between hook events and bytes saved for backward."""
 
     def __init__(self, trace: StepTrace):
         self.trace = trace
         self.flops = 0
+        self.saved = 0
         self.in_backward = False
 
     def memory(self, kind: Event, nbytes: int) -> None:
@@ -206,6 +208,7 @@ class _ScheduleHooks:
         # An activation-checkpoint recompute inside backward is not a forward: fsdp2 only
         # gathers then, which the group's pre-backward already did (hooks.FSDPState).
         if not self.recorder.in_backward:
+            self.recorder.trace.saved_before_forward.setdefault(i, self.recorder.saved)
             self.recorder.hook(Event.PRE_FORWARD, i)
 
     def _post_forward(self, i: int, output: Any) -> None:
@@ -320,15 +323,16 @@ def record_step(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
-        if id(s) not in param_storages:
+        if id(s) not in param_storages and id(s) not in saved:
             saved[id(s)] = s.nbytes()
+            recorder.saved += s.nbytes()
             keep.append(t)
         return t
 
     with _FusedAttention(), _ObserveOps(recorder, list(model.parameters())):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = (loss_fn or _default_loss)(model, *inputs)
-        trace.saved_activations = sum(saved.values())
+        trace.saved_activations = recorder.saved
         del keep[:]
         recorder.in_backward = True
         recorder.hook(Event.BACKWARD, -1)
@@ -340,6 +344,82 @@ def record_step(
         hooks.finish_backward()
     trace.tail_flops = recorder.flops
     return trace
+
+
+def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
+    """The recording of the same model with ``total_blocks`` identical blocks instead of the
+    recorded ones, or None if the recording does not show identical blocks.
+
+    For models whose groups are the root (0) and blocks 1..K run in order: a middle block's
+    events (from its forward's start to the next block's, and from its backward's start to the
+    previous block's) are the same for every middle block up to their group numbers, so block
+    K-1's are repeated. Checked: blocks K-2 and K-1 must match exactly (events relative to the
+    block, FLOPs, bytes, bytes saved for backward), else None. Recording K = 4 blocks of an
+    80-block model this way gives, event for event, its own recording (tests/test_estimate.py).
+    """
+    blocks = trace.n_groups - 1
+    if blocks < 4 or total_blocks < blocks:
+        return None
+    m = blocks - 1  # the block to repeat
+    extra = total_blocks - blocks
+    where = {}
+    for index, (kind, group, _) in enumerate(trace.events):
+        if kind in (Event.PRE_FORWARD, Event.PRE_BACKWARD):
+            where.setdefault((kind, group), index)
+    try:
+        fwd = [where[(Event.PRE_FORWARD, g)] for g in range(blocks + 1)]
+        bwd = {g: where[(Event.PRE_BACKWARD, g)] for g in range(1, blocks + 1)}
+    except KeyError:
+        return None
+    if fwd != sorted(fwd) or [bwd[g] for g in range(blocks, 0, -1)] != sorted(bwd.values()):
+        return None  # blocks do not run in order
+
+    def period(start: int, end: int, block: int) -> list:
+        return [(kind, value - block if kind not in (Event.ALLOC, Event.FREE) else value, flops)
+                for kind, value, flops in trace.events[start:end]]
+
+    forward = period(fwd[m], fwd[m + 1], m)
+    backward = period(bwd[m], bwd[m - 1], m)
+    saved = trace.saved_before_forward
+    if (forward != period(fwd[m - 1], fwd[m], m - 1) or backward != period(bwd[m - 1], bwd[m - 2], m - 1)
+            or saved[m + 1] - saved[m] != saved[m] - saved[m - 1]):
+        return None
+
+    def placed(events: list, block: int) -> list:
+        return [(kind, value + block if kind not in (Event.ALLOC, Event.FREE) else value, flops) for kind, value, flops in events]
+
+    def renumbered(events: list) -> list:
+        """Recorded events after the repeated block: later blocks move up by ``extra``; a group-wide
+        event naming the repeated block (end-of-backward reshards) repeats for every copy."""
+        out = []
+        for kind, value, flops in events:
+            if kind in (Event.ALLOC, Event.FREE) or value < m:
+                out.append((kind, value, flops))
+            elif value > m:
+                out.append((kind, value + extra, flops))
+            else:
+                out += [(kind, g, flops if g == m else 0) for g in range(m + extra, m - 1, -1)]
+        return out
+
+    events = list(trace.events[: fwd[m]])
+    for copy in range(extra + 1):
+        events += placed(forward, m + copy)
+    events += renumbered(trace.events[fwd[m + 1]: bwd[m]])
+    for copy in range(extra, -1, -1):
+        events += placed(backward, m + copy)
+    events += renumbered(trace.events[bwd[m - 1]:])
+    per_block = saved[m + 1] - saved[m]
+    return StepTrace(
+        n_groups=trace.n_groups + extra,
+        events=events,
+        saved_activations=trace.saved_activations + extra * per_block,
+        tail_flops=trace.tail_flops,
+        saved_before_forward={
+            **{g: v for g, v in saved.items() if g <= m},
+            **{m + c: saved[m] + c * per_block for c in range(1, extra + 1)},
+            **{g + extra: v + extra * per_block for g, v in saved.items() if g > m},
+        },
+    )
 
 
 # -- replay -------------------------------------------------------------------------------------
