@@ -212,6 +212,18 @@ def test_step_replay_follows_fsdp2_schedule():
     assert kept.total == 34.0 and kept.link_busy == {"intra": 2 + 2 * 3 + 3 * 1}
 
 
+def test_forward_gathers_run_one_group_ahead_of_compute():
+    # A slow embedding (10 FLOPs) and slow gathers (3 s) for fast blocks (1 FLOP): block 2's gather may
+    # start only once block 1 received its parameters (11), not when the all-gather stream is free (4).
+    trace = _three_groups()
+    flops = {(Event.PRE_FORWARD, 1): 10, (Event.POST_FORWARD, 1): 1, (Event.POST_FORWARD, 2): 1}
+    trace.events = [(kind, i, flops.get((kind, i), 0)) for kind, i, _ in trace.events]
+    groups = [GroupComm(Collective(1, "intra"))] + [GroupComm(Collective(3, "intra"), frees_after_forward=True) for _ in range(2)]
+    # root 0-1; block 1 gathers 1-4, computes 11-12; block 2 gathers 11-14, computes 14-15; backward
+    # re-gathers block 2 (15-18, prefetched by the root) and block 1 (18-21, prefetched by block 2).
+    assert simulate(trace, groups, flops_per_second=1.0).total == 21.0
+
+
 def test_step_replay_stalls_on_the_oldest_reduction_except_under_ddp():
     trace = _three_groups()
     trace.events = [(kind, i, 10 if (kind, i) == (Event.RESHARD, 2) else f) for kind, i, f in trace.events]  # compute after the reductions
@@ -263,6 +275,15 @@ def test_global_batch_that_does_not_split_is_skipped():
     tp = p.result("FSDP+TP 4x2")  # 4 data-parallel ranks x 3 micro-batches
     assert tp.skipped is None and tp.time.accumulation == 3
     assert "skipped" in str(p)
+
+
+def test_ddp_all_reduces_once_per_step_fsdp2_in_every_micro_batch():
+    one = plan(SOURCE, seq_len=SEQ, micro_batch=1, cluster=Cluster(gpus=8), strategies=["DDP", "FSDP"])
+    two = plan(SOURCE, seq_len=SEQ, micro_batch=1, global_batch=16, cluster=Cluster(gpus=8), strategies=["DDP", "FSDP"])
+    assert two.result("DDP").time.accumulation == 2
+    assert two.result("DDP").comm.ddp_all_reduce == one.result("DDP").comm.ddp_all_reduce  # no_sync() in the first
+    assert two.result("DDP").comm.wire == one.result("DDP").comm.wire
+    assert two.result("FSDP").comm.fsdp == {k: 2 * v for k, v in one.result("FSDP").comm.fsdp.items()}
 
 
 def test_bad_input_is_explained():

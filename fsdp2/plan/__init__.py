@@ -29,6 +29,7 @@ node uses NVLink, one spanning nodes the network.
 **Step time**::
 
     step      = A * micro + optimizer                 A = global_batch / (data-parallel ranks * micro_batch)
+                (fsdp2 gathers and reduces in every micro-batch; DDP only in the last, under no_sync())
     micro     = replay of fsdp2's schedule over the recorded micro-step (fsdp2/plan/timeline.py):
                 compute spans between fsdp2's hooks take FLOPs / rate, TP all-reduces run inline,
                 each collective takes latency + ring_factor * bytes / link bandwidth on its stream;

@@ -333,20 +333,24 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
         reduce_window=None if ddp else schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT,
     )
     micro_wire, links.wire = links.wire, {}
+    # Micro-steps that communicate: fsdp2 gathers and reduces in every one; DDP accumulates the
+    # others under no_sync() (its gradients are full-size anyway) and all-reduces in the last.
+    syncs = 1 if ddp else accumulation
+    quiet = simulate(variant.trace, [GroupComm() for _ in groups], flops_per_second=cluster.tflops * 1e12) if ddp else micro
 
     optimizer_seconds, muon_bytes = _optimizer_seconds(est, strategy, variant, workload, cluster, links)
-    step = accumulation * micro.total + optimizer_seconds
+    step = syncs * micro.total + (accumulation - syncs) * quiet.total + optimizer_seconds
     result.time = StepTime(
         seconds=step, compute=accumulation * micro.compute, tensor_parallel=accumulation * micro.tensor_parallel,
-        exposed_comm=accumulation * micro.exposed_comm, optimizer=optimizer_seconds, accumulation=accumulation,
-        flops_per_gpu=accumulation * variant.trace.flops,
+        exposed_comm=syncs * micro.exposed_comm + (accumulation - syncs) * quiet.exposed_comm, optimizer=optimizer_seconds,
+        accumulation=accumulation, flops_per_gpu=accumulation * variant.trace.flops,
     )
-    wire = {link: accumulation * nbytes for link, nbytes in micro_wire.items()}
+    wire = {link: syncs * nbytes for link, nbytes in micro_wire.items()}
     for link, nbytes in links.wire.items():  # once per step: the optimizer's
         wire[link] = wire.get(link, 0.0) + nbytes
     result.comm = CommPerStep(
         fsdp={k: accumulation * v for k, v in _fsdp_bytes(est, strategy, precision, groups).items()},
-        ddp_all_reduce=accumulation * sum(g.reduce_output_bytes for g in est.groups) if ddp else 0,
+        ddp_all_reduce=sum(g.reduce_output_bytes for g in est.groups) if ddp else 0,
         tensor_parallel=accumulation * sum(tp_bytes) if t > 1 else 0,
         muon_all_to_all=muon_bytes,
         wire={link: int(nbytes) for link, nbytes in wire.items()},
@@ -474,9 +478,13 @@ def plan(
     candidates = enumerate_strategies(cluster, tp_ok)
     if strategies is not None:
         wanted = set(strategies)
+        available = [c.name for c in candidates]
         candidates = [c for c in candidates if c.name in wanted or c.kind.value in wanted]
         if not candidates:
-            raise PlanInputError(f"strategies={strategies}: none of these names or kinds ({', '.join(k.value for k in Kind)}) apply")
+            raise PlanInputError(
+                f"strategies={strategies}: none of these names or kinds ({', '.join(k.value for k in Kind)}) apply "
+                f"to {cluster.gpus} GPUs; available: {', '.join(available)}" + "".join(f"; {n}" for n in notes if n.startswith("TP "))
+            )
 
     variants: dict[int, _Variant] = {}
     results = []

@@ -51,7 +51,7 @@ def _header(plan: "Plan") -> list[str]:
 
 def _columns(unit: str) -> tuple[str, ...]:
     return ("strategy", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ.", "NVLink GB", "network GB",
-            "compute ms", "exposed comm ms", "step ms", "tokens/s")
+            "compute+TP ms", "exposed comm ms", "step ms", "tokens/s")
 
 
 def _row(r: "StrategyResult", scale: float, width: int) -> tuple[str, ...]:

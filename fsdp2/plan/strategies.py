@@ -9,7 +9,8 @@ How each strategy is run (what the planner models):
 ========  ===========================================================================================
 DDP       torch DDP (fsdp2 has no DDP): full params, grads and optimizer state on every rank, the
           gradients all-reduced in buckets during backward (``gradient_as_bucket_view=False``,
-          the default, so the buckets are a second copy of the gradients)
+          the default, so the buckets are a second copy of the gradients); with gradient
+          accumulation only the last micro-batch all-reduces (``no_sync()`` for the others)
 ZeRO-2    ``fully_shard(reshard_after_forward=False)`` on a 1-D mesh: params gathered once per
           step and kept until backward ends; grads reduce-scattered; optimizer state sharded
 FSDP      ``fully_shard`` on a 1-D mesh (ZeRO-3): blocks free their gathered params after forward
