@@ -263,10 +263,14 @@ def test_verdict_is_the_simplest_strategy_that_fits():
     assert nothing.recommended is None and nothing.reason.startswith("nothing fits")
 
 
-def test_verdict_prefers_speed_beyond_the_tolerance():
-    strict = _tiny_plan(80.0, tolerance=0.0)
-    fastest = min((r for r in strict.results if r.fits), key=lambda r: r.time.seconds)
-    assert strict.recommended is fastest
+def test_verdict_trades_speed_for_simplicity_within_the_tolerance():
+    # Two nodes on a slow network: DDP all-reduces every gradient across nodes, HSDP only shards.
+    cluster = Cluster(gpus=16, gpus_per_node=8, inter_node_gbps=0.5)
+    lenient = plan(SOURCE, seq_len=SEQ, micro_batch=MICRO, cluster=cluster, tolerance=float("inf"))
+    fastest = min((r for r in lenient.results if r.fits), key=lambda r: r.time.seconds)
+    assert fastest.strategy.kind is not Kind.DDP and lenient.recommended.strategy.kind is Kind.DDP
+    strict = plan(SOURCE, seq_len=SEQ, micro_batch=MICRO, cluster=cluster, tolerance=0.0)
+    assert strict.recommended.name == fastest.name and "is the fastest" in strict.reason
 
 
 def test_global_batch_that_does_not_split_is_skipped():
