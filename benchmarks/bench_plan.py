@@ -188,7 +188,7 @@ def run_compute(args) -> None:
     precision = Precision(None, None) if args.fp32 else Precision()
     micro_batches = [int(m) for m in args.micro_batches.split(",")]
     cal = calibrate(source, seq_len=args.seq_len, micro_batch=micro_batches[len(micro_batches) // 2], precision=precision,
-                    device=args.device, layers=args.calibrate_layers)
+                    device=args.device, layers=args.calibrate_layers, steps=args.calibrate_steps)
     cluster = cal.apply(Cluster(gpus=1, gpus_per_node=1))
     print(f"calibrated: {cal.tflops:.3g} TFLOP/s, optimizer {cal.hbm_gbps:.3g} GB/s ({cal.description})")
     device = torch.device(args.device)
@@ -237,6 +237,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batches", default="1,2,4")
     p.add_argument("--calibrate-layers", type=int, default=2)
+    p.add_argument("--calibrate-steps", type=int, default=1, help="measured calibration steps (the fastest counts)")
     p.add_argument("--fp32", action="store_true")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)

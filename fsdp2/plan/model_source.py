@@ -166,7 +166,10 @@ def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: li
             is_block=lambda m: isinstance(m, llama_module.Block),
             vocab_size=cfg.vocab_size,
             tp_plan=tensor_parallel_plan,
-            notes=list(notes or []),
+            notes=list(notes or []) + [
+                "TP splits the blocks (fsdp2.models.tensor_parallel_plan, no sequence parallelism): the embedding, "
+                "output projection and residual stream are whole on every TP rank"
+            ],
             language_model=True,
             with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{name or 'Llama'} ({n} layers)"),
         )

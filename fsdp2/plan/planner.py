@@ -397,32 +397,40 @@ def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Varian
 # -- verdict --------------------------------------------------------------------------------------
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _verdict(results: list[StrategyResult], tolerance: float, cluster: Cluster) -> tuple[StrategyResult | None, str]:
     evaluated = [r for r in results if r.skipped is None]
     fitting = [r for r in evaluated if r.fits]
-    gib = lambda b: b / 2**30  # noqa: E731
     if not fitting:
         if not evaluated:
             return None, "no strategy could be evaluated (see the skipped reasons)"
         least = min(evaluated, key=lambda r: r.memory.peak)
-        return None, (f"nothing fits: the smallest peak is {least.name} at {gib(least.memory.peak):.1f} GiB "
-                      f"> {gib(cluster.usable_bytes):.1f} GiB usable; use activation checkpointing, a smaller "
+        return None, (f"nothing fits: the smallest peak is {least.name} at {_size(least.memory.peak)} "
+                      f"> {_size(cluster.usable_bytes)} usable; use activation checkpointing, a smaller "
                       "micro-batch, more GPUs or a larger TP degree")
     best = min(fitting, key=lambda r: r.time.seconds)
     close = [r for r in fitting if r.time.seconds <= best.time.seconds * (1 + tolerance)]
     chosen = min(close, key=lambda r: (r.strategy.kind.simplicity, r.time.seconds))
+    usable = f"{_size(cluster.usable_bytes)} usable"
     simpler = [r for r in evaluated if r.strategy.kind.simplicity < chosen.strategy.kind.simplicity]
-    misfit = next((r for r in sorted(simpler, key=lambda r: r.strategy.kind.simplicity) if not r.fits), None)
-    why = f"{chosen.name} fits ({gib(chosen.memory.peak):.1f} of {gib(cluster.usable_bytes):.1f} GiB usable)"
-    if misfit is not None:
-        why = f"{misfit.name} needs {gib(misfit.memory.peak):.1f} GiB > {gib(cluster.usable_bytes):.1f} GiB usable; " + why
+    simpler_fits = [r for r in simpler if r.fits]
+    why = f"{chosen.name} fits ({_size(chosen.memory.peak)} of {usable})"
+    if len(simpler) > 1 and not simpler_fits:
+        smallest = min(simpler, key=lambda r: r.memory.peak)
+        why = f"nothing simpler fits (the smallest, {smallest.name}, needs {_size(smallest.memory.peak)} > {usable}); " + why
+    elif simpler:
+        first = min(simpler, key=lambda r: r.strategy.kind.simplicity)
+        if not first.fits:
+            why = f"{first.name} needs {_size(first.memory.peak)} > {usable}; " + why
     if chosen is best:
         why += " and is the fastest"
     else:
         why += f", within {chosen.time.seconds / best.time.seconds - 1:.1%} of the fastest ({best.name})"
-    fitting_simpler = [r for r in simpler if r.fits]
-    if fitting_simpler:
-        simplest = min(fitting_simpler, key=lambda r: r.strategy.kind.simplicity)
+    if simpler_fits:
+        simplest = min(simpler_fits, key=lambda r: r.strategy.kind.simplicity)
         why += f"; simpler {simplest.name} fits too but is {simplest.time.seconds / best.time.seconds - 1:.0%} slower"
     return chosen, why
 
