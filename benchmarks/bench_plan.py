@@ -30,9 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp2.models import LlamaConfig  # noqa: E402
-from fsdp2.plan import Cluster, Kind, Precision, model_source, plan  # noqa: E402
+from fsdp2.plan import Cluster, Precision, model_source, plan  # noqa: E402
 from fsdp2.plan.apply import apply, device_mesh  # noqa: E402
-from fsdp2.plan.model_source import checkpoint_blocks, from_config  # noqa: E402
+from fsdp2.plan.model_source import from_config  # noqa: E402
 
 MiB = 2**20
 BENCH_MODEL = LlamaConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=688)
@@ -44,44 +44,14 @@ MEMORY_CASES = {
 }
 
 
-def _ddp_skip_all_reduce(ddp) -> None:
-    def hook(state, bucket):  # the fake group's all-reduce returns no tensor; DDP needs one
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    ddp.register_comm_hook(None, hook)
-
-
 def _measure_memory(world: int, name: str, ac: bool, precision: Precision, source) -> tuple[int, int]:
-    from fsdp2.tools.estimate import local_bytes, optimizer_state_bytes
-    from fsdp2.tools.memory_meter import PeakMemory
+    from fsdp2.plan.apply import measure_peak
 
     result = plan(source, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world), strategies=[name],
                   activation_checkpointing=ac, precision=precision).result(name)
-    torch.manual_seed(0)
-    model = source.build(SEQ)
-    if ac:
-        checkpoint_blocks(model, source.is_block)
-    trained = apply(model, result.strategy, device_mesh(result.strategy, "cpu"), source=source, mp_policy=precision.policy())
-    warmup = 1
-    if result.strategy.kind is Kind.DDP:
-        _ddp_skip_all_reduce(trained)
-        warmup = 2  # DDP rebuilds its buckets in the second step
-    opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-    x, y = source.inputs(MICRO, SEQ, "cpu")
-
-    def step():
-        source.loss(trained, x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    with PeakMemory("cpu") as meter:
-        step()
-    held = local_bytes(trained.parameters()) + optimizer_state_bytes(opt) + result.memory.extra
-    return result.memory.peak, held + meter.peak_bytes
+    measured = measure_peak(result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision,
+                            activation_checkpointing=ac)
+    return result.memory.peak, measured
 
 
 def run_memory(ac: bool) -> None:
@@ -107,48 +77,18 @@ def run_memory(ac: bool) -> None:
 
 
 def _comm_worker(rank: int, world: int, port: int, names: list[str], queue) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from fsdp2.tools.comm_stats import count_comm
+    from fsdp2.plan.apply import count_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     source = from_config(BENCH_MODEL, "bench-llama")
     precision = Precision(None, None)  # gloo: fp32 activations for TP's all-reduces
-
-    class TensorParallelBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops._c10d_functional.all_reduce.default:
-                self.bytes += args[0].numel() * args[0].element_size()
-            return func(*args, **(kwargs or {}))
-
     rows = []
     for name in names:
         result = plan(source, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world, gpus_per_node=2),
                       strategies=[name], precision=precision).result(name)
-        torch.manual_seed(0)
-        trained = apply(source.build(SEQ), result.strategy, device_mesh(result.strategy, "cpu"), source=source,
-                        mp_policy=precision.policy())
-        ddp = [0]
-        if result.strategy.kind is Kind.DDP:
-            def hook(state, bucket):
-                ddp[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-                return default_hooks.allreduce_hook(state, bucket)
-
-            trained.register_comm_hook(None, hook)
-        x, y = source.inputs(MICRO, SEQ, "cpu")
-        with count_comm() as stats, TensorParallelBytes() as tp:
-            source.loss(trained, x, y).backward()
-        a = result.time.accumulation
-        predicted = {**{k: v // a for k, v in result.comm.fsdp.items()}, "tp": result.comm.tensor_parallel // a,
-                     "ddp": result.comm.ddp_all_reduce // a}
-        counted = {**stats.bytes, "tp": tp.bytes, "ddp": ddp[0]}
-        rows.append((name, predicted, counted))
+        counted = count_bytes(result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision)
+        rows.append((name, result.comm.per_micro_step(), counted))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -173,9 +113,9 @@ def run_comm() -> None:
     print("| strategy | kind | predicted MiB | counted MiB | equal |")
     print("|---|---|---:|---:|---|")
     for name, predicted, counted in rows:
-        for kind in ("all_gather", "reduce_scatter", "all_reduce", "tp", "ddp"):
+        for kind in ("all_gather", "reduce_scatter", "all_reduce", "tensor_parallel", "ddp_all_reduce"):
             if predicted[kind] or counted[kind]:
-                label = {"tp": "TP all-reduce (DTensor)", "ddp": "DDP bucket all-reduce"}.get(kind, kind)
+                label = {"tensor_parallel": "TP all-reduce (DTensor)", "ddp_all_reduce": "DDP bucket all-reduce"}.get(kind, kind)
                 print(f"| {name} | {label} | {predicted[kind] / MiB:.3f} | {counted[kind] / MiB:.3f} | "
                       f"{'yes' if predicted[kind] == counted[kind] else 'NO'} |")
 

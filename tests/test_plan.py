@@ -32,48 +32,14 @@ TOLERANCE = 0.02
 
 
 def _measure_peak(world: int, name: str, ac: bool, precision: Precision):
-    """Predict, then run one step of the strategy on rank 0 of the fake world and measure its peak."""
-    from fsdp2.plan.apply import apply, device_mesh
-    from fsdp2.plan.model_source import checkpoint_blocks
-    from fsdp2.tools.estimate import local_bytes, optimizer_state_bytes
-    from fsdp2.tools.memory_meter import PeakMemory
+    """The plan's prediction, and the peak of one real step of the strategy on rank 0 of the fake world."""
+    from fsdp2.plan.apply import measure_peak
 
     result = plan(SOURCE, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world), strategies=[name],
                   activation_checkpointing=ac, precision=precision).result(name)
-    torch.manual_seed(0)
-    model = SOURCE.build(SEQ)
-    if ac:
-        checkpoint_blocks(model, SOURCE.is_block)
-    trained = apply(model, result.strategy, device_mesh(result.strategy, "cpu"), source=SOURCE, mp_policy=precision.policy())
-    warmup = 1
-    if result.strategy.kind is Kind.DDP:
-        _skip_ddp_all_reduce(trained)
-        warmup = 2  # DDP rebuilds its buckets in the second step
-    opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
-    x, y = SOURCE.inputs(MICRO, SEQ, "cpu")
-
-    def step():
-        SOURCE.loss(trained, x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    with PeakMemory("cpu") as meter:
-        step()
-    held = local_bytes(trained.parameters()) + optimizer_state_bytes(opt) + result.memory.extra  # DDP: its buckets
-    return result, held + meter.peak_bytes
-
-
-def _skip_ddp_all_reduce(ddp) -> None:
-    """The fake process group's all-reduce returns no tensor, which DDP's reducer needs: hand the bucket back."""
-
-    def hook(state, bucket):
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    ddp.register_comm_hook(None, hook)
+    measured = measure_peak(result.strategy, SOURCE, seq_len=SEQ, micro_batch=MICRO, precision=precision,
+                            activation_checkpointing=ac)
+    return result, measured
 
 
 @pytest.mark.parametrize(
@@ -110,60 +76,21 @@ COMM_PRECISION = Precision(param_dtype=None, reduce_dtype=None)  # gloo all-redu
 
 
 def _count_on_gloo(rank: int, world_size: int, strategies: list[Strategy]) -> dict:
-    """One micro-step of each strategy: bytes handed to fsdp2's, DTensor's and DDP's collectives."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from fsdp2.plan.apply import count_bytes
 
-    from fsdp2.plan.apply import apply, device_mesh
-    from fsdp2.tools.comm_stats import count_comm
-
-    class TensorParallelBytes(TorchDispatchMode):
-        """Bytes DTensor hands to functional all-reduces (TP's collectives; fsdp2 calls c10d directly)."""
-
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops._c10d_functional.all_reduce.default:
-                self.bytes += args[0].numel() * args[0].element_size()
-            return func(*args, **(kwargs or {}))
-
-    out = {}
-    for strategy in strategies:
-        torch.manual_seed(0)
-        trained = apply(SOURCE.build(SEQ), strategy, device_mesh(strategy, "cpu"), source=SOURCE, mp_policy=COMM_PRECISION.policy())
-        ddp_bytes = [0]
-        if strategy.kind is Kind.DDP:
-            def hook(state, bucket):
-                ddp_bytes[0] += bucket.buffer().numel() * bucket.buffer().element_size()
-                return default_hooks.allreduce_hook(state, bucket)
-
-            trained.register_comm_hook(None, hook)
-        x, y = SOURCE.inputs(2, SEQ, "cpu")
-        with count_comm() as stats, TensorParallelBytes() as tp:
-            SOURCE.loss(trained, x, y).backward()
-        out[strategy.name] = dict(fsdp=dict(stats.bytes), tensor_parallel=tp.bytes, ddp=ddp_bytes[0])
-    return out
+    return {s.name: count_bytes(s, SOURCE, seq_len=SEQ, micro_batch=2, precision=COMM_PRECISION) for s in strategies}
 
 
 def test_comm_prediction_equals_counted_bytes(worlds):
     names = ["FSDP", "ZeRO-2", "HSDP 2x2", "FSDP+TP 2x2", "DDP"]
     p = plan(SOURCE, seq_len=SEQ, micro_batch=2, cluster=Cluster(gpus=4, gpus_per_node=2), strategies=names, precision=COMM_PRECISION)
-    results = [p.result(name) for name in names]
-    counted = worlds.run(4, _count_on_gloo, [r.strategy for r in results])
-    for r in results:
-        per_micro_step = r.time.accumulation  # the plan is per optimizer step; one micro-step was run
-        predicted = dict(
-            fsdp={k: v // per_micro_step for k, v in r.comm.fsdp.items()},
-            tensor_parallel=r.comm.tensor_parallel // per_micro_step,
-            ddp=r.comm.ddp_all_reduce // per_micro_step,
-        )
+    counted = worlds.run(4, _count_on_gloo, [p.result(name).strategy for name in names])
+    for name in names:
         for rank_counts in counted:
-            assert rank_counts[r.name] == predicted, r.name
+            assert rank_counts[name] == p.result(name).comm.per_micro_step(), name
     c = counted[0]
-    assert c["HSDP 2x2"]["fsdp"]["all_reduce"] > 0 and c["FSDP+TP 2x2"]["tensor_parallel"] > 0 and c["DDP"]["ddp"] > 0
-    assert c["ZeRO-2"]["fsdp"]["all_gather"] < c["FSDP"]["fsdp"]["all_gather"]  # gathered once, not twice
+    assert c["HSDP 2x2"]["all_reduce"] > 0 and c["FSDP+TP 2x2"]["tensor_parallel"] > 0 and c["DDP"]["ddp_all_reduce"] > 0
+    assert c["ZeRO-2"]["all_gather"] < c["FSDP"]["all_gather"]  # gathered once, not twice
 
 
 # -- step time: fsdp2's schedule replayed on hand-computed cases --------------------------------------

@@ -160,30 +160,25 @@ def tensor_parallel_activations(model: nn.Module, is_block: Callable[[nn.Module]
 
 def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: list[str] | None = None) -> ModelSource:
     if isinstance(cfg, LlamaConfig):
-        return ModelSource(
-            name=name or "Llama",
-            build=lambda seq_len: Llama(dataclasses.replace(cfg, seq_len=seq_len)),
-            is_block=lambda m: isinstance(m, llama_module.Block),
-            vocab_size=cfg.vocab_size,
-            tp_plan=tensor_parallel_plan,
-            notes=list(notes or []) + [
-                "TP splits the blocks (fsdp2.models.tensor_parallel_plan, no sequence parallelism): the embedding, "
-                "output projection and residual stream are whole on every TP rank"
-            ],
-            language_model=True,
-            with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{name or 'Llama'} ({n} layers)"),
-        )
-    if isinstance(cfg, GPTConfig):
-        return ModelSource(
-            name=name or "GPT",
-            build=lambda seq_len: GPT(dataclasses.replace(cfg, seq_len=seq_len)),
-            is_block=lambda m: isinstance(m, gpt_module.Block),
-            vocab_size=cfg.vocab_size,
-            language_model=True,
-            notes=list(notes or []) + ["fsdp2's GPT fuses q/k/v with a fixed head count: no tensor-parallel plan"],
-            with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{name or 'GPT'} ({n} layers)"),
-        )
-    raise PlanInputError(f"model config must be a GPTConfig or LlamaConfig, got {type(cfg).__name__}")
+        model, block, tp_plan = Llama, llama_module.Block, tensor_parallel_plan
+        note = ("TP splits the blocks (fsdp2.models.tensor_parallel_plan, no sequence parallelism): the embedding, "
+                "output projection and residual stream are whole on every TP rank")
+    elif isinstance(cfg, GPTConfig):
+        model, block, tp_plan = GPT, gpt_module.Block, None
+        note = "fsdp2's GPT fuses q/k/v with a fixed head count: no tensor-parallel plan"
+    else:
+        raise PlanInputError(f"model config must be a GPTConfig or LlamaConfig, got {type(cfg).__name__}")
+    label = name or model.__name__
+    return ModelSource(
+        name=label,
+        build=lambda seq_len: model(dataclasses.replace(cfg, seq_len=seq_len)),
+        is_block=lambda m: isinstance(m, block),
+        vocab_size=cfg.vocab_size,
+        tp_plan=tp_plan,
+        notes=list(notes or []) + [note],
+        language_model=True,
+        with_layers=lambda n: from_config(dataclasses.replace(cfg, n_layers=n), f"{label} ({n} layers)"),
+    )
 
 
 _LLAMA_TYPES = ("llama", "mistral")

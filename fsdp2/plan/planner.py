@@ -107,6 +107,13 @@ class CommPerStep:
     muon_all_to_all: int = 0  # modelled (issue 16)
     wire: dict[str, int] = field(default_factory=dict)  # bytes through this rank's link, per link ("intra"/"inter")
     exact: bool = True  # fsdp comm equals count_comm (False: low-precision all-gather modelled)
+    micro_batches: int = 1  # per step: fsdp2 and TP communicate in each, DDP in the last only
+
+    def per_micro_step(self) -> dict[str, int]:
+        """Bytes of one forward + backward, keyed as fsdp2.plan.apply.count_bytes counts them."""
+        a = self.micro_batches
+        return {**{k: v // a for k, v in self.fsdp.items()}, "tensor_parallel": self.tensor_parallel // a,
+                "ddp_all_reduce": self.ddp_all_reduce}
 
 
 @dataclass
@@ -355,6 +362,7 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
         muon_all_to_all=muon_bytes,
         wire={link: int(nbytes) for link, nbytes in wire.items()},
         exact=not precision.low_precision_all_gather,
+        micro_batches=accumulation,
     )
     result.tokens_per_second = workload.tokens / step
     return result
