@@ -137,22 +137,29 @@ def tensor_parallel_local(model: nn.Module, is_block: Callable[[nn.Module], bool
     return twin
 
 
-def tensor_parallel_activations(model: nn.Module, is_block: Callable[[nn.Module], bool], plan: dict) -> tuple[int, int]:
-    """Elements per token that TP all-reduces in (forward, backward), summed over blocks.
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """What DTensor all-reduces over the TP group in one forward + backward, summed over blocks."""
 
-    DTensor's Megatron layout: a RowwiseParallel output is a partial sum, all-reduced in forward;
+    forward_elements: int = 0  # per token
+    backward_elements: int = 0
+    forward_calls: int = 0
+    backward_calls: int = 0
+
+
+def tensor_parallel_traffic(model: nn.Module, is_block: Callable[[nn.Module], bool], plan: dict) -> TensorParallelTraffic:
+    """DTensor's Megatron layout: a RowwiseParallel output is a partial sum, all-reduced in forward;
     a ColwiseParallel input is replicated, so its gradient is all-reduced in backward, once per
-    column-split Linear (q, k and v each reduce their own).
-    """
-    forward = backward = 0
+    column-split Linear (q, k and v each reduce their own)."""
+    forward = backward = forward_calls = backward_calls = 0
     for block in (m for m in model.modules() if is_block(m)):
         for name, style in plan.items():
             linear = block.get_submodule(name)
             if _split_dim(style) == 1:
-                forward += linear.out_features
+                forward, forward_calls = forward + linear.out_features, forward_calls + 1
             else:
-                backward += linear.in_features
-    return forward, backward
+                backward, backward_calls = backward + linear.in_features, backward_calls + 1
+    return TensorParallelTraffic(forward, backward, forward_calls, backward_calls)
 
 
 # -- sources ------------------------------------------------------------------------------------

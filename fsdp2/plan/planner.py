@@ -21,8 +21,9 @@ from fsdp2.plan.model_source import (
     checkpoint_blocks,
     count_params,
     model_source,
-    tensor_parallel_activations,
+    TensorParallelTraffic,
     tensor_parallel_local,
+    tensor_parallel_traffic,
 )
 from fsdp2.plan.strategies import Kind, Strategy, enumerate_strategies, tp_candidates
 from fsdp2.plan.timeline import Collective, GroupComm, MicroStep, ring_seconds, simulate
@@ -53,10 +54,6 @@ class Precision:
     @property
     def compute_bytes(self) -> int:
         return (self.param_dtype or torch.float32).itemsize
-
-    @property
-    def reduce_bytes(self) -> int:
-        return (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
 
     def describe(self) -> str:
         name = lambda d: str(d or torch.float32).replace("torch.", "")  # noqa: E731
@@ -180,8 +177,7 @@ class _Variant:
 
     model: nn.Module
     trace: StepTrace
-    tp_elements: tuple[int, int]  # all-reduced elements per token, (forward, backward)
-    tp_calls: tuple[int, int]
+    tensor_parallel: TensorParallelTraffic
 
 
 # Blocks recorded when a model has more: the dry run of 4 blocks, repeated, is the dry run of all
@@ -208,17 +204,14 @@ def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload) 
         trace = repeat_blocks(_record(short, short.meta_model(workload.seq_len), tp, workload), blocks)
     if trace is None:
         trace = _record(source, base, tp, workload)
-    elements = tensor_parallel_activations(local, source.is_block, plan) if tp > 1 else (0, 0)
-    rows = sum(1 for style in plan.values() if type(style).__name__ == "RowwiseParallel")
-    calls = (blocks * rows, blocks * (len(plan) - rows)) if tp > 1 else (0, 0)
-    return _Variant(local, trace, elements, calls)
+    return _Variant(local, trace, tensor_parallel_traffic(local, source.is_block, plan))
 
 
 # -- one strategy ---------------------------------------------------------------------------------
 
 
 def _estimate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload) -> MemoryEstimate:
-    optimizer = "sgd_momentum" if workload.optimizer == "muon" else workload.optimizer
+    optimizer = workload.optimizer
     policy = workload.precision.policy()
     if strategy.kind is Kind.DDP:
         return _ddp_estimate(variant, source, policy, optimizer)
@@ -325,9 +318,10 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     t, tp_link = strategy.tp, strategy.tp_link(cluster)
     tokens = workload.micro_batch * workload.seq_len
     recomputes = 2 if workload.activation_checkpointing else 1
-    tp_bytes = (variant.tp_elements[0] * recomputes * tokens * precision.compute_bytes,
-                variant.tp_elements[1] * tokens * precision.compute_bytes)
-    tp_calls = (variant.tp_calls[0] * recomputes, variant.tp_calls[1])
+    traffic = variant.tensor_parallel
+    tp_bytes = (traffic.forward_elements * recomputes * tokens * precision.compute_bytes,
+                traffic.backward_elements * tokens * precision.compute_bytes)
+    tp_calls = (traffic.forward_calls * recomputes, traffic.backward_calls)
     tp_seconds = [0.0, 0.0]
     for phase in (0, 1):
         op = links.collective(tp_link, tp_bytes[phase], t, all_reduce=True)

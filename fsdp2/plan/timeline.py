@@ -66,6 +66,8 @@ class MicroStep:
 
 
 class _Streams:
+    """Clocks: when each stream is next free, and when each link is."""
+
     def __init__(self) -> None:
         self.compute = 0.0
         self.all_gather = 0.0
@@ -100,15 +102,16 @@ def simulate(trace: StepTrace, groups: list[GroupComm], *, flops_per_second: flo
     reductions: list[float] = []
     in_backward = False
     run_ahead = False
-    compute = tp = 0.0
+    flop_seconds = tp_seconds = 0.0
 
     def spend(flops: int) -> None:
-        nonlocal compute, tp
+        """Compute ``flops``, with their share of the phase's TP all-reduces (inline on the compute stream)."""
+        nonlocal flop_seconds, tp_seconds
         seconds = flops / flops_per_second
         share = tp_backward_seconds * flops / backward_flops if in_backward and backward_flops else (
             tp_forward_seconds * flops / forward_flops if not in_backward and forward_flops else 0.0)
-        compute += seconds
-        tp += share
+        flop_seconds += seconds
+        tp_seconds += share
         s.compute += seconds + share
 
     def issue_gather(i: int, wait_for_compute: bool) -> None:
@@ -161,7 +164,7 @@ def simulate(trace: StepTrace, groups: list[GroupComm], *, flops_per_second: flo
             s.compute = max([s.compute] + reductions)
             reductions.clear()
     spend(trace.tail_flops)
-    return MicroStep(total=s.compute, compute=compute, tensor_parallel=tp, link_busy=s.link_busy)
+    return MicroStep(total=s.compute, compute=flop_seconds, tensor_parallel=tp_seconds, link_busy=s.link_busy)
 
 
 def _through_backward_start(hooks):
