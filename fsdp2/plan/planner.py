@@ -269,12 +269,10 @@ def _group_collectives(est: MemoryEstimate, strategy: Strategy, precision: Preci
     s, r = strategy.shard, strategy.replicate
     shard_link, replicate_link = strategy.shard_link(cluster), strategy.replicate_link(cluster)
     groups = []
-    for g, free in zip(est.groups, _frees(est, strategy)):
-        gather = g.all_gather_bytes
-        if precision.low_precision_all_gather and gather:
-            gather = _low_precision_bytes(gather // precision.compute_bytes)
+    for g in est.groups:
+        free = g.frees_after_forward
         groups.append(GroupComm(
-            gather=links.collective(shard_link, gather, s, times=2 if free else 1),
+            gather=links.collective(shard_link, _gather_bytes(g, precision), s, times=2 if free else 1),
             reduce=links.collective(shard_link, g.reduce_scatter_input_bytes, s),
             all_reduce=links.collective(replicate_link, g.reduce_output_bytes if r > 1 else 0, r, all_reduce=True),
             frees_after_forward=free,
@@ -282,17 +280,23 @@ def _group_collectives(est: MemoryEstimate, strategy: Strategy, precision: Preci
     return groups
 
 
-def _fsdp_bytes(est: MemoryEstimate, strategy: Strategy, precision: Precision, groups: list[GroupComm]) -> dict[str, int]:
+def _gather_bytes(g, precision: Precision) -> int:
+    """One all-gather of group ``g``: its output buffer, or (modelled, issue 14) one byte per
+    element plus one fp32 scale per block of LOW_PRECISION_BLOCK elements."""
+    if not precision.low_precision_all_gather or not g.all_gather_bytes:
+        return g.all_gather_bytes
+    numel = g.all_gather_bytes // precision.compute_bytes
+    return numel + 4 * math.ceil(numel / LOW_PRECISION_BLOCK)
+
+
+def _fsdp_bytes(est: MemoryEstimate, strategy: Strategy, precision: Precision) -> dict[str, int]:
     """fsdp2's own collectives per micro-step as count_comm counts them: the estimator's count,
-    with the all-gathers modelled at one byte per element under a low-precision all-gather."""
+    with the all-gathers modelled under a low-precision all-gather."""
     if strategy.kind is Kind.DDP:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     counted = dict(est.comm_bytes_per_step)
     if precision.low_precision_all_gather:
-        counted["all_gather"] = sum(
-            (2 if free else 1) * _low_precision_bytes(g.all_gather_bytes // precision.compute_bytes)
-            for g, free in zip(est.groups, _frees(est, strategy)) if g.all_gather_bytes
-        )
+        counted["all_gather"] = sum((2 if g.frees_after_forward else 1) * _gather_bytes(g, precision) for g in est.groups)
     return counted
 
 
@@ -350,7 +354,7 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     for link, nbytes in links.wire.items():  # once per step: the optimizer's
         wire[link] = wire.get(link, 0.0) + nbytes
     result.comm = CommPerStep(
-        fsdp={k: accumulation * v for k, v in _fsdp_bytes(est, strategy, precision, groups).items()},
+        fsdp={k: accumulation * v for k, v in _fsdp_bytes(est, strategy, precision).items()},
         ddp_all_reduce=sum(g.reduce_output_bytes for g in est.groups) if ddp else 0,
         tensor_parallel=accumulation * sum(tp_bytes) if t > 1 else 0,
         muon_all_to_all=muon_bytes,
@@ -360,19 +364,6 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     )
     result.tokens_per_second = workload.tokens / step
     return result
-
-
-def _frees(est: MemoryEstimate, strategy: Strategy) -> list[bool]:
-    """Which groups free their gathered parameters after forward (and gather again in backward)."""
-    setting = strategy.reshard_after_forward
-    return [
-        schedule.after_forward(setting, is_root=i == 0, shard_size=est.world_size) is schedule.AfterForward.FREE
-        for i in range(len(est.groups))
-    ]
-
-
-def _low_precision_bytes(numel: int) -> int:
-    return numel + 4 * math.ceil(numel / LOW_PRECISION_BLOCK)
 
 
 def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Variant, workload: Workload,

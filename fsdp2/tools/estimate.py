@@ -76,6 +76,7 @@ class GroupEstimate:
     reduce_scatter_input_bytes: int
     sharded_grad_bytes: int = 0  # this rank's gradient shards, in the parameters' own dtypes
     reduce_output_bytes: int = 0  # reduce-scatter output (numel_per_rank, reduce_dtype): HSDP all-reduces it
+    frees_after_forward: bool = False  # reshard_after_forward frees it: backward gathers it again
 
 
 @dataclass
@@ -245,8 +246,8 @@ def estimate_memory(
     frees = _frees_after_forward(members, root, reshard_after_forward, world)
     estimates: list[GroupEstimate] = []
     sharded_params = sharded_grads = optimizer_state = largest_param_shard = 0
-    for (name, _), params in zip(members, group_params):
-        g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0)
+    for (name, _), params, free in zip(members, group_params, frees):
+        g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0, frees_after_forward=free)
         per_rank_reduce = 0  # numel_per_rank * elem of the reduce buffers, summed over dtypes
         for p in params:
             dim = 0
