@@ -77,3 +77,12 @@ def mark_fully_sharded(module: nn.Module) -> None:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once autograd has finished the current backward pass."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def run_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` for a scalar, handed straight to the autograd engine: no torch-function
+    dispatch, so the TorchFunctionModes active around the call stay active during backward (a
+    mode's own handler runs with the mode switched off)."""
+    Variable._execution_engine.run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )

@@ -26,3 +26,8 @@ def fake_world():
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
+    # DTensor's sharding-propagation caches key on mesh equality, which ignores the root mesh:
+    # without clearing them, the next fake world's TP parameters come back on this world's meshes.
+    from torch.distributed.tensor import debug
+
+    getattr(debug, "_clear_sharding_prop_cache", debug._clear_python_sharding_prop_cache)()

@@ -1,5 +1,7 @@
 """fsdp2.tools.estimate: exact sharded-state bytes against real 2-rank runs; nothing allocated on meta."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -209,3 +211,82 @@ def test_dry_run_leaves_the_model_alone_and_checks_its_inputs():
     real = GPT(CFG)
     with pytest.raises(ValueError, match="build the model on the meta device"):
         estimate_memory(real, 4, sample_input=(torch.zeros(2, CFG.seq_len, dtype=torch.long),))
+
+
+# -- one recording, many shardings --------------------------------------------------------------
+
+
+def _tiny_llama(n_layers: int, checkpointed: bool):
+    from fsdp2.models import Llama, LlamaConfig
+    from fsdp2.models.llama import Block as LlamaBlock
+    from fsdp2.plan.model_source import checkpoint_blocks
+
+    cfg = LlamaConfig(vocab_size=131, seq_len=32, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=128)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if checkpointed:
+        checkpoint_blocks(model, lambda m: isinstance(m, LlamaBlock))
+    return model, (lambda m: isinstance(m, LlamaBlock))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
+def test_repeated_blocks_equal_the_recording_of_the_deeper_model(checkpointed):
+    from fsdp2 import MixedPrecisionPolicy
+    from fsdp2.tools.estimate import trace_step
+    from fsdp2.tools.meta_step import repeat_blocks
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        tokens = torch.zeros(2, 32, dtype=torch.long)
+
+    def record(n_layers):
+        model, is_block = _tiny_llama(n_layers, checkpointed)
+        return trace_step(model, groups=is_block, mp_policy=mp, sample_input=(tokens, tokens), loss_fn=lambda m, x, y: m.loss(x, y))
+
+    repeated, recorded = repeat_blocks(record(4), 7), record(7)
+    assert repeated is not None
+    assert repeated.events == recorded.events
+    assert (repeated.saved_activations, repeated.tail_flops, repeated.saved_before_forward) == (
+        recorded.saved_activations, recorded.tail_flops, recorded.saved_before_forward)
+    assert repeated.flops > 0
+
+
+def test_repeat_blocks_refuses_blocks_that_differ():
+    from fsdp2.tools.estimate import trace_step
+    from fsdp2.tools.meta_step import repeat_blocks
+
+    cfg = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=4, n_heads=3)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        model.blocks[2] = Block(GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=1, n_heads=3, mlp_ratio=2))
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+    trace = trace_step(model, groups=lambda m: isinstance(m, Block), sample_input=(tokens,))
+    assert repeat_blocks(trace, 10) is None
+    with torch.device("meta"):
+        three = GPT(dataclasses.replace(cfg, n_layers=3))
+    short = trace_step(three, groups=lambda m: isinstance(m, Block), sample_input=(tokens,))
+    assert repeat_blocks(short, 10) is None  # too few blocks to tell the middle ones
+
+
+def test_one_recording_serves_every_sharding():
+    from fsdp2.tools.estimate import trace_step
+
+    with torch.device("meta"):
+        model = GPT(PEAK_CFG)
+        tokens = torch.zeros(2, PEAK_CFG.seq_len, dtype=torch.long)
+    blocks = lambda m: isinstance(m, Block)  # noqa: E731
+    trace = trace_step(model, groups=blocks, sample_input=(tokens,))
+    for mesh, reshard in [(8, None), ((2, 4), None), (64, False)]:
+        direct = estimate_memory(model, mesh, groups=blocks, sample_input=(tokens,), reshard_after_forward=reshard)
+        reused = estimate_memory(model, mesh, groups=blocks, step_trace=trace, reshard_after_forward=reshard)
+        assert (direct.peak, direct.activations) == (reused.peak, reused.activations)
+    hsdp = estimate_memory(model, (2, 4), groups=blocks)
+    assert hsdp.world_size == 4 and hsdp.replicate_size == 2
+    assert hsdp.comm_bytes_per_step["all_reduce"] == sum(g.reduce_output_bytes for g in hsdp.groups) > 0
+    assert estimate_memory(model, 4, groups=blocks).comm_bytes_per_step["all_reduce"] == 0
+    with pytest.raises(ValueError, match="not both"):
+        estimate_memory(model, 4, groups=blocks, sample_input=(tokens,), step_trace=trace)
+    with pytest.raises(ValueError, match="recorded with 4 groups"):
+        estimate_memory(model, 4, step_trace=trace)  # no groups: only the root
+    with pytest.raises(ValueError, match="mesh shape must be"):
+        estimate_memory(model, (2, 0))

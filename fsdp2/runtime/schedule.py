@@ -19,6 +19,12 @@ import torch.nn as nn
 # ``FSDPModule.set_reduce_scatter_max_input_buffers`` overrides it per root.
 DEFAULT_MAX_REDUCES_IN_FLIGHT = 2
 
+# The all-gather stream runs at most this many groups ahead of the compute stream's copy-outs:
+# before allocating the next all-gather output it waits for the newest copy-out
+# (``streams.GatherBuffers``), so block i+1 gathers while block i computes, and at most this
+# + 1 groups' all-gather outputs are alive at once (tests/test_streams.py checks it).
+GATHERS_AHEAD_OF_COMPUTE = 1
+
 
 # -- which group owns a parameter -----------------------------------------------------------------
 

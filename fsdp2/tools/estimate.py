@@ -6,6 +6,9 @@
                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     print(est)
 
+``mesh_or_world_size``: a DeviceMesh (1-D: FSDP; 2-D: HSDP, replicate x shard), a world size
+(FSDP), or a ``(replicate, shard)`` pair (HSDP without a process group).
+
 ``groups`` says which submodules the user passes to ``fully_shard`` (a predicate on modules or a
 list of module names from ``named_modules()``); the root is a group too (``fully_shard(model)``)
 unless ``root=False``. As with fully_shard applied bottom-up, a parameter belongs to its innermost
@@ -20,7 +23,8 @@ Modelled from fsdp2's schedule (upper bounds of each term on its own):
 coincide in time), activations not included.
 
 With ``sample_input`` (one rank's batch) the estimate also runs the step dry on meta
-(fsdp2/tools/meta_step.py) and fills:
+(fsdp2/tools/meta_step.py; or pass ``step_trace=`` from :func:`trace_step` to reuse one
+recording for several shardings of the same model and batch) and fills:
     ``activations``: bytes of the distinct storages autograd saves for backward (not params);
     ``peak``: the predicted per-rank allocator peak of a training step (forward, backward,
     optimizer step), everything that is alive at that moment: sharded state, activations,
@@ -44,6 +48,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.buckets import gather_row_bytes
 from fsdp2.runtime.codecs import plain_column, quantized_column
 from fsdp2.layout.shard_layout import ShardLayout
+from fsdp2.tools.meta_step import GroupBytes, StepProfile, StepTrace, meta_copy, record_step, replay_step
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
 # tensor is kept per parameter (torch.optim's Adam/AdamW keep a float32 0-dim tensor).
@@ -52,6 +57,8 @@ _OPTIMIZERS = {
     "adam": (2, True),
     "sgd": (0, False),
     "sgd_momentum": (1, False),
+    # Muon keeps one momentum buffer per parameter (issue 16; modelled here, not run by fsdp2).
+    "muon": (1, False),
     "none": (0, False),
 }
 _STEP_BYTES = 4
@@ -70,13 +77,15 @@ class GroupEstimate:
     reduce_scatter_bytes: int  # reduce-scatter input (world x numel_per_rank) + output, reduce_dtype
     reduce_scatter_input_bytes: int
     sharded_grad_bytes: int = 0  # this rank's gradient shards, in the parameters' own dtypes
+    reduce_output_bytes: int = 0  # reduce-scatter output (numel_per_rank, reduce_dtype): HSDP all-reduces it
+    frees_after_forward: bool = False  # reshard_after_forward frees it: backward gathers it again
 
 
 @dataclass
 class MemoryEstimate:
     """Per-rank bytes. ``__str__`` renders a table."""
 
-    world_size: int
+    world_size: int  # ranks a parameter is sharded over (the shard dim)
     rank: int
     num_params: int
     groups: list[GroupEstimate]
@@ -92,6 +101,7 @@ class MemoryEstimate:
     activations: int | None = None
     peak: int | None = None
     peak_phase: str | None = None
+    replicate_size: int = 1  # HSDP: replicas the reduced gradient shards are all-reduced over
 
     @property
     def sharded_state(self) -> int:
@@ -141,12 +151,19 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return local_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def _shard_size_and_rank(mesh_or_world_size) -> tuple[int, int]:
+def _mesh_sizes(mesh_or_world_size) -> tuple[int, int, int]:
+    """(shard size, this rank's shard rank, replicate size)."""
     if isinstance(mesh_or_world_size, int):
-        return mesh_or_world_size, 0
+        return mesh_or_world_size, 0, 1
+    if isinstance(mesh_or_world_size, tuple):
+        if len(mesh_or_world_size) != 2 or not all(isinstance(n, int) and n >= 1 for n in mesh_or_world_size):
+            raise ValueError(f"estimate_memory: a mesh shape must be (replicate, shard), got {mesh_or_world_size}")
+        replicate, shard = mesh_or_world_size
+        return shard, 0, replicate
     mesh = mesh_or_world_size  # a DeviceMesh: 1-D (FSDP) or 2-D (replicate, shard)
-    dim = 0 if mesh.ndim == 1 else 1
-    return mesh.size(dim), mesh.get_local_rank(dim)
+    if mesh.ndim == 1:
+        return mesh.size(0), mesh.get_local_rank(0), 1
+    return mesh.size(1), mesh.get_local_rank(1), mesh.size(0)
 
 
 def _group_members(model: nn.Module, groups, root: bool) -> list[tuple[str, nn.Module]]:
@@ -204,6 +221,7 @@ def estimate_memory(
     sample_input: tuple | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     all_gather_policy: AllGatherPolicy | Callable[[str], AllGatherPolicy | None] | None = None,
+    step_trace: StepTrace | None = None,
 ) -> MemoryEstimate:
     """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh).
 
@@ -213,15 +231,18 @@ def estimate_memory(
     ``sample_input``: one rank's batch (a tuple of model arguments, meta tensors or not) for a
     dry run of forward + backward on meta, which fills ``activations`` and ``peak`` (see
     fsdp2.tools.meta_step). ``loss_fn(model, *sample_input)`` returns the loss; default
-    ``model(*sample_input)``, summed if not a scalar.
+    ``model(*sample_input)``, summed if not a scalar. ``step_trace``: instead of
+    ``sample_input``, a recording of the same model's step from :func:`trace_step`.
     """
+    if sample_input is not None and step_trace is not None:
+        raise ValueError("estimate_memory: pass sample_input or step_trace, not both")
     if sample_input is not None and not isinstance(sample_input, tuple):
         raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
     if loss_fn is not None and sample_input is None:
         raise ValueError("estimate_memory: loss_fn needs sample_input")
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
-    world, mesh_rank = _shard_size_and_rank(mesh_or_world_size)
+    world, mesh_rank, replicate = _mesh_sizes(mesh_or_world_size)
     rank = mesh_rank if rank is None else rank
     mp_policy = mp_policy or MixedPrecisionPolicy()
     n_states, has_step = _OPTIMIZERS[optimizer]
@@ -231,8 +252,8 @@ def estimate_memory(
     frees = _frees_after_forward(members, root, reshard_after_forward, world)
     estimates: list[GroupEstimate] = []
     sharded_params = sharded_grads = optimizer_state = largest_param_shard = 0
-    for (name, _), managed in zip(members, group_params):
-        g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0)
+    for (name, _), managed, free in zip(members, group_params, frees):
+        g = GroupEstimate(name, 0, 0, 0, 0, 0, 0, 0, frees_after_forward=free)
         per_rank_reduce = 0  # numel_per_rank * elem of the reduce buffers, summed over dtypes
         policy = all_gather_policy(name) if callable(all_gather_policy) else all_gather_policy
         columns = []  # of the group's all-gather, as its parameters' codecs lay them out
@@ -260,6 +281,7 @@ def estimate_memory(
                 g.sharded_grad_bytes += local
                 largest_param_shard = max(largest_param_shard, local)
                 optimizer_state += n_states * local + (_STEP_BYTES if has_step else 0)
+        g.reduce_output_bytes = per_rank_reduce
         if world == 1:
             # A one-rank shard group communicates nothing: no all-gather buffer, and the
             # reduce-scatter input is its own output.
@@ -287,10 +309,13 @@ def estimate_memory(
         peak_gathered_params=_peak_gathered(root_group, others, frees[-1] if others else False),
         peak_unsharded_grads=_peak_unsharded_grads(root_group, others),
         reduce_scatter_buffers=_peak_reduce_scatter(estimates),
-        comm_bytes_per_step=_comm_per_step(estimates, frees),
+        comm_bytes_per_step=_comm_per_step(estimates, frees, replicate),
+        replicate_size=replicate,
     )
     if sample_input is not None:
-        _add_step_peak(est, model, groups, root, mp_policy, frees, sample_input, loss_fn)
+        step_trace = trace_step(model, groups=groups, root=root, mp_policy=mp_policy, sample_input=sample_input, loss_fn=loss_fn)
+    if step_trace is not None:
+        _add_step_peak(est, step_trace, frees)
     return est
 
 
@@ -300,20 +325,45 @@ def estimate_memory(
 _OPTIMIZER_STEP_TEMPS = 2
 
 
-def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, frees, sample_input, loss_fn) -> None:
-    """Fill ``activations``/``peak`` from a meta dry run of one step (fsdp2.tools.meta_step).
+def trace_step(
+    model: nn.Module,
+    *,
+    groups: Callable[[nn.Module], bool] | Iterable[str] | None = None,
+    root: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    sample_input: tuple,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> StepTrace:
+    """Record one step of ``model`` (on meta, left untouched) for ``estimate_memory(step_trace=...)``.
 
-    The peak of a step = what is held between steps (sharded params + optimizer state) plus the
-    higher of: the dry run's peak (activations, autograd's gradients, gathered params and
-    fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
-    optimizer step (sharded grads + its temporaries).
+    The recording depends on the model, its groups, the compute dtype and the batch, not on
+    the sharding: estimate every mesh and ``reshard_after_forward`` setting from one recording.
     """
-    from fsdp2.tools.meta_step import GroupBytes, dry_run_step, meta_copy
-
+    if not isinstance(sample_input, tuple):
+        raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
     params = [[m.param for m in group] for group in _assign_params(twin, members)]
-    sizes = [
+    return record_step(
+        twin, [m for _, m in members], params, sample_input, loss_fn=loss_fn,
+        cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
+    )
+
+
+def _add_step_peak(est: MemoryEstimate, trace: StepTrace, frees: list[bool]) -> None:
+    """Fill ``activations``/``peak`` from a recorded meta step (fsdp2.tools.meta_step)."""
+    if trace.n_groups != len(est.groups):
+        raise ValueError(
+            f"estimate_memory: step_trace was recorded with {trace.n_groups} groups, this estimate has "
+            f"{len(est.groups)}; record it with the same model, groups and root"
+        )
+    add_step_profile(est, replay_step(trace, group_bytes(est), frees_after_forward=frees))
+
+
+def group_bytes(est: MemoryEstimate) -> list[GroupBytes]:
+    """What fsdp2 allocates per group, as the dry run's replay takes it."""
+    return [
         GroupBytes(
             gathered=g.gathered_bytes,
             gather_buffer=g.all_gather_bytes,
@@ -322,11 +372,16 @@ def _add_step_peak(est: MemoryEstimate, model, groups, root, mp_policy, frees, s
         )
         for g in est.groups
     ]
-    profile = dry_run_step(
-        twin, [m for _, m in members], params, sizes, sample_input,
-        frees_after_forward=frees, loss_fn=loss_fn,
-        cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
-    )
+
+
+def add_step_profile(est: MemoryEstimate, profile: StepProfile) -> None:
+    """Fill ``activations``/``peak`` of ``est`` from a replayed step.
+
+    The peak of a step = what is held between steps (sharded params + optimizer state) plus the
+    higher of: the replayed step's peak (activations, autograd's gradients, gathered params and
+    fsdp2's buffers, all at the moment they coincide, usually early in backward), and the
+    optimizer step (sharded grads + its temporaries).
+    """
     optimizer_step = est.sharded_grads + _OPTIMIZER_STEP_TEMPS * est.largest_param_shard
     est.activations = profile.saved_activations
     est.peak = est.sharded_params + est.optimizer_state + max(profile.peak, optimizer_step)
@@ -375,12 +430,13 @@ def _peak_reduce_scatter(groups: list[GroupEstimate]) -> int:
     return max(sum(sizes[i : i + window]) for i in range(len(sizes) - window + 1))
 
 
-def _comm_per_step(groups: list[GroupEstimate], frees: list[bool]) -> dict[str, int]:
+def _comm_per_step(groups: list[GroupEstimate], frees: list[bool], replicate: int) -> dict[str, int]:
     """Buffer bytes of one forward+backward, counted as fsdp2.tools.comm_stats counts them: a
-    group that frees after forward is gathered again in backward."""
+    group that frees after forward is gathered again in backward; with replicas (HSDP) each
+    group's reduced shard is all-reduced across them."""
     return {
         "all_gather": sum((2 if free else 1) * g.all_gather_bytes for g, free in zip(groups, frees)),
         "reduce_scatter": sum(g.reduce_scatter_input_bytes for g in groups if g.reduce_scatter_input_bytes),
-        "all_reduce": 0,
+        "all_reduce": sum(g.reduce_output_bytes for g in groups) if replicate > 1 else 0,
         "all_to_all": 0,  # fsdp2.optim's optimizer step, not forward+backward
     }
