@@ -704,6 +704,20 @@ def test_mesh_none_without_process_group_initializes_from_the_environment(tmp_pa
     assert "error True" in bad.stdout, bad.stderr[-2000:]
 
 
+def test_mesh_none_on_a_build_whose_accelerator_is_unusable_uses_cpu(fake_world, monkeypatch):
+    """A CUDA build on a machine without a GPU (or driver) reports "cuda" as its accelerator
+    unless asked whether one is available: the default mesh must then be a CPU mesh."""
+    from fsdp2 import fully_shard
+
+    def cuda_build_without_driver(check_available=False):
+        return None if check_available else torch.device("cuda")
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", cuda_build_without_driver)
+    fake_world(2)
+    model = fully_shard(nn.Linear(4, 4))
+    assert model.weight.device_mesh.device_type == "cpu" and model.weight.device.type == "cpu"
+
+
 def test_torch_logs_fsdp_shows_hook_events(tmp_path):
     """``TORCH_LOGS=+fsdp`` turns on fsdp2's hook events, named as PyTorch names its own."""
     script = textwrap.dedent(
