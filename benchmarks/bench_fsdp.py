@@ -286,7 +286,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             del meta_model
         shard_kwargs = dict(mesh=mesh, mp_policy=mp_policy)
         if args["offload"]:
-            if impl.startswith("fsdp2"):
+            if ours:
                 from fsdp2 import CPUOffloadPolicy
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy

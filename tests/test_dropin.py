@@ -590,20 +590,11 @@ def _dataclass_activations(rank, ws):
         _train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
         return
     # PyTorch before 2.13 reads freed parameters here itself: check against an unsharded replica
-    # trained on every rank's batch (the mean of the ranks' losses is what FSDP's averaged
-    # gradients descend).
+    # trained on every rank's batch instead.
+    from tests.test_features import _train_parity
+
     torch.manual_seed(0)
-    reference = _DataclassModel()
-    ref_opt, our_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    for step in range(3):
-        our_loss, _ = _step(ours, our_opt, step, rank, ws, loss_fn)
-        ref_losses = [loss_fn(reference, *_batch(step, r, ws)) for r in range(ws)]
-        (sum(ref_losses) / ws).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(our_loss, ref_losses[rank].detach(), rtol=1e-5, atol=1e-6)
-    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6, msg=name)
+    _train_parity(rank, ws, ours, _DataclassModel(), loss_fn=loss_fn)
 
 
 def test_dataclass_activations_between_blocks(worlds):

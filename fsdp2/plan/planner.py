@@ -258,7 +258,7 @@ class _Links:
         return Collective(ring_seconds(nbytes, size, bandwidth, latency, all_reduce=all_reduce), link)
 
 
-def _group_collectives(est: MemoryEstimate, strategy: Strategy, precision: Precision, links: _Links) -> list[GroupComm]:
+def _group_collectives(est: MemoryEstimate, strategy: Strategy, links: _Links) -> list[GroupComm]:
     """Each group's collectives in one micro-step (DDP: its gradient all-reduce)."""
     cluster = links.cluster
     if strategy.kind is Kind.DDP:
@@ -284,7 +284,7 @@ def _fsdp_bytes(est: MemoryEstimate, strategy: Strategy) -> dict[str, int]:
     """fsdp2's own collectives per micro-step as count_comm counts them (the estimator's count,
     low-precision all-gathers included); DDP runs none of them."""
     if strategy.kind is Kind.DDP:
-        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0}
+        return dict.fromkeys(est.comm_bytes_per_step, 0)  # the keys count_comm reports
     return dict(est.comm_bytes_per_step)
 
 
@@ -304,7 +304,7 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     result.fits = result.memory.peak <= cluster.usable_bytes
 
     links = _Links(cluster)
-    groups = _group_collectives(est, strategy, precision, links)
+    groups = _group_collectives(est, strategy, links)
 
     # Tensor parallel (modelled): all-reduces of activations, inline on the compute stream.
     t, tp_link = strategy.tp, strategy.tp_link(cluster)
