@@ -377,3 +377,12 @@ def test_one_recording_serves_every_sharding():
         estimate_memory(model, 4, step_trace=trace)  # no groups: only the root
     with pytest.raises(ValueError, match="mesh shape must be"):
         estimate_memory(model, (2, 0))
+
+
+def test_kernel_scratch_on_a_device_this_machine_lacks_is_refused():
+    from fsdp2.tools.kernel_scratch import KernelScratch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="not usable on this machine"):
+        KernelScratch("cuda")

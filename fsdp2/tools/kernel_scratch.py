@@ -8,7 +8,8 @@ only where the CPU has AVX-512 (BF16) or AMX, attention buffers grow with the th
 a GPU has kernels of its own. So scratch is measured, never assumed: each distinct op of the dry
 run (the op, its arguments' shapes, strides and dtypes, its other arguments) runs once on the
 real device, on zero-filled inputs, under :class:`fsdp2.tools.memory_meter.PeakMemory`; its
-scratch is its peak minus the bytes of the outputs it returns. Results are kept per process.
+scratch is its peak minus the bytes of the outputs it returns. Results are kept per process,
+keyed by the settings that pick kernels (thread count, oneDNN and cuDNN switches, ...).
 
 Measured with the process's current thread count and on the given device: a prediction made
 this way holds for a training process on the same machine with the same thread count.
@@ -16,6 +17,7 @@ this way holds for a training process on the same machine with the same thread c
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,8 +25,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2.tools.memory_meter import PeakMemory
 
-# (device, op, argument signature) -> scratch bytes, for every op measured in this process.
+# (device, settings that pick kernels, op, argument signature) -> scratch bytes, for every op
+# measured in this process.
 _MEASURED: dict[tuple, int] = {}
+
+
+def _kernel_settings() -> tuple:
+    """The process settings that change which kernel an op runs (and so its scratch)."""
+    return (torch.get_num_threads(), torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+            torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32)
 
 
 class KernelScratch:
@@ -34,13 +44,17 @@ class KernelScratch:
         self.device = torch.device(device)
         if self.device.type == "meta":
             raise ValueError("kernel scratch is measured on a real device (e.g. 'cpu' or 'cuda'), not 'meta'")
-        self.unmeasured: set[str] = set()  # ops that could not run on the device: counted as no scratch
+        try:
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(f"kernel scratch: device {str(self.device)!r} is not usable on this machine ({e}); "
+                             "measure on a device this machine has, or leave kernel_scratch unset") from e
 
     def bytes_of(self, func, args: tuple, kwargs: dict) -> int:
         """Scratch bytes of ``func(*args, **kwargs)`` (meta arguments) on this device."""
         if func.is_view:
             return 0  # a view allocates nothing
-        key = (self.device, func, _signature(args, kwargs))
+        key = (self.device, _kernel_settings(), func, _signature(args, kwargs))
         if key not in _MEASURED:
             _MEASURED[key] = self._measure(func, args, kwargs)
         return _MEASURED[key]
@@ -54,8 +68,9 @@ class KernelScratch:
             # Ops that draw random numbers must not move the caller's generator.
             with torch.random.fork_rng(devices=devices, device_type=self.device.type), PeakMemory(self.device) as meter:
                 out = func(*real_args, **real_kwargs)
-        except Exception:  # noqa: BLE001 - e.g. data-dependent ops that reject zeros; see unmeasured
-            self.unmeasured.add(str(func))
+        except Exception as e:  # noqa: BLE001 - e.g. a data-dependent op that rejects zeros
+            warnings.warn(f"kernel scratch: {func} could not run on {self.device} with zero-filled inputs "
+                          f"({type(e).__name__}: {e}); its scratch is not counted", stacklevel=2)
             return 0
         outputs = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tree_flatten(out)[0]
                                                       if isinstance(t, torch.Tensor))}
