@@ -282,6 +282,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             estimate = estimate_memory(
                 meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP(),
                 sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y), all_gather_policy=all_gather_policy,
+                kernel_scratch=device,  # the measured run uses this device's kernels
             )
             del meta_model
         shard_kwargs = dict(mesh=mesh, mp_policy=mp_policy)

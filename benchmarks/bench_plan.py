@@ -48,7 +48,7 @@ def _measure_memory(world: int, name: str, ac: bool, precision: Precision, sourc
     from fsdp2.plan.apply import measure_peak
 
     result = plan(source, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world), strategies=[name],
-                  activation_checkpointing=ac, precision=precision).result(name)
+                  activation_checkpointing=ac, precision=precision, kernel_scratch="cpu").result(name)
     measured = measure_peak(result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision,
                             activation_checkpointing=ac)
     return result.memory.peak, measured

@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     cluster.add_argument("--calibrate", metavar="DEVICE", nargs="?", const="cuda", default=None,
                          help="measure the rate from one fsdp2 step at world size 1 on DEVICE (cuda, or cpu)")
     cluster.add_argument("--calibrate-layers", type=int, default=2, help="blocks of the model to calibrate on (default 2; 0: all)")
+    cluster.add_argument("--kernel-scratch", metavar="DEVICE", default=None,
+                         help="run each op once on DEVICE (of this machine) to count its kernels' workspace in the peak")
     out = p.add_argument_group("output")
     out.add_argument("--strategies", help="comma-separated names or kinds to keep, e.g. FSDP,HSDP,FSDP+TP")
     out.add_argument("--tolerance", type=float, default=0.05, help="verdict: simplest within this share of the fastest (default 0.05)")
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             source, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
             optimizer=args.optimizer, precision=precision, activation_checkpointing=args.ac, cluster=cluster,
             strategies=args.strategies.split(",") if args.strategies else None, tolerance=args.tolerance,
+            kernel_scratch=args.kernel_scratch,
         )
     except (PlanInputError, ValueError) as e:
         print(f"fsdp2.plan: {e}", file=sys.stderr)

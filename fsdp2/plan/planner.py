@@ -184,25 +184,26 @@ class _Variant:
 RECORDED_BLOCKS = 4
 
 
-def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload) -> StepTrace:
+def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload, kernel_scratch) -> StepTrace:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(model, source.is_block, plan, tp)
     if workload.activation_checkpointing:
         checkpoint_blocks(local, source.is_block)
     return trace_step(local, groups=source.is_block, mp_policy=workload.precision.policy(),
-                      sample_input=source.inputs(workload.micro_batch, workload.seq_len), loss_fn=source.loss)
+                      sample_input=source.inputs(workload.micro_batch, workload.seq_len), loss_fn=source.loss,
+                      kernel_scratch=kernel_scratch)
 
 
-def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload) -> _Variant:
+def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload, kernel_scratch) -> _Variant:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(base, source.is_block, plan, tp)
     blocks = sum(1 for m in local.modules() if source.is_block(m))
     trace = None
     if source.with_layers is not None and blocks > RECORDED_BLOCKS + 2:
         short = source.with_layers(RECORDED_BLOCKS)
-        trace = repeat_blocks(_record(short, short.meta_model(workload.seq_len), tp, workload), blocks)
+        trace = repeat_blocks(_record(short, short.meta_model(workload.seq_len), tp, workload, kernel_scratch), blocks)
     if trace is None:
-        trace = _record(source, base, tp, workload)
+        trace = _record(source, base, tp, workload, kernel_scratch)
     return _Variant(local, trace, tensor_parallel_traffic(local, source.is_block, plan))
 
 
@@ -432,6 +433,7 @@ def plan(
     tolerance: float = 0.05,
     block: str | None = None,
     tp_plan: Callable[[], dict] | None = None,
+    kernel_scratch: str | torch.device | None = None,
 ) -> Plan:
     """Predict memory, communication and step time of every strategy; pick the simplest that fits.
 
@@ -441,6 +443,8 @@ def plan(
     ``micro_batch`` sequences per data-parallel rank, with gradient accumulation where a strategy
     has fewer data-parallel ranks. ``strategies``: names or kinds to keep (e.g. ``["FSDP", "HSDP"]``).
     The verdict is the simplest fitting strategy within ``tolerance`` of the fastest fitting one.
+    ``kernel_scratch``: a device of this machine on which to measure the workspace each op's
+    kernel takes (fsdp2.tools.estimate.trace_step); for a peak that must match this machine's.
     """
     if optimizer not in OPTIMIZERS:
         raise PlanInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -482,7 +486,7 @@ def plan(
                 f"global batch {global_batch} does not split into {strategy.data_parallel} ranks x micro-batch {micro_batch}")))
             continue
         if strategy.tp not in variants:
-            variants[strategy.tp] = _variant(source, base, strategy.tp, workload)
+            variants[strategy.tp] = _variant(source, base, strategy.tp, workload, kernel_scratch)
         results.append(_evaluate(strategy, variants[strategy.tp], source, workload, cluster))
     recommended, reason = _verdict(results, tolerance, cluster)
     if optimizer == "muon":

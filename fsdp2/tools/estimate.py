@@ -31,7 +31,8 @@ recording for several shardings of the same model and batch) and fills:
     gathered params, unsharded grads, fsdp2's buffers. Checked against the CPU allocator peak
     measured by fsdp2.tools.memory_meter in a fake process group (tests/test_estimate.py).
 Never included: allocator caching/fragmentation, communication-library workspaces, kernel
-scratch memory outside PyTorch's allocator.
+scratch memory outside PyTorch's allocator. Kernel scratch through PyTorch's allocator is
+machine-dependent and counted only when measured (``kernel_scratch=`` a device).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.buckets import gather_row_bytes
 from fsdp2.runtime.codecs import plain_column, quantized_column
 from fsdp2.layout.shard_layout import ShardLayout
+from fsdp2.tools.kernel_scratch import KernelScratch
 from fsdp2.tools.meta_step import GroupBytes, StepProfile, StepTrace, meta_copy, record_step, replay_step
 
 # Optimizer state tensors per parameter shaped like the parameter, and whether a scalar ``step``
@@ -222,6 +224,7 @@ def estimate_memory(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     all_gather_policy: AllGatherPolicy | Callable[[str], AllGatherPolicy | None] | None = None,
     step_trace: StepTrace | None = None,
+    kernel_scratch: str | torch.device | None = None,
 ) -> MemoryEstimate:
     """Estimate rank ``rank``'s memory (default: rank 0, or this rank of a given mesh).
 
@@ -233,6 +236,8 @@ def estimate_memory(
     fsdp2.tools.meta_step). ``loss_fn(model, *sample_input)`` returns the loss; default
     ``model(*sample_input)``, summed if not a scalar. ``step_trace``: instead of
     ``sample_input``, a recording of the same model's step from :func:`trace_step`.
+    ``kernel_scratch``: a device (``"cpu"``, ``"cuda"``) on which to measure the scratch every op's
+    real kernel allocates while it runs, and count it in ``peak`` (see :func:`trace_step`).
     """
     if sample_input is not None and step_trace is not None:
         raise ValueError("estimate_memory: pass sample_input or step_trace, not both")
@@ -313,7 +318,8 @@ def estimate_memory(
         replicate_size=replicate,
     )
     if sample_input is not None:
-        step_trace = trace_step(model, groups=groups, root=root, mp_policy=mp_policy, sample_input=sample_input, loss_fn=loss_fn)
+        step_trace = trace_step(model, groups=groups, root=root, mp_policy=mp_policy, sample_input=sample_input,
+                                loss_fn=loss_fn, kernel_scratch=kernel_scratch)
     if step_trace is not None:
         _add_step_peak(est, step_trace, frees)
     return est
@@ -333,11 +339,20 @@ def trace_step(
     mp_policy: MixedPrecisionPolicy | None = None,
     sample_input: tuple,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    kernel_scratch: str | torch.device | None = None,
 ) -> StepTrace:
     """Record one step of ``model`` (on meta, left untouched) for ``estimate_memory(step_trace=...)``.
 
     The recording depends on the model, its groups, the compute dtype and the batch, not on
     the sharding: estimate every mesh and ``reshard_after_forward`` setting from one recording.
+
+    ``kernel_scratch``: a real device. Each distinct op of the dry run then also runs once there
+    on zero-filled inputs, and the workspace its kernel allocates while running is recorded
+    (fsdp2/tools/kernel_scratch.py). Which kernels run depends on the machine (oneDNN takes
+    bfloat16 matmuls only on CPUs with AVX-512 BF16 or AMX, attention buffers grow with the
+    thread count): a peak meant to match a measured one on this machine needs it. Without it
+    (the default: planning for another machine, or a model too large to run an op of here)
+    kernel scratch is not counted.
     """
     if not isinstance(sample_input, tuple):
         raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
@@ -348,6 +363,7 @@ def trace_step(
     return record_step(
         twin, [m for _, m in members], params, sample_input, loss_fn=loss_fn,
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
+        kernel_scratch=KernelScratch(kernel_scratch) if kernel_scratch is not None else None,
     )
 
 

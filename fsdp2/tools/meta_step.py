@@ -44,6 +44,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp2 import compat
 from fsdp2.runtime import schedule
+from fsdp2.tools.kernel_scratch import KernelScratch
 
 
 @dataclass
@@ -79,6 +80,11 @@ class Event(IntEnum):
     REDUCE_ISSUED = 7  # ... and have been dropped: the group reshards, the reduction is in flight
     RESHARD = 8  # end of backward: group ``value`` frees what it gathered
     FINISH = 9  # end of backward: every reduction completes
+    SCRATCH = 10  # the op that just ran held ``value`` more bytes while it ran (kernel scratch)
+
+
+# Events that carry bytes, not a group number.
+MEMORY_EVENTS = (Event.ALLOC, Event.FREE, Event.SCRATCH)
 
 
 @dataclass
@@ -101,7 +107,7 @@ class StepTrace:
         return sum(f for _, _, f in self.events) + self.tail_flops
 
     def hook_events(self) -> list[tuple[Event, int, int]]:
-        return [e for e in self.events if e[0] not in (Event.ALLOC, Event.FREE)]
+        return [e for e in self.events if e[0] not in MEMORY_EVENTS]
 
 
 # -- FLOPs --------------------------------------------------------------------------------------
@@ -154,11 +160,13 @@ class _Recorder:
 
 
 class _ObserveOps(TorchDispatchMode):
-    """Every op's new storages (until they die) and its FLOPs, into the recorder."""
+    """Every op's new storages (until they die), its FLOPs and, given a KernelScratch, the
+    scratch its real kernel takes, into the recorder."""
 
-    def __init__(self, recorder: _Recorder, untracked: Sequence[torch.Tensor]):
+    def __init__(self, recorder: _Recorder, untracked: Sequence[torch.Tensor], scratch: KernelScratch | None = None):
         super().__init__()
         self.recorder = recorder
+        self.scratch = scratch
         self.live: dict[int, int] = {}  # id(storage object) -> nbytes; ids only of live objects
         # Parameters: views of them (``weight.t()``) must not count as new memory. Holding the
         # storage objects keeps their ids from being reused.
@@ -174,6 +182,10 @@ class _ObserveOps(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t.untyped_storage())
+        if self.scratch is not None:
+            scratch = self.scratch.bytes_of(func, args, kwargs)
+            if scratch:
+                self.recorder.memory(Event.SCRATCH, scratch)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -303,9 +315,11 @@ def record_step(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     cast_inputs_to: torch.dtype | None = None,
+    kernel_scratch: KernelScratch | None = None,
 ) -> StepTrace:
     """Forward + backward of ``model`` (a meta copy the caller gives up: hooks stay on it;
-    ``modules``/``params`` its groups) on meta inputs, recorded as a StepTrace."""
+    ``modules``/``params`` its groups) on meta inputs, recorded as a StepTrace. With
+    ``kernel_scratch``, each op's scratch on that device is recorded too (fsdp2/tools/kernel_scratch.py)."""
     trace = StepTrace(n_groups=len(modules))
     recorder = _Recorder(trace)
     hooks = _ScheduleHooks(recorder, modules, params)
@@ -329,7 +343,7 @@ def record_step(
             keep.append(t)
         return t
 
-    with _FusedAttention(), _ObserveOps(recorder, list(model.parameters())):
+    with _FusedAttention(), _ObserveOps(recorder, list(model.parameters()), kernel_scratch):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = (loss_fn or _default_loss)(model, *inputs)
         trace.saved_activations = recorder.saved
@@ -375,7 +389,7 @@ def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
         return None  # blocks do not run in order
 
     def period(start: int, end: int, block: int) -> list:
-        return [(kind, value - block if kind not in (Event.ALLOC, Event.FREE) else value, flops)
+        return [(kind, value - block if kind not in MEMORY_EVENTS else value, flops)
                 for kind, value, flops in trace.events[start:end]]
 
     forward = period(fwd[m], fwd[m + 1], m)
@@ -386,14 +400,14 @@ def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
         return None
 
     def placed(events: list, block: int) -> list:
-        return [(kind, value + block if kind not in (Event.ALLOC, Event.FREE) else value, flops) for kind, value, flops in events]
+        return [(kind, value + block if kind not in MEMORY_EVENTS else value, flops) for kind, value, flops in events]
 
     def renumbered(events: list) -> list:
         """Recorded events after the repeated block: later blocks move up by ``extra``; a group-wide
         event naming the repeated block (end-of-backward reshards) repeats for every copy."""
         out = []
         for kind, value, flops in events:
-            if kind in (Event.ALLOC, Event.FREE) or value < m:
+            if kind in MEMORY_EVENTS or value < m:
                 out.append((kind, value, flops))
             elif value > m:
                 out.append((kind, value + extra, flops))
@@ -535,6 +549,8 @@ def replay_step(trace: StepTrace, sizes: list[GroupBytes], *, frees_after_forwar
         if kind is Event.ALLOC:
             ledger.real += value
             ledger.note()
+        elif kind is Event.SCRATCH:
+            ledger.note(transient=value)
         elif kind is Event.FREE:
             ledger.real -= value
         elif kind is Event.PRE_FORWARD:
