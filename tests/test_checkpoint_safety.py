@@ -10,8 +10,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -812,3 +814,135 @@ def test_from_pretrained_loads_the_export(tmp_path, tied):
     tokens = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+# ================================================================ fault and misuse probe (issue 24)
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with 3 GiB of address space and a deadline.
+
+    For calls that hung or read without limit before their fix: the test fails (a timeout or
+    a MemoryError) instead of hanging the suite or filling the machine's memory.
+    """
+    import resource
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              cwd=_REPO, env={**os.environ, "PYTHONPATH": _REPO}, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s: it hangs")
+
+
+def _exact_tree(path) -> dict:
+    """Every entry under ``path``: a file's bytes, a link's target, or its kind (not followed)."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                value = ("link", os.readlink(full))
+            elif stat.S_ISREG(mode):
+                with open(full, "rb") as f:
+                    value = f.read()
+            else:
+                value = ("kind", stat.S_IFMT(mode))
+            out[os.path.relpath(full, path)] = value
+    return out
+
+
+def _make_lock_hazard(path: str, kind: str) -> None:
+    """Put ``kind`` where the save lock goes: what a probe (or a careless user) leaves there."""
+    lock_path = os.path.join(path, lock.LOCK_NAME)
+    if kind == "fifo":
+        os.mkfifo(lock_path)
+    elif kind == "link_to_fifo":
+        os.mkfifo(os.path.join(os.path.dirname(path), "fifo"))
+        os.symlink(os.path.join(os.path.dirname(path), "fifo"), lock_path)
+    elif kind == "link_to_dev_zero":
+        os.symlink("/dev/zero", lock_path)
+    elif kind == "dangling_link":
+        os.symlink(os.path.join(os.path.dirname(path), "nowhere"), lock_path)
+
+
+_LOCK_HAZARDS = {"fifo": "is a FIFO, not a regular file", "link_to_fifo": "is a symbolic link",
+                 "link_to_dev_zero": "is a symbolic link", "dangling_link": r"is a symbolic link \(to .*nowhere\)"}
+
+_SAVE_WITH_LOCK_HAZARD = """
+import json, os, sys, torch
+import fsdp2.checkpoint as ck
+from tests.ckpt_helpers import make_model
+from tests.test_checkpoint_safety import _make_lock_hazard
+path, kind = sys.argv[1], sys.argv[2]
+try:
+    ck.save(path, make_model(1))
+    print(json.dumps("saved"))
+except ck.CheckpointError as e:
+    print(json.dumps(str(e)))
+"""
+
+
+@pytest.mark.parametrize("kind", sorted(_LOCK_HAZARDS))
+def test_save_refuses_a_lock_that_is_not_a_regular_file(tmp_path, kind):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    _make_lock_hazard(path, kind)
+    before = _exact_tree(path)
+    code = _SAVE_WITH_LOCK_HAZARD.replace("path, kind = sys.argv[1], sys.argv[2]", f"path, kind = {path!r}, {kind!r}")
+    result = _isolated(code, timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    message = json.loads(result.stdout.splitlines()[-1])
+    assert re.search(_LOCK_HAZARDS[kind], message), message
+    assert "delete it and save again" in message and "at the same moment" not in message, message
+    assert _exact_tree(path) == before
+    loaded = make_model(5)
+    ck.load(path, loaded)  # the published checkpoint is still the first one
+    assert_same_state(full_state(loaded), full_state(make_model(0)))
+
+
+def _save_with_fifo_lock(rank, ws, path):
+    model = shard(make_model(1), mesh_1d(ws))
+    try:
+        ck.save(path, model)
+        return "saved"
+    except ck.CheckpointError as e:
+        return str(e)
+
+
+def test_fifo_lock_fails_every_rank_instead_of_hanging(worlds, tmp_path):
+    path = str(tmp_path / "c")
+    os.makedirs(path)
+    _make_lock_hazard(path, "fifo")
+    messages = worlds.run(2, _save_with_fifo_lock, path, timeout=60)
+    assert all("is a FIFO, not a regular file" in m for m in messages), messages
+
+
+def test_manifest_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest, "rb") as f:
+        raw = f.read()
+    with open(manifest, "wb") as f:
+        f.write(raw.replace(b'"generation"', b'"gen\xff\xfeeration"', 1))
+    before = _exact_tree(path)
+    for command in (["inspect", path], ["consolidate", path, str(tmp_path / "o1")],
+                    ["consolidate", path, str(tmp_path / "o2"), "--no-verify"]):
+        assert cli.main(command) == 2, command  # an exception escaping here is the traceback
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert "manifest.json is not UTF-8 text" in err, err
+    assert cli.main(["verify", path]) == 1  # a problem found, as for every malformed manifest
+    assert "FAIL " in capsys.readouterr().out
+    target = make_model(3)
+    state = full_state(target)
+    with pytest.raises(ck.CheckpointError, match="manifest.json is not UTF-8 text"):
+        ck.load(path, target)
+    assert_same_state(full_state(target), state)
+    assert _exact_tree(path) == before and not os.path.exists(tmp_path / "o1")
