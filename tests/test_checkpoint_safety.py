@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, lock
 from fsdp2.checkpoint.consolidate import consolidate
-from tests.ckpt_helpers import assert_same_state, full_optim_state, full_state, make_model, mesh_1d, shard
+from tests.ckpt_helpers import (assert_same_state, exact_tree, full_optim_state, full_state, isolated, make_model,
+                                mesh_1d, shard)
 
 
 def _tree(path) -> dict[str, int]:
@@ -818,45 +818,6 @@ def test_from_pretrained_loads_the_export(tmp_path, tied):
 
 # ================================================================ fault and misuse probe (issue 24)
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with 3 GiB of address space and a deadline.
-
-    For calls that hung or read without limit before their fix: the test fails (a timeout or
-    a MemoryError) instead of hanging the suite or filling the machine's memory.
-    """
-    import resource
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                              cwd=_REPO, env={**os.environ, "PYTHONPATH": _REPO}, preexec_fn=limit_memory)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout} s: it hangs")
-
-
-def _exact_tree(path) -> dict:
-    """Every entry under ``path``: a file's bytes, a link's target, or its kind (not followed)."""
-    out = {}
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            full = os.path.join(root, name)
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode):
-                value = ("link", os.readlink(full))
-            elif stat.S_ISREG(mode):
-                with open(full, "rb") as f:
-                    value = f.read()
-            else:
-                value = ("kind", stat.S_IFMT(mode))
-            out[os.path.relpath(full, path)] = value
-    return out
-
-
 def _make_lock_hazard(path: str, kind: str) -> None:
     """Put ``kind`` where the save lock goes: what a probe (or a careless user) leaves there."""
     lock_path = os.path.join(path, lock.LOCK_NAME)
@@ -878,7 +839,6 @@ _SAVE_WITH_LOCK_HAZARD = """
 import json, os, sys, torch
 import fsdp2.checkpoint as ck
 from tests.ckpt_helpers import make_model
-from tests.test_checkpoint_safety import _make_lock_hazard
 path, kind = sys.argv[1], sys.argv[2]
 try:
     ck.save(path, make_model(1))
@@ -893,14 +853,14 @@ def test_save_refuses_a_lock_that_is_not_a_regular_file(tmp_path, kind):
     path = str(tmp_path / "c")
     ck.save(path, make_model(0))
     _make_lock_hazard(path, kind)
-    before = _exact_tree(path)
+    before = exact_tree(path)
     code = _SAVE_WITH_LOCK_HAZARD.replace("path, kind = sys.argv[1], sys.argv[2]", f"path, kind = {path!r}, {kind!r}")
-    result = _isolated(code, timeout=90)
+    result = isolated(code, timeout=90)
     assert result.returncode == 0, result.stderr[-2000:]
     message = json.loads(result.stdout.splitlines()[-1])
     assert re.search(_LOCK_HAZARDS[kind], message), message
     assert "delete it and save again" in message and "at the same moment" not in message, message
-    assert _exact_tree(path) == before
+    assert exact_tree(path) == before
     loaded = make_model(5)
     ck.load(path, loaded)  # the published checkpoint is still the first one
     assert_same_state(full_state(loaded), full_state(make_model(0)))
@@ -931,7 +891,7 @@ def test_manifest_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
         raw = f.read()
     with open(manifest, "wb") as f:
         f.write(raw.replace(b'"generation"', b'"gen\xff\xfeeration"', 1))
-    before = _exact_tree(path)
+    before = exact_tree(path)
     for command in (["inspect", path], ["consolidate", path, str(tmp_path / "o1")],
                     ["consolidate", path, str(tmp_path / "o2"), "--no-verify"]):
         assert cli.main(command) == 2, command  # an exception escaping here is the traceback
@@ -945,4 +905,35 @@ def test_manifest_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
     with pytest.raises(ck.CheckpointError, match="manifest.json is not UTF-8 text"):
         ck.load(path, target)
     assert_same_state(full_state(target), state)
-    assert _exact_tree(path) == before and not os.path.exists(tmp_path / "o1")
+    assert exact_tree(path) == before and not os.path.exists(tmp_path / "o1")
+
+
+def test_consolidate_overwrite_replaces_links_instead_of_writing_through_them(tmp_path, capsys):
+    """A Hugging Face snapshot folder is symlinks into blobs/: --overwrite must not change the blobs."""
+    other = str(tmp_path / "other")
+    ck.save(other, make_model(7))  # another checkpoint, whose files the links point at
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "mlp"}')
+    out = tmp_path / "snapshot"
+    out.mkdir()
+    rank_file = next(p for p in (tmp_path / "other").rglob("rank-*.safetensors"))
+    with open(os.path.join(other, "manifest.json")) as f:
+        manifest_text = f.read()
+    victims = {"model-00001-of-00001.safetensors": rank_file, "model.safetensors.index.json": tmp_path / "other" /
+               "manifest.json", "config.json": tmp_path / "blob-config.json"}
+    (tmp_path / "blob-config.json").write_text('{"model_type": "blob"}')
+    for name, target in victims.items():
+        os.symlink(target, out / name)
+    before = {name: open(target, "rb").read() for name, target in victims.items()}
+    assert cli.main(["consolidate", path, str(out), "--overwrite", "--config", str(config)]) == 0
+    capsys.readouterr()
+    for name, target in victims.items():
+        assert open(target, "rb").read() == before[name], f"{target} was written through the link {name}"
+        assert not os.path.islink(out / name) and os.path.isfile(out / name), name
+    assert cli.main(["verify", other]) == 0 and open(os.path.join(other, "manifest.json")).read() == manifest_text
+    _, tensors = _read_export(out)
+    assert_same_state(tensors, full_state(make_model(0)))
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "mlp"}
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
