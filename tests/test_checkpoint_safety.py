@@ -937,3 +937,41 @@ def test_consolidate_overwrite_replaces_links_instead_of_writing_through_them(tm
     assert_same_state(tensors, full_state(make_model(0)))
     assert json.loads((out / "config.json").read_text()) == {"model_type": "mlp"}
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_dropped_async_save_handle_can_be_found_and_waited_on(tmp_path):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    ck.save(path, make_model(1), async_save=True)  # the handle is dropped at once
+    import gc
+
+    gc.collect()
+    with pytest.raises(ck.CheckpointError, match=r"still pending.*pending_save\(path\) returns the handle"):
+        ck.save(path, make_model(2))
+    handle = ck.pending_save(tmp_path / "c")
+    assert handle is not None and ck.pending_save(str(tmp_path / "elsewhere")) is None
+    handle.wait()
+    assert ck.pending_save(path) is None
+    loaded = make_model(5)
+    ck.load(path, loaded)
+    assert_same_state(full_state(loaded), full_state(make_model(1)))  # the dropped save was published
+    ck.save(path, make_model(2))  # and the path is free again
+
+
+_EXIT_WITH_A_PENDING_SAVE = """
+import fsdp2.checkpoint as ck
+from tests.ckpt_helpers import make_model
+ck.save({path!r}, make_model(0))
+handle = ck.save({path!r}, make_model(1), async_save=True)
+print("exiting")
+"""
+
+
+def test_exit_with_a_pending_async_save_warns(tmp_path):
+    path = str(tmp_path / "c")
+    result = isolated(_EXIT_WITH_A_PENDING_SAVE.format(path=path))
+    assert result.returncode == 0 and "exiting" in result.stdout, result.stderr[-2000:]
+    assert f"the async save to {path} was never waited on, so it was not published" in result.stderr, result.stderr
+    loaded = make_model(5)
+    ck.load(path, loaded)  # the previous checkpoint is intact
+    assert_same_state(full_state(loaded), full_state(make_model(0)))
