@@ -109,7 +109,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with 3 GiB of address space and a deadline.
+    """Run ``code`` in a fresh interpreter with at most 4 GiB of data (heap, anonymous maps) and a deadline.
 
     For calls that hung or read without limit before their fix: the test fails (a timeout or
     a MemoryError) instead of hanging the suite or filling the machine's memory.
@@ -119,7 +119,8 @@ def isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     import pytest
 
     def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        # RLIMIT_DATA, not RLIMIT_AS: a CUDA build of torch maps large libraries but allocates little.
+        resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
 
     try:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,

@@ -110,23 +110,25 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanInputError, ValueError) as e:
         print(f"fsdp2.plan: {e}", file=sys.stderr)
         return 2
+    if args.json == "-":
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        print(result)
+    if args.ascii_plot:
+        print()
+        print(ascii_plot(result))
     try:
-        if args.json == "-":
-            json.dump(result.to_json(), sys.stdout, indent=2)
-            print()
-        else:
-            print(result)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result.to_json(), f, indent=2)
-        if args.ascii_plot:
-            print()
-            print(ascii_plot(result))
+        if args.json and args.json != "-":
+            flag = f"--json {args.json}"
+            with open(args.json, "w") as f:
+                json.dump(result.to_json(), f, indent=2)
         if args.plot:
+            flag = f"--plot {args.plot}"
             written = save_plot(result, args.plot)
             print(f"plot: {written}", file=sys.stderr)
-    except OSError as e:  # checked above, but the disk can still fill or the folder vanish
-        print(f"fsdp2.plan: cannot write the output: {e}", file=sys.stderr)
+    except OSError as e:  # checked before planning, but a disk can fill or a folder vanish
+        print(f"fsdp2.plan: cannot write {flag}: {e}", file=sys.stderr)
         return 2
     return 0
 
