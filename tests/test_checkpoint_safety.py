@@ -835,35 +835,38 @@ def _make_lock_hazard(path: str, kind: str) -> None:
 _LOCK_HAZARDS = {"fifo": "is a FIFO, not a regular file", "link_to_fifo": "is a symbolic link",
                  "link_to_dev_zero": "is a symbolic link", "dangling_link": r"is a symbolic link \(to .*nowhere\)"}
 
-_SAVE_WITH_LOCK_HAZARD = """
-import json, os, sys, torch
+_SAVE_WITH_LOCK_HAZARDS = """
+import json
 import fsdp2.checkpoint as ck
 from tests.ckpt_helpers import make_model
-path, kind = sys.argv[1], sys.argv[2]
-try:
-    ck.save(path, make_model(1))
-    print(json.dumps("saved"))
-except ck.CheckpointError as e:
-    print(json.dumps(str(e)))
+messages = []
+for path in {paths!r}:
+    try:
+        ck.save(path, make_model(1))
+        messages.append("saved")
+    except ck.CheckpointError as e:
+        messages.append(str(e))
+print(json.dumps(messages))
 """
 
 
-@pytest.mark.parametrize("kind", sorted(_LOCK_HAZARDS))
-def test_save_refuses_a_lock_that_is_not_a_regular_file(tmp_path, kind):
-    path = str(tmp_path / "c")
-    ck.save(path, make_model(0))
-    _make_lock_hazard(path, kind)
-    before = exact_tree(path)
-    code = _SAVE_WITH_LOCK_HAZARD.replace("path, kind = sys.argv[1], sys.argv[2]", f"path, kind = {path!r}, {kind!r}")
-    result = isolated(code, timeout=90)
+def test_save_refuses_a_lock_that_is_not_a_regular_file(tmp_path):
+    kinds = sorted(_LOCK_HAZARDS)
+    paths = [str(tmp_path / kind / "c") for kind in kinds]
+    for kind, path in zip(kinds, paths):
+        ck.save(path, make_model(0))
+        _make_lock_hazard(path, kind)
+    before = [exact_tree(path) for path in paths]
+    result = isolated(_SAVE_WITH_LOCK_HAZARDS.format(paths=paths), timeout=90)  # one interpreter: torch imports once
     assert result.returncode == 0, result.stderr[-2000:]
-    message = json.loads(result.stdout.splitlines()[-1])
-    assert re.search(_LOCK_HAZARDS[kind], message), message
-    assert "delete it and save again" in message and "at the same moment" not in message, message
-    assert exact_tree(path) == before
-    loaded = make_model(5)
-    ck.load(path, loaded)  # the published checkpoint is still the first one
-    assert_same_state(full_state(loaded), full_state(make_model(0)))
+    messages = json.loads(result.stdout.splitlines()[-1])
+    for kind, path, message, tree in zip(kinds, paths, messages, before):
+        assert re.search(_LOCK_HAZARDS[kind], message), (kind, message)
+        assert "delete it and save again" in message and "at the same moment" not in message, message
+        assert exact_tree(path) == tree, kind
+        loaded = make_model(5)
+        ck.load(path, loaded)  # the published checkpoint is still the first one
+        assert_same_state(full_state(loaded), full_state(make_model(0)))
 
 
 def _save_with_fifo_lock(rank, ws, path):
