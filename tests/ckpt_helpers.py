@@ -6,6 +6,10 @@ Rank functions live in test modules; this module holds what both sides use.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
@@ -97,3 +101,47 @@ def load_outcome(path: str, model: nn.Module) -> tuple[str, bool]:
     except ck.CheckpointError as e:
         outcome = str(e)
     return outcome, all(torch.equal(v, before[k]) for k, v in full_state(model).items())
+
+
+# ---------------------------------------------------------------- untrusted files (issue 24)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with at most 4 GiB of data (heap, anonymous maps) and a deadline.
+
+    For calls that hung or read without limit before their fix: the test fails (a timeout or
+    a MemoryError) instead of hanging the suite or filling the machine's memory.
+    """
+    import resource
+
+    import pytest
+
+    def limit_memory():
+        # RLIMIT_DATA, not RLIMIT_AS: a CUDA build of torch maps large libraries but allocates little.
+        resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))
+
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s: it hangs")
+
+
+def exact_tree(path) -> dict:
+    """Every entry under ``path``: a file's bytes, a link's target, or its kind (not followed)."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                value = ("link", os.readlink(full))
+            elif stat.S_ISREG(mode):
+                with open(full, "rb") as f:
+                    value = f.read()
+            else:
+                value = ("kind", stat.S_IFMT(mode))
+            out[os.path.relpath(full, path)] = value
+    return out

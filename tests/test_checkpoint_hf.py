@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli
 from fsdp2.models import GPT, GPTConfig, Llama, LlamaConfig, tensor_parallel_plan
-from tests.ckpt_helpers import assert_same_state, full_state, make_model, mesh_1d, shard
+from tests.ckpt_helpers import assert_same_state, exact_tree, full_state, isolated, make_model, mesh_1d, shard
 
 CFG = LlamaConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4, hidden_dim=48)
 
@@ -251,3 +253,138 @@ def test_save_consolidate_load_hf_on_another_world_size(worlds, tmp_path):
     assert len(json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())["weight_map"]) == 6
     for state in worlds.run(3, _load_hf_sharded, out):
         assert_same_state(state, saved)
+
+
+# ---------------------------------------------------------------- untrusted files (issue 24)
+
+_LOAD_HF_IN_A_SUBPROCESS = """
+import json
+import fsdp2.checkpoint as ck
+from tests.ckpt_helpers import full_state, make_model
+outcomes = []
+for path in {paths!r}:
+    target = make_model(1)
+    before = full_state(target)
+    try:
+        ck.load_hf(path, target)
+        outcome = "loaded"
+    except ck.CheckpointError as e:
+        outcome = str(e)
+    outcomes.append([outcome, all((v == before[k]).all().item() for k, v in full_state(target).items())])
+print(json.dumps(outcomes))
+"""
+
+
+@pytest.mark.parametrize("kind,match", [("fifo", "index.json is a FIFO, not a regular file"),
+                                        ("link_to_dev_zero", "index.json is a character device, not a regular file")])
+def test_index_that_is_a_fifo_or_dev_zero_is_refused(tmp_path, kind, match):
+    write_hf(tmp_path, make_model(0).state_dict())
+    index = tmp_path / "model.safetensors.index.json"
+    index.unlink()
+    if kind == "fifo":
+        os.mkfifo(index)
+    else:
+        os.symlink("/dev/zero", index)  # the HF cache links files out of the folder: allowed, then refused
+    before = exact_tree(tmp_path)
+    result = isolated(_LOAD_HF_IN_A_SUBPROCESS.format(paths=[str(tmp_path), str(index)]), timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for outcome, untouched in json.loads(result.stdout.splitlines()[-1]):  # the folder, then the index itself
+        assert match in outcome and untouched, outcome
+    assert exact_tree(tmp_path) == before
+
+
+def _weights_file(path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def _crafted(case: str) -> tuple[dict | str, bytes]:
+    """A header and data for make_model's 6 tensors (fp32), damaged as ``case`` says."""
+    sd = make_model(0).state_dict()
+    header, data, offset = {"__metadata__": {"format": "pt"}}, b"", 0
+    for name, t in sd.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        data, offset = data + raw, offset + len(raw)
+    w0, b0 = header["0.weight"]["data_offsets"], header["0.bias"]["data_offsets"]
+    if case == "overlap":  # 2.bias (5 floats) reads the first 20 bytes of 0.bias (7 floats): same length
+        header["2.bias"]["data_offsets"] = [b0[0], b0[0] + 20]
+    elif case == "fractional_shape":
+        header["0.bias"]["shape"] = [7.0]
+    elif case == "fractional_shape_8_7":
+        header["0.bias"]["shape"] = [7.7]
+    elif case == "fractional_offset":
+        header["0.bias"]["data_offsets"] = [float(b0[0]), b0[1]]
+    elif case == "negative_shape":
+        header["0.bias"]["shape"] = [-7]
+    elif case == "bool_shape":
+        header["4.bias"]["shape"] = [True, 3]
+    elif case == "gap":
+        data += b"\0" * 8
+        header["4.bias"]["data_offsets"] = [x + 8 for x in header["4.bias"]["data_offsets"]]
+    elif case == "trailing_bytes":
+        data += b"\0" * 8
+    elif case == "unknown_dtype":
+        header["0.bias"]["dtype"] = "F128"
+    elif case == "metadata_not_strings":
+        header["__metadata__"] = {"format": 1}
+    elif case == "three_offsets":
+        header["0.bias"]["data_offsets"] = [*b0, b0[1]]
+    elif case == "shape_disagrees_with_bytes":
+        header["0.weight"]["shape"] = [16, 7, 2]
+    elif case == "duplicate_key":  # 0.bias twice, the second (json keeps the last) over 0.weight's first bytes
+        entry = '"0.bias": ' + json.dumps(header["0.bias"])
+        twin = '"0.bias": ' + json.dumps({"dtype": "F32", "shape": [7], "data_offsets": [w0[0], w0[0] + 28]})
+        text = json.dumps(header)
+        assert entry in text
+        return text.replace(entry, f"{entry}, {twin}", 1), data
+    elif case == "nan_dimension":
+        return json.dumps(header).replace('"shape": [7]', '"shape": [NaN]', 1), data
+    return header, data
+
+
+_CRAFTED_HEADERS = ["overlap", "fractional_shape", "fractional_shape_8_7", "fractional_offset", "negative_shape",
+                    "bool_shape", "gap", "trailing_bytes", "unknown_dtype", "metadata_not_strings", "three_offsets",
+                    "shape_disagrees_with_bytes", "duplicate_key", "nan_dimension"]
+
+
+@pytest.mark.parametrize("case", _CRAFTED_HEADERS)
+def test_headers_the_safetensors_library_rejects_are_refused(tmp_path, case):
+    header, data = _crafted(case)
+    path = tmp_path / "model.safetensors"
+    if isinstance(header, str):
+        blob = header.encode() + b" " * (-len(header.encode()) % 8)
+        path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    else:
+        _weights_file(path, header, data)
+    with pytest.raises(Exception):  # the reference: the library refuses every one of these files
+        with safe_open(str(path), framework="pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    before = exact_tree(tmp_path)
+    _expect_error(tmp_path, make_model(1), r"model\.safetensors is not a readable safetensors file")
+    assert exact_tree(tmp_path) == before
+
+
+def test_header_limits_and_encoding(tmp_path):
+    header, data = _crafted("none")
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    cases = {
+        "too_large": struct.pack("<Q", 100_000_001) + b"{}",  # over the library's 100,000,000 bytes
+        "not_utf8": struct.pack("<Q", len(blob)) + blob.replace(b'"format"', b'"f\xffrmat"') + data,
+        "utf16": struct.pack("<Q", 2 * len(blob)) + blob.decode().encode("utf-16-le") + data,
+        "a_list": struct.pack("<Q", 8) + b"[]      ",
+    }
+    for case, content in cases.items():
+        path = tmp_path / case / "model.safetensors"
+        path.parent.mkdir()
+        path.write_bytes(content)
+        _expect_error(path, make_model(1), r"not a readable safetensors file")
+    good = tmp_path / "good" / "model.safetensors"
+    good.parent.mkdir()
+    good.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    target = make_model(1)
+    ck.load_hf(good, target)  # the uncrafted file loads
+    assert_same_state(full_state(target), full_state(make_model(0)))

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,8 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, lock
 from fsdp2.checkpoint.consolidate import consolidate
-from tests.ckpt_helpers import assert_same_state, full_optim_state, full_state, make_model, mesh_1d, shard
+from tests.ckpt_helpers import (assert_same_state, exact_tree, full_optim_state, full_state, isolated, make_model,
+                                mesh_1d, shard)
 
 
 def _tree(path) -> dict[str, int]:
@@ -812,3 +814,167 @@ def test_from_pretrained_loads_the_export(tmp_path, tied):
     tokens = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+# ================================================================ fault and misuse probe (issue 24)
+
+def _make_lock_hazard(path: str, kind: str) -> None:
+    """Put ``kind`` where the save lock goes: what a probe (or a careless user) leaves there."""
+    lock_path = os.path.join(path, lock.LOCK_NAME)
+    if kind == "fifo":
+        os.mkfifo(lock_path)
+    elif kind == "link_to_fifo":
+        os.mkfifo(os.path.join(os.path.dirname(path), "fifo"))
+        os.symlink(os.path.join(os.path.dirname(path), "fifo"), lock_path)
+    elif kind == "link_to_dev_zero":
+        os.symlink("/dev/zero", lock_path)
+    elif kind == "dangling_link":
+        os.symlink(os.path.join(os.path.dirname(path), "nowhere"), lock_path)
+
+
+_LOCK_HAZARDS = {"fifo": "is a FIFO, not a regular file", "link_to_fifo": "is a symbolic link",
+                 "link_to_dev_zero": "is a symbolic link", "dangling_link": r"is a symbolic link \(to .*nowhere\)"}
+
+_SAVE_WITH_LOCK_HAZARDS = """
+import json
+import fsdp2.checkpoint as ck
+from tests.ckpt_helpers import make_model
+messages = []
+for path in {paths!r}:
+    try:
+        ck.save(path, make_model(1))
+        messages.append("saved")
+    except ck.CheckpointError as e:
+        messages.append(str(e))
+print(json.dumps(messages))
+"""
+
+
+def test_save_refuses_a_lock_that_is_not_a_regular_file(tmp_path):
+    kinds = sorted(_LOCK_HAZARDS)
+    paths = [str(tmp_path / kind / "c") for kind in kinds]
+    for kind, path in zip(kinds, paths):
+        ck.save(path, make_model(0))
+        _make_lock_hazard(path, kind)
+    before = [exact_tree(path) for path in paths]
+    result = isolated(_SAVE_WITH_LOCK_HAZARDS.format(paths=paths), timeout=90)  # one interpreter: torch imports once
+    assert result.returncode == 0, result.stderr[-2000:]
+    messages = json.loads(result.stdout.splitlines()[-1])
+    for kind, path, message, tree in zip(kinds, paths, messages, before):
+        assert re.search(_LOCK_HAZARDS[kind], message), (kind, message)
+        assert "delete it and save again" in message and "at the same moment" not in message, message
+        assert exact_tree(path) == tree, kind
+        loaded = make_model(5)
+        ck.load(path, loaded)  # the published checkpoint is still the first one
+        assert_same_state(full_state(loaded), full_state(make_model(0)))
+
+
+def _save_with_fifo_lock(rank, ws, path):
+    model = shard(make_model(1), mesh_1d(ws))
+    try:
+        ck.save(path, model)
+        return "saved"
+    except ck.CheckpointError as e:
+        return str(e)
+
+
+def test_fifo_lock_fails_every_rank_instead_of_hanging(worlds, tmp_path):
+    path = str(tmp_path / "c")
+    os.makedirs(path)
+    _make_lock_hazard(path, "fifo")
+    messages = worlds.run(2, _save_with_fifo_lock, path, timeout=60)
+    assert all("is a FIFO, not a regular file" in m for m in messages), messages
+
+
+def test_manifest_that_is_not_utf8_is_one_error_line(tmp_path, capsys):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest, "rb") as f:
+        raw = f.read()
+    with open(manifest, "wb") as f:
+        f.write(raw.replace(b'"generation"', b'"gen\xff\xfeeration"', 1))
+    before = exact_tree(path)
+    for command in (["inspect", path], ["consolidate", path, str(tmp_path / "o1")],
+                    ["consolidate", path, str(tmp_path / "o2"), "--no-verify"]):
+        assert cli.main(command) == 2, command  # an exception escaping here is the traceback
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert "manifest.json is not UTF-8 text" in err, err
+    assert cli.main(["verify", path]) == 1  # a problem found, as for every malformed manifest
+    assert "FAIL " in capsys.readouterr().out
+    target = make_model(3)
+    state = full_state(target)
+    with pytest.raises(ck.CheckpointError, match="manifest.json is not UTF-8 text"):
+        ck.load(path, target)
+    assert_same_state(full_state(target), state)
+    assert exact_tree(path) == before and not os.path.exists(tmp_path / "o1")
+
+
+def test_consolidate_overwrite_replaces_links_instead_of_writing_through_them(tmp_path, capsys):
+    """A Hugging Face snapshot folder is symlinks into blobs/: --overwrite must not change the blobs."""
+    other = str(tmp_path / "other")
+    ck.save(other, make_model(7))  # another checkpoint, whose files the links point at
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "mlp"}')
+    out = tmp_path / "snapshot"
+    out.mkdir()
+    rank_file = next(p for p in (tmp_path / "other").rglob("rank-*.safetensors"))
+    with open(os.path.join(other, "manifest.json")) as f:
+        manifest_text = f.read()
+    victims = {"model-00001-of-00001.safetensors": rank_file, "model.safetensors.index.json": tmp_path / "other" /
+               "manifest.json", "config.json": tmp_path / "blob-config.json"}
+    (tmp_path / "blob-config.json").write_text('{"model_type": "blob"}')
+    for name, target in victims.items():
+        os.symlink(target, out / name)
+    before = {name: open(target, "rb").read() for name, target in victims.items()}
+    assert cli.main(["consolidate", path, str(out), "--overwrite", "--config", str(config)]) == 0
+    capsys.readouterr()
+    for name, target in victims.items():
+        assert open(target, "rb").read() == before[name], f"{target} was written through the link {name}"
+        assert not os.path.islink(out / name) and os.path.isfile(out / name), name
+    assert cli.main(["verify", other]) == 0 and open(os.path.join(other, "manifest.json")).read() == manifest_text
+    _, tensors = _read_export(out)
+    assert_same_state(tensors, full_state(make_model(0)))
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "mlp"}
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_dropped_async_save_handle_can_be_found_and_waited_on(tmp_path):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    ck.save(path, make_model(1), async_save=True)  # the handle is dropped at once
+    import gc
+
+    gc.collect()
+    with pytest.raises(ck.CheckpointError, match=r"still pending.*pending_save\(path\) returns the handle"):
+        ck.save(path, make_model(2))
+    handle = ck.pending_save(tmp_path / "c")
+    assert handle is not None and ck.pending_save(str(tmp_path / "elsewhere")) is None
+    handle.wait()
+    assert ck.pending_save(path) is None
+    loaded = make_model(5)
+    ck.load(path, loaded)
+    assert_same_state(full_state(loaded), full_state(make_model(1)))  # the dropped save was published
+    ck.save(path, make_model(2))  # and the path is free again
+
+
+_EXIT_WITH_A_PENDING_SAVE = """
+import fsdp2.checkpoint as ck
+from tests.ckpt_helpers import make_model
+ck.save({path!r}, make_model(0))
+handle = ck.save({path!r}, make_model(1), async_save=True)
+print("exiting")
+"""
+
+
+def test_exit_with_a_pending_async_save_warns(tmp_path):
+    path = str(tmp_path / "c")
+    result = isolated(_EXIT_WITH_A_PENDING_SAVE.format(path=path))
+    assert result.returncode == 0 and "exiting" in result.stdout, result.stderr[-2000:]
+    assert f"the async save to {path} was never waited on, so it was not published" in result.stderr, result.stderr
+    loaded = make_model(5)
+    ck.load(path, loaded)  # the previous checkpoint is intact
+    assert_same_state(full_state(loaded), full_state(make_model(0)))

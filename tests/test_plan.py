@@ -360,3 +360,29 @@ def test_strategies_are_laid_out_on_the_nodes():
     assert tp.tp_link(cluster) == "intra" and tp.shard_link(cluster) == "inter"
     assert Strategy(Kind.HSDP, 16, 4).shard_link(cluster) == "intra"
     assert Strategy(Kind.FSDP, 1, 8).shard_link(Cluster(gpus=8)) == "intra"
+
+
+@pytest.mark.parametrize("bad", [
+    ("--tolerance", "-1"), ("--tolerance", "nan"), ("--gpu-memory-gib", "nan"), ("--tflops", "inf"),
+    ("--hbm-gbps", "-inf"), ("--inter-node-gbps", "nan"), ("--usable-fraction", "nan"), ("--gpus", "abc"),
+    ("--json", "/nonexistent-folder/plan.json"), ("--json", "."), ("--plot", "/nonexistent-folder/plan.png"),
+    ("--json", "/proc/self/fsdp2-plan.json"),
+], ids=" ".join)
+def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path, bad):
+    """Issue 24: --tolerance -1 said "min() arg is an empty sequence", nan/inf rates gave verdicts,
+    an unwritable --json printed a traceback."""
+    argv = ["--model", "tests.test_plan:tiny_factory", "--gpus", "8", "--seq-len", "32", "--strategies", "DDP,FSDP",
+            *bad]
+    from fsdp2.plan.__main__ import main
+
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(captured):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors exit from parse_args
+            code = e.code
+    err = captured.getvalue()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "fsdp2.plan: " in lines[0], (code, err)
+    assert bad[0] in err or bad[0].lstrip("-").replace("-", "_") in err, err
+    assert "Traceback" not in err and "min() arg" not in err

@@ -14,6 +14,7 @@ from .errors import CheckpointError
 from .hf_import import HFKeys, load_hf
 from .reader import LoadStats, load
 from .verify import verify_checkpoint
-from .writer import AsyncSave, save
+from .writer import AsyncSave, pending_save, save
 
-__all__ = ["save", "load", "load_hf", "verify_checkpoint", "CheckpointError", "AsyncSave", "LoadStats", "HFKeys"]
+__all__ = ["save", "load", "load_hf", "verify_checkpoint", "CheckpointError", "AsyncSave", "pending_save", "LoadStats",
+           "HFKeys"]

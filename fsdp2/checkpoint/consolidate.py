@@ -9,6 +9,11 @@ With the model's ``config.json`` (and state-dict names that are Hugging Face's, 
 loads the folder with no hand step. Weights that are one tensor in the model (a head tied
 to the embedding) are written once, under the first state-dict name, as ``save_pretrained``
 does. Everything is checked before anything is written.
+
+Every output file is written under a temporary name in ``out`` and renamed over its final
+name: a name that already exists -- a symlink included, as in a Hugging Face snapshot folder,
+whose files link into the cache's blobs/ -- is replaced, never written through, so no file
+outside ``out`` is ever changed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 
 import torch
@@ -183,23 +189,47 @@ def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], m
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             specs = [TensorSpec(n, target_dtype(e), e.shape) for n, e in group]
-            writer = SafetensorsStreamWriter(os.path.join(out, fname), specs, metadata={"format": "pt"})
-            for (name, entry), spec in zip(group, specs):
-                writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
-                weight_map[name] = fname
-                total += spec.nbytes
-            writer.close()
+            with _replacing(os.path.join(out, fname)) as tmp:
+                writer = SafetensorsStreamWriter(tmp, specs, metadata={"format": "pt"})
+                try:
+                    for (name, entry), spec in zip(group, specs):
+                        writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
+                        weight_map[name] = fname
+                        total += spec.nbytes
+                    writer.close()
+                except BaseException:
+                    writer.abort()
+                    raise
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(out, INDEX_NAME), "w") as f:
+    with _replacing(os.path.join(out, INDEX_NAME)) as tmp, open(tmp, "w") as f:
         json.dump(index, f, indent=2)
     return index
+
+
+@contextlib.contextmanager
+def _replacing(dest: str):
+    """A fresh temporary file next to ``dest``, renamed over ``dest`` if the block succeeds.
+
+    The rename replaces whatever ``dest`` is -- a symlink into another checkpoint or the HF
+    cache stays pointing at untouched data, only the link in ``out`` is gone.
+    """
+    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new (O_EXCL), mode as umask says
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def _copy_config_file(source: str, dest: str, out_dtype: torch.dtype | None) -> None:
     if os.path.exists(dest) and os.path.samefile(source, dest) and out_dtype is None:
         return  # the config already lives in the output folder
     if os.path.basename(dest) != "config.json" or out_dtype is None:
-        shutil.copyfile(source, dest)
+        with _replacing(dest) as tmp:
+            shutil.copyfile(source, tmp)
         return
     with open(source) as f:
         config = json.load(f)
@@ -207,5 +237,5 @@ def _copy_config_file(source: str, dest: str, out_dtype: torch.dtype | None) -> 
     # transformers reads "torch_dtype" (and, since 4.56, "dtype"): say what the files hold.
     for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
         config[key] = name
-    with open(dest, "w") as f:
+    with _replacing(dest) as tmp, open(tmp, "w") as f:
         json.dump(config, f, indent=2)

@@ -23,7 +23,7 @@ import warnings
 
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, Manifest, generation_dir
-from .paths import checkpoint_file
+from .paths import read_checkpoint_text
 from .safetensors_io import fsync_dir
 
 MARKER_NAME = ".fsdp2-generation"
@@ -58,9 +58,8 @@ class CheckpointDir:
         """The published manifest, None if there is none."""
         if not os.path.lexists(os.path.join(self.path, MANIFEST_NAME)):
             return None
-        full = checkpoint_file(self.path, MANIFEST_NAME)
-        with open(full) as f:
-            return Manifest.from_json(f.read(), full)
+        text = read_checkpoint_text(self.path, MANIFEST_NAME)
+        return Manifest.from_json(text, os.path.join(self.path, MANIFEST_NAME))
 
     def leftovers(self) -> list[str]:
         """Names of unpublished save data: what an interrupted save leaves behind."""

@@ -36,6 +36,7 @@ from fsdp2.layout.regions import LayoutError, Region, local_region
 
 from . import _dist
 from .errors import CheckpointError
+from .paths import read_checkpoint_text
 from .reader import LoadStats
 from .safetensors_io import StoredTensorInfo
 from .tensor_reader import OpenFiles, ReadPass, StoredChunk
@@ -92,10 +93,12 @@ def _resolve(path: str) -> tuple[str, str | None, str | None]:
 
 def _read_index(root: str, index_name: str) -> dict[str, str]:
     full = os.path.join(root, index_name)
+    # Opened as the safetensors files are: a FIFO or /dev/zero there must not block or never end.
+    text = read_checkpoint_text(root, index_name, "the index is corrupt, download it again",
+                                links_may_leave_root=True)
     try:
-        with open(full, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError) as e:
+        index = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{full} is not a readable safetensors index ({e}); the index is corrupt, "
                               "download it again") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -16,6 +16,9 @@ A saver killed mid-save leaves its lock behind, so a lock is *stale*, and taken 
   hosts' clocks agree to well within ``LEASE_S``, as NTP keeps them).
 
 Only the holder's token releases a lock, so a job never deletes a lock it does not hold.
+The lock is read like any untrusted file (never followed through a symlink, never a FIFO or a
+device, at most ``_MAX_RECORD`` bytes): anything but a regular file there is refused with a
+message saying what it is, since fsdp2 did not put it there.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import time
 from dataclasses import dataclass
 
 from .errors import CheckpointError
+from .paths import open_regular, read_text
 
 LOCK_NAME = ".fsdp2-save.lock"
 LEASE_S = 120.0
+_MAX_RECORD = 64 << 10  # a record is ~150 bytes; a bigger file is garbage, not something to read whole
 
 
 def _process_start(pid: int) -> str | None:
@@ -97,30 +102,36 @@ class SaveLock:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-        holder = self._holder()
+        try:
+            holder = self._holder()
+        except CheckpointError:
+            return  # replaced by something that is not a lock: not ours to delete
         if holder is not None and holder.record.get("token") == self.token:
             _remove(self.path)
 
     def _beat(self) -> None:
         while not self._stop.wait(LEASE_S / 4):
             try:
-                os.utime(self.path)
+                os.utime(self.path, follow_symlinks=False)
             except OSError:
                 pass  # a vanished lock is reported by the next acquire of whoever took it
 
     def _holder(self) -> "_Holder | None":
-        """Who holds the lock now; None if nobody."""
+        """Who holds the lock now; None if nobody. ``CheckpointError`` if it is not a regular file."""
+        fix = (f"fsdp2 did not make it and nothing was changed. If no save into {os.path.dirname(self.path)} "
+               "is running, delete it and save again")
         try:
-            with open(self.path) as f:
-                text = f.read()
-            mtime = os.path.getmtime(self.path)
+            fd, st = open_regular(self.path, fix, follow_links=False)
         except FileNotFoundError:
             return None
         try:
+            text = read_text(fd, self.path, fix, limit=_MAX_RECORD)
             record = json.loads(text)
-        except ValueError:
+        except (ValueError, CheckpointError):
             record = None  # being written right now, or garbage
-        return _Holder(record if isinstance(record, dict) else {}, mtime)
+        finally:
+            os.close(fd)
+        return _Holder(record if isinstance(record, dict) else {}, st.st_mtime)
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,79 @@ def file_crc32(path: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- reading the header
 
-_MAX_HEADER = 100 << 20  # the limit the safetensors library itself enforces
+# The rules of the safetensors library (its Rust crate's header parsing), which every header we
+# read must pass before any tensor byte is read, whoever wrote the file: otherwise two tensors
+# could share bytes, or a shape of 8.7 could be read as 8, and the load would succeed silently.
+_MAX_HEADER = 100_000_000  # bytes of JSON, the library's limit
+# Bits per element of every dtype the format defines (torch may lack some: those load nowhere,
+# but their byte counts still have to add up).
+_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+               "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+               "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_USIZE = 1 << 64
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:  # json would keep the last one: which tensor is meant is ambiguous
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _count(value, what: str) -> int:
+    if type(value) is not int or not 0 <= value < _USIZE:  # bool, 8.0 and 8.7 are not counts
+        raise ValueError(f"{what} is {value!r}, not a non-negative integer")
+    return value
+
+
+def parse_header_json(blob: bytes, data_bytes: int) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], dict]:
+    """Validate a safetensors header (the JSON after the length) for a file with ``data_bytes``
+    bytes after it: ({name: (dtype, shape, begin, end)} with offsets relative to the data, metadata).
+
+    Raises ``ValueError`` saying what is wrong. Checks what the safetensors library checks and
+    more: UTF-8, one JSON object with no duplicate keys (at any depth), ``__metadata__`` a
+    string -> string map, each tensor a known dtype, a shape of non-negative integers and two
+    integer data offsets whose length is the shape's bytes, and the tensors' byte ranges laid
+    end to end from 0 to exactly ``data_bytes``: no overlap, no gap, nothing after the last.
+    """
+    parsed = json.loads(blob.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_not_json)
+    if not isinstance(parsed, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ is not a map of strings to strings")
+    tensors = {}
+    for name, d in parsed.items():
+        if not isinstance(d, dict) or not {"dtype", "shape", "data_offsets"} <= d.keys():
+            raise ValueError(f"tensor {name!r} lacks its dtype, shape or data_offsets")
+        dtype, shape, offsets = d["dtype"], d["shape"], d["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise ValueError(f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            raise ValueError(f"tensor {name!r}: shape must be a list and data_offsets a list of two integers")
+        shape = tuple(_count(n, f"tensor {name!r}: a dimension") for n in shape)
+        begin, end = (_count(x, f"tensor {name!r}: a data offset") for x in offsets)
+        bits = math.prod(shape) * _DTYPE_BITS[dtype]
+        if bits % 8 or end < begin or end - begin != bits // 8:
+            raise ValueError(f"tensor {name!r}: bytes [{begin}, {end}) do not hold {dtype}{list(shape)}")
+        tensors[name] = (dtype, shape, begin, end)
+    covered = 0
+    for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda item: item[1][2:]):
+        if begin != covered:
+            raise ValueError(f"tensor {name!r} starts at byte {begin} of the data, but the tensors before it end at "
+                             f"{covered}: tensors must lie end to end, without overlap or gap")
+        covered = end
+    if covered != data_bytes:
+        raise ValueError(f"the tensors cover {covered} data bytes but the file holds {data_bytes}")
+    return tensors, metadata
 
 
 @dataclass(frozen=True)
@@ -182,7 +254,8 @@ class SafetensorsHeader:
 
 
 def read_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
-    """Parse the header of the safetensors file open as ``fd`` (plain JSON; nothing is executed)."""
+    """Parse and validate (``parse_header_json``) the header of the safetensors file open as ``fd``:
+    plain JSON, nothing is executed."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a readable safetensors file ({why}); restore it or re-create it")
 
@@ -191,29 +264,17 @@ def read_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
         raise bad(f"{file_size} bytes, shorter than a header")
     (length,) = struct.unpack("<Q", head)
     if length > min(_MAX_HEADER, file_size - 8):
-        raise bad(f"header length {length} exceeds the file or the {_MAX_HEADER >> 20} MiB limit")
+        raise bad(f"header length {length} exceeds the file or the {_MAX_HEADER:,} byte limit")
     blob = os.pread(fd, length, 8)
     if len(blob) != length:
         raise bad("file shorter than its header")
     try:
-        parsed = json.loads(blob)
-        if not isinstance(parsed, dict):
-            raise ValueError("header is not a JSON object")
-        metadata = parsed.pop("__metadata__", None) or {}
-        data_start = 8 + length
-        tensors = {}
-        for name, d in parsed.items():
-            shape = tuple(int(n) for n in d["shape"])
-            begin, end = (int(x) for x in d["data_offsets"])
-            dtype = dtype_from_safetensors(d["dtype"])
-            if min(shape, default=0) < 0 or not 0 <= begin <= end or data_start + end > file_size:
-                raise ValueError(f"tensor {name!r} has shape {list(shape)} and bytes [{begin}, {end}) "
-                                 f"outside the {file_size - data_start} data bytes")
-            if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"tensor {name!r}: {end - begin} bytes for {d['dtype']}{list(shape)}")
-            tensors[name] = StoredTensorInfo(str(d["dtype"]), shape, data_start + begin, data_start + end)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise bad(str(e)) from None
+        parsed, metadata = parse_header_json(blob, file_size - 8 - length)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise bad(str(e) if not isinstance(e, RecursionError) else "nested too deeply") from None
+    start = 8 + length
+    tensors = {name: StoredTensorInfo(dtype, shape, start + begin, start + end)
+               for name, (dtype, shape, begin, end) in parsed.items()}
     return SafetensorsHeader(path, head + blob, tensors, metadata)
 
 

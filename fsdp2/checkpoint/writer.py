@@ -22,14 +22,18 @@ Commit protocol (why a reader never sees a half-written checkpoint):
 A rank that dies before step 4 leaves the old checkpoint intact and the new data
 in a ``*.partial`` directory that no manifest references; the next save deletes it.
 One process never runs two saves into one directory: a second ``save`` while an async
-save to the same path is pending is refused before anything is touched.
+save to the same path is pending is refused before anything is touched. The pending save
+stays reachable (``pending_save(path)``) even if its handle was dropped, and a process that
+exits with one pending warns that it was never published.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
@@ -191,12 +195,30 @@ class _Stage(Enum):
     FAILED = auto()     # nothing published; the error is kept and raised again by wait()
 
 
-# Saves that were started with async_save=True and not yet committed, by directory.
-_pending: dict[str, "_SaveJob"] = {}
+# Handles of saves that were started with async_save=True and not yet committed, by directory.
+_pending: dict[str, "AsyncSave"] = {}
 
 
 def _pending_key(path: str) -> str:
     return os.path.realpath(path)
+
+
+def pending_save(path: str | os.PathLike) -> "AsyncSave | None":
+    """The handle of this process's async save to ``path`` that was not waited on yet, or None.
+
+    For a handle that was dropped: ``pending_save(path).wait()`` (every rank) publishes it and
+    frees the path for the next save.
+    """
+    return _pending.get(_pending_key(os.fspath(path)))
+
+
+@atexit.register
+def _warn_unpublished() -> None:
+    """A process ending with an async save pending has lost it: say so instead of nothing."""
+    for handle in list(_pending.values()):
+        warnings.warn(f"fsdp2.checkpoint: the async save to {handle.path} was never waited on, so it was not "
+                      "published (the checkpoint there is still the previous one). Call wait() on its handle "
+                      "(every rank) before the process ends.", RuntimeWarning, stacklevel=1)
 
 
 class _SaveJob:
@@ -281,11 +303,13 @@ class AsyncSave:
     racing the training loop's own collectives. Every rank must call ``wait()`` at the
     same point of its program (e.g. right before the next ``save`` or at the end of
     training). Until then the save is pending: another ``save`` to the same path is
-    refused. ``wait()`` raises the save's error on every call once it failed.
+    refused; a dropped handle is found again with ``pending_save(path)``. ``wait()`` raises the
+    save's error on every call once it failed.
     """
 
     def __init__(self, job: _SaveJob):
         self._job = job
+        self.path = job.path
         self._thread = threading.Thread(target=job.write, name="fsdp2-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -324,15 +348,17 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if _pending_key(path) in _pending:  # every rank of the job has the same pending save: all refuse
         raise CheckpointError(
             f"an async save to {path} is still pending: call wait() on its handle (every rank) before "
-            "saving there again; nothing was changed")
+            "saving there again; fsdp2.checkpoint.pending_save(path) returns the handle if it was dropped. "
+            "Nothing was changed")
     job = _prepare(path, model, optimizer, extra, rank_extra)
     if async_save:
         # Copies: training may keep updating parameters while the thread writes.
         job.snapshot = process_staging()
         for s, copy in zip(job.shards, job.snapshot.stage([s.data for s in job.shards])):
             s.data = copy
-        _pending[_pending_key(path)] = job
-        return AsyncSave(job)
+        handle = AsyncSave(job)
+        _pending[_pending_key(path)] = handle
+        return handle
     job.write()
     job.commit()
     return None

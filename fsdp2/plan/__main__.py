@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -22,9 +23,29 @@ from fsdp2.plan.report import ascii_plot, save_plot
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad arguments: one line naming the argument (not the usage block), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (--help lists the arguments)\n")
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """Refuse an output path that cannot be written before planning (calibration may take minutes)."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PlanInputError(f"{flag} {path} is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise PlanInputError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PlanInputError(f"{flag} {path} is not writable; choose another path")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineErrors(prog="python -m fsdp2.plan", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model and workload")
     model.add_argument("--model", required=True,
                        help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json (or its folder), or package.module:factory")
@@ -65,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        _check_output(args.json, "--json")
+        _check_output(args.plot, "--plot")
         precision = Precision(_DTYPES[args.param_dtype], _DTYPES[args.reduce_dtype], args.low_precision_all_gather)
         cluster = Cluster(
             gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
@@ -95,15 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         print()
     else:
         print(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result.to_json(), f, indent=2)
     if args.ascii_plot:
         print()
         print(ascii_plot(result))
-    if args.plot:
-        written = save_plot(result, args.plot)
-        print(f"plot: {written}", file=sys.stderr)
+    try:
+        if args.json and args.json != "-":
+            flag = f"--json {args.json}"
+            with open(args.json, "w") as f:
+                json.dump(result.to_json(), f, indent=2)
+        if args.plot:
+            flag = f"--plot {args.plot}"
+            written = save_plot(result, args.plot)
+            print(f"plot: {written}", file=sys.stderr)
+    except OSError as e:  # checked before planning, but a disk can fill or a folder vanish
+        print(f"fsdp2.plan: cannot write {flag}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,7 @@ bound by the NICs (each GPU drives its own: rings of different groups do not sha
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 GiB = 2**30
@@ -36,9 +37,13 @@ class Cluster:
         for field_name in ("gpus", "gpus_per_node"):
             if getattr(self, field_name) < 1:
                 raise ValueError(f"Cluster: {field_name} must be >= 1, got {getattr(self, field_name)}")
+        # nan and inf pass a plain "> 0" and turn every prediction into nonsense (nan compares false).
         for field_name in ("gpu_memory_gib", "tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
-            if getattr(self, field_name) <= 0:
-                raise ValueError(f"Cluster: {field_name} must be > 0, got {getattr(self, field_name)}")
+            if not (math.isfinite(getattr(self, field_name)) and getattr(self, field_name) > 0):
+                raise ValueError(f"Cluster: {field_name} must be a finite number > 0, got {getattr(self, field_name)}")
+        for field_name in ("intra_latency_us", "inter_latency_us"):
+            if not (math.isfinite(getattr(self, field_name)) and getattr(self, field_name) >= 0):
+                raise ValueError(f"Cluster: {field_name} must be a finite number >= 0, got {getattr(self, field_name)}")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"Cluster: usable_fraction must be in (0, 1], got {self.usable_fraction}")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

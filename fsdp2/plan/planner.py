@@ -450,6 +450,8 @@ def plan(
         raise PlanInputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if seq_len < 1 or micro_batch < 1:
         raise PlanInputError(f"seq_len and micro_batch must be >= 1, got {seq_len} and {micro_batch}")
+    if not tolerance >= 0:  # also nan; inf is fine: the simplest fitting strategy, however slow
+        raise PlanInputError(f"tolerance must be a share >= 0 (0.05: within 5% of the fastest), got {tolerance}")
     global_batch = micro_batch * cluster.gpus if global_batch is None else global_batch
     if global_batch < 1:
         raise PlanInputError(f"global_batch must be >= 1, got {global_batch}")
