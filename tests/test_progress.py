@@ -106,3 +106,15 @@ def test_silent_progress_counts_nothing_and_writes_nothing(capsys):
         progress.advance(60)
         progress.advance_to(100)
     assert not progress.shown and capsys.readouterr().err == ""
+
+
+def _wanted_when_asked(rank: int, world_size: int) -> bool:
+    os.environ[ENV] = "1"
+    try:
+        return wanted()
+    finally:
+        del os.environ[ENV]
+
+
+def test_only_rank_zero_shows_progress(worlds):
+    assert worlds.run(2, _wanted_when_asked) == [True, False]
