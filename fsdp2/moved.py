@@ -93,7 +93,25 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> None:
-    """Makes the old paths importable (idempotent; called by ``import fsdp2``)."""
+class _Package(types.ModuleType):
+    """``fsdp2`` itself: importing an old path must not replace a name the package exports.
+
+    Python binds every imported submodule as an attribute of its package, so a first
+    ``import fsdp2.fully_shard`` would replace the function ``fsdp2.fully_shard`` with the alias
+    module. As in the old layout, where ``__init__`` rebound the name to the function, the
+    package's own attribute wins; the alias stays reachable through ``sys.modules``.
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        if (isinstance(value, types.ModuleType) and value.__name__ in MOVED_MODULES
+                and not isinstance(self.__dict__.get(name, value), types.ModuleType)):
+            return
+        super().__setattr__(name, value)
+
+
+def install(package: types.ModuleType) -> None:
+    """Makes the old paths importable (idempotent; ``fsdp2/__init__.py`` calls it with itself)."""
+    if not isinstance(package, _Package):
+        package.__class__ = _Package
     if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
         sys.meta_path.append(_MovedModuleFinder())

@@ -32,7 +32,8 @@ def _fresh_import(name: str):
     """Imports ``name`` as a first import would (the warning fires once per process otherwise)."""
     sys.modules.pop(name, None)
     parent, _, child = name.rpartition(".")
-    if child in vars(sys.modules[parent]):
+    bound = vars(sys.modules[parent]).get(child)
+    if getattr(bound, "__name__", None) == name and isinstance(bound, type(sys)):  # the alias, not fsdp2.fully_shard
         delattr(sys.modules[parent], child)
     __import__(name)  # not importlib.import_module: the warning's frame is then this file
     return sys.modules[name]
@@ -65,6 +66,19 @@ def test_every_public_name_through_old_and_new_path(old):
     # Names added since the move are reachable through the old path too.
     for name in [n for n in dir(new) if not n.startswith("_")]:
         assert getattr(alias, name) is getattr(new, name)
+
+
+def test_old_module_path_does_not_replace_the_package_export():
+    """``fsdp2.fully_shard`` is both an old module path and the package's function: the function stays."""
+    from fsdp2.runtime.fully_shard import fully_shard
+
+    with pytest.warns(DeprecationWarning):
+        alias = _fresh_import("fsdp2.fully_shard")
+    assert fsdp2.fully_shard is fully_shard
+    namespace: dict = {}
+    exec("from fsdp2 import fully_shard", namespace)
+    assert namespace["fully_shard"] is fully_shard
+    assert alias.fully_shard is fully_shard and sys.modules["fsdp2.fully_shard"] is alias
 
 
 def test_star_import_through_old_path():
