@@ -39,10 +39,11 @@ import time
 
 MODELS = {  # GPTConfig kwargs; state = params + 2 AdamW moments, fp32
     "tiny": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),  # 4.2M params, 51 MB state
+    "60m": dict(vocab_size=32000, seq_len=512, dim=512, n_layers=8, n_heads=8),  # 58M, 0.70 GB state
     "125m": dict(vocab_size=32000, seq_len=1024, dim=768, n_layers=12, n_heads=12),  # 135M, 1.6 GB state
     "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),  # 1.04B, 12.5 GB state
 }
-STEP_SEQ = {"tiny": 128, "125m": 64, "1b": 2048}  # tokens per sequence in the overlap steps
+STEP_SEQ = {"tiny": 128, "60m": 64, "125m": 64, "1b": 2048}  # tokens per sequence in the overlap steps
 
 
 def _rchar() -> int:

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 40      # the same, ranks started by torchrun
     python examples/train_gpt.py --nproc 2 --steps 200 --optimizer muon   # fsdp2.optim.Muon + AdamW
     python examples/train_gpt.py --nproc 2 --steps 300 --bf16 --all-gather int8   # low-precision all-gather
+    python examples/train_gpt.py --nproc 2 --steps 100 --report-every 25   # tokens/s and memory per rank
 
 Every rank trains on its own slice of each global batch; batches depend only on the step
 number, so a resumed run sees exactly the batches the original run would have seen.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 import warnings
 from pathlib import Path
@@ -66,6 +68,35 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     }
 
 
+def peak_memory() -> int:
+    """This process's peak memory in bytes: the allocator's on an accelerator, resident set size on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class ThroughputReport:
+    """Every ``every`` steps: tokens/s over those steps and each rank's memory (a collective: all ranks call it)."""
+
+    def __init__(self, every: int, tokens_per_step: int):
+        self.every, self.tokens_per_step = every, tokens_per_step
+        self.window_start = time.perf_counter()
+
+    def after_step(self, step: int, rank: int, model, optimizer) -> None:
+        if not self.every or step % self.every:
+            return
+        seconds = time.perf_counter() - self.window_start
+        mem = memory_report(model, optimizer)
+        mine = (mem["params"] + mem["grads"] + mem["optimizer"], peak_memory())
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        if rank == 0:
+            ranks = "; ".join(f"rank {r}: state {held / MiB:.1f} MiB, peak {peak / MiB:.0f} MiB"
+                              for r, (held, peak) in enumerate(per_rank))
+            print(f"step {step:4d}  {self.every * self.tokens_per_step / seconds:,.0f} tokens/s  {ranks}")
+        self.window_start = time.perf_counter()  # the report's own collective is not counted
+
+
 def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*")
     args.nproc = init_process_group(rank, args.nproc, port)  # torchrun decides the world size itself
@@ -105,6 +136,7 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
         print(f"corpus: {corpus.numel() / MiB:.1f} MiB of torch's Python sources; model: {cfg.num_params() / 1e6:.2f}M params; {args.nproc} ranks")
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
     losses = {}
+    throughput = ThroughputReport(args.report_every, args.batch * args.nproc * cfg.seq_len)
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         tokens, targets = global_batch(corpus, step, args.batch * args.nproc, cfg.seq_len)
@@ -122,6 +154,7 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
             checkpoint.save(f"{args.ckpt}/step-{step + 1}", model, optimizer, extra={"step": step + 1})
             if rank == 0:
                 print(f"saved {args.ckpt}/step-{step + 1}")
+        throughput.after_step(step + 1, rank, model, optimizer)
 
     mem = memory_report(model, optimizer)
     reports = [None] * args.nproc
@@ -157,6 +190,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--resume", action="store_true", help="load --ckpt and continue to --steps")
     parser.add_argument("--losses-out", default="", help="write {step: loss} JSON here")
+    parser.add_argument("--report-every", type=int, default=10, metavar="N",
+                        help="every N steps: tokens/s (all ranks) and each rank's memory (default 10; 0: never)")
     args = parser.parse_args()
     launch(run, args, args.nproc)
 

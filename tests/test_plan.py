@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -350,6 +351,36 @@ def test_cli(tmp_path):
     assert fsdp["comm"]["muon_all_to_all"] > 0 and any("issue 16" in n for n in data["notes"])
     code, _, err = _cli("--model", "nope", "--gpus", "8", "--seq-len", "32")
     assert code == 2 and "unknown model 'nope'" in err
+
+
+_PLOT_ARGS = ("--model", "tests.test_plan:tiny_factory", "--gpus", "8", "--seq-len", "32", "--strategies", "DDP,FSDP")
+
+
+def test_cli_plot_png_is_written_and_decodes(tmp_path):
+    pytest.importorskip("matplotlib", reason='the [plot] extra (in the test extra, so CI runs this)')
+    import matplotlib.image
+
+    png = tmp_path / "plan.png"
+    code, _, err = _cli(*_PLOT_ARGS, "--plot", str(png))
+    assert code == 0 and f"plot: {png}" in err
+    assert not (tmp_path / "plan.png.txt").exists()
+    pixels = matplotlib.image.imread(png)  # decodes as a PNG; what it shows is not checked
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def test_cli_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code, out, err = _cli(*_PLOT_ARGS, "--plot", str(tmp_path / "plan.png"))
+    assert code == 0
+    message = [line for line in err.splitlines() if "matplotlib" in line]
+    assert len(message) == 1 and 'pip install "fsdp2[plot]"' in message[0] and "plan.png" in message[0]
+    assert "* = verdict" in out  # the text chart instead, on stdout
+    assert list(tmp_path.iterdir()) == []  # no file under a name nobody asked for
+    # A .txt path gets the text chart at exactly that path, matplotlib or not.
+    code, _, err = _cli(*_PLOT_ARGS, "--plot", str(tmp_path / "plan.txt"))
+    assert code == 0 and "matplotlib" not in err
+    assert "* = verdict" in (tmp_path / "plan.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.txt"]
 
 
 def test_strategies_are_laid_out_on_the_nodes():

@@ -27,6 +27,8 @@ import shutil
 
 import torch
 
+from fsdp2.tools.progress import ByteProgress
+
 from .errors import CheckpointError
 from .format import Manifest, TensorEntry
 from .paths import checkpoint_file
@@ -179,6 +181,8 @@ def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], m
     groups = _plan_output_files(entries, max_shard_size)
     weight_map, total = {}, 0
     with contextlib.ExitStack() as stack:
+        progress = stack.enter_context(ByteProgress(
+            "consolidate", path, sum(TensorSpec(n, target_dtype(e), e.shape).nbytes for n, e in entries)))
         handles = {}
 
         def handle(rel):
@@ -196,6 +200,7 @@ def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], m
                         writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
                         weight_map[name] = fname
                         total += spec.nbytes
+                        progress.advance(spec.nbytes)
                     writer.close()
                 except BaseException:
                     writer.abort()

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
+from fsdp2.tools.progress import ByteProgress
 
 from . import _dist
 from .errors import CheckpointError
@@ -283,6 +284,7 @@ def _read(files: OpenFiles, targets: list[_Target], stats: LoadStats) -> None:
                             f"tensor {t.source.name!r}")
         reads.add(chunk, t.region, t.buffer)
         stats.bytes_owned += t.buffer.numel() * info.dtype.itemsize  # as stored: comparable to bytes_read
-    counts = reads.run()
+    with ByteProgress("load_hf", files.root, reads.nbytes) as progress:
+        counts = reads.run(progress)
     stats.bytes_read += counts.bytes_read
     stats.files_read = sorted({t.source.file for t in targets if t.buffer is not None})

@@ -29,6 +29,7 @@ from . import _dist
 from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
+from fsdp2.tools.progress import ByteProgress
 
 from .directory import CheckpointDir
 from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, safetensors_dtype
@@ -311,7 +312,8 @@ def _read_targets(plan: _Plan, verify: bool, stats: LoadStats) -> None:
                 source = stored_chunk(plan.manifest, files, t.entry, chunk, verify)
                 reads.add(source, part, t.buffer[part.slices_within(t.region)])
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
-        counts = reads.run()
+        with ByteProgress("load", plan.path, reads.nbytes) as progress:
+            counts = reads.run(progress)
     stats.bytes_read += counts.bytes_read
     stats.bytes_verified += counts.bytes_verified
 

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from fsdp2.layout.regions import Region
+from fsdp2.tools.progress import SILENT, ByteProgress
 
 from .errors import CheckpointError
 from .integrity import BlockGrid, checksum
@@ -164,7 +165,12 @@ class ReadPass:
             self.tasks.append(_Task(chunk, start, end, own_lo, own_hi, cols, piece_dest, direct, runs, verify))
             start = end
 
-    def run(self) -> ReadCounts:
+    @property
+    def nbytes(self) -> int:
+        """Bytes the added requests will read."""
+        return sum(t.nbytes for t in self.tasks)
+
+    def run(self, progress: ByteProgress = SILENT) -> ReadCounts:
         counts = ReadCounts()
         if not self.tasks:
             return counts
@@ -187,6 +193,7 @@ class ReadPass:
             with lock:
                 counts.bytes_read += read
                 counts.bytes_verified += verified
+            progress.advance(read)
 
         if self.threads <= 1 or len(tasks) == 1:
             for t in tasks:

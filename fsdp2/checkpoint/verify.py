@@ -8,6 +8,8 @@ verify PATH`` prints the result.
 
 from __future__ import annotations
 
+from fsdp2.tools.progress import SILENT, ByteProgress
+
 from .errors import CheckpointError
 from .format import Chunk, Manifest, TensorEntry, safetensors_dtype
 from .integrity import checksum
@@ -36,16 +38,21 @@ def verify_checkpoint(path: str) -> list[str]:
     for key, t in m.tensors.items():
         for c in t.chunks:
             chunks_by_file.setdefault(c.file, []).append((t, c))
-    with OpenFiles(path) as files:
+    total = sum(f.size for f in m.files.values())
+    with OpenFiles(path) as files, ByteProgress("verify", path, total) as progress:
+        end = 0
         for name in m.files:
             try:
-                problems += _verify_file(m, files, name, chunks_by_file.get(name, []))
+                problems += _verify_file(m, files, name, chunks_by_file.get(name, []), progress)
             except CheckpointError as e:  # e.g. a dtype this fsdp2 cannot read: a problem to report
                 problems.append(str(e))
+            end += m.files[name].size
+            progress.advance_to(end)  # headers, and whole-file checks of format 1
     return problems
 
 
-def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[TensorEntry, Chunk]]) -> list[str]:
+def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[TensorEntry, Chunk]],
+                 progress: ByteProgress = SILENT) -> list[str]:
     full = files.full_path(name)
     expected = m.files[name]
     try:
@@ -85,7 +92,7 @@ def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[Te
                                   f"key {c.key!r}", grid, c.checksums()), c.region, None)
     if not problems:
         try:
-            reads.run()
+            reads.run(progress)
         except CheckpointError as e:
             problems.append(f"{e} (corrupted)")
     return problems

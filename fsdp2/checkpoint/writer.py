@@ -46,6 +46,7 @@ from . import _dist
 from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
+from fsdp2.tools.progress import SILENT, ByteProgress
 
 from .directory import CheckpointDir
 from .format import Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir, rank_file_name
@@ -73,6 +74,10 @@ class LocalShard:
     dtype: torch.dtype
     region: Region
     data: torch.Tensor  # plain local tensor of shape region.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * self.dtype.itemsize
 
 
 def _first_among_sibling_meshes(mesh) -> bool:
@@ -131,7 +136,8 @@ def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[LocalShard
     return shards, known
 
 
-def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object) -> None:
+def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object,
+                     progress: ByteProgress = SILENT) -> None:
     name = rank_file_name(rank)
     writer = SafetensorsStreamWriter(
         os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards])
@@ -142,6 +148,7 @@ def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: d
             grid = BlockGrid.of(s.region.offsets, s.region.shape, itemsize,
                                 BlockGrid.choose_block_elems(s.region.shape, itemsize))
             crcs = writer.write(s.data, grid)
+            progress.advance(s.nbytes)
             chunks.append({"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape),
                            "block_elems": grid.block_elems, "crc32c": to_hex(crcs)})
         writer.close(fsync=True)
@@ -237,11 +244,11 @@ class _SaveJob:
         self.error: BaseException | None = None
         self.stage = _Stage.WRITING
 
-    def write(self) -> None:
+    def write(self, progress: ByteProgress = SILENT) -> None:
         try:
             if self.snapshot is not None:
                 self.snapshot.wait_copied()
-            _write_rank_file(self.staging, self.rank, self.shards, self.known, self.rank_object)
+            _write_rank_file(self.staging, self.rank, self.shards, self.known, self.rank_object, progress)
         except BaseException as e:  # reported to all ranks in commit()
             self.error = e
         self.shards = []  # drop snapshots as soon as they are on disk
@@ -359,7 +366,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         handle = AsyncSave(job)
         _pending[_pending_key(path)] = handle
         return handle
-    job.write()
+    # Async saves show no progress: their thread writes while training prints its own lines.
+    with ByteProgress("save", path, sum(s.nbytes for s in job.shards)) as progress:
+        job.write(progress)
     job.commit()
     return None
 

@@ -19,6 +19,7 @@ from fsdp2.plan.cluster import Cluster
 from fsdp2.plan.model_source import PRESETS, PlanInputError, model_source
 from fsdp2.plan.planner import OPTIMIZERS, Precision, plan
 from fsdp2.plan.report import ascii_plot, save_plot
+from fsdp2.tools.plotting import PlotUnavailable
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -78,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--strategies", help="comma-separated names or kinds to keep, e.g. FSDP,HSDP,FSDP+TP")
     out.add_argument("--tolerance", type=float, default=0.05, help="verdict: simplest within this share of the fastest (default 0.05)")
     out.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-': to stdout instead of the table)")
-    out.add_argument("--plot", metavar="PATH", help="memory and step time per strategy (PNG/SVG with matplotlib, else text)")
+    out.add_argument("--plot", metavar="PATH", help="memory and step time per strategy: an image (.png/.svg/.pdf; pip install \"fsdp2[plot]\") or text (.txt)")
     out.add_argument("--ascii-plot", action="store_true", help="print the text plot after the table")
     return p
 
@@ -128,8 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(result.to_json(), f, indent=2)
         if args.plot:
             flag = f"--plot {args.plot}"
-            written = save_plot(result, args.plot)
-            print(f"plot: {written}", file=sys.stderr)
+            try:
+                print(f"plot: {save_plot(result, args.plot)}", file=sys.stderr)
+            except PlotUnavailable as e:
+                # The plan itself is done; give the chart as text rather than fail the run.
+                print(f"fsdp2.plan: {e} (or --plot NAME.txt for the text chart, shown here)", file=sys.stderr)
+                if not args.ascii_plot:
+                    print(ascii_plot(result), file=sys.stderr if args.json == "-" else sys.stdout)
     except OSError as e:  # checked before planning, but a disk can fill or a folder vanish
         print(f"fsdp2.plan: cannot write {flag}: {e}", file=sys.stderr)
         return 2

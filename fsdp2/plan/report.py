@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from fsdp2.tools.plotting import pyplot
+
 if TYPE_CHECKING:
     from fsdp2.plan.planner import Plan, StrategyResult
 
@@ -144,31 +146,33 @@ def ascii_plot(plan: "Plan", width: int = 40) -> str:
 
 
 def save_plot(plan: "Plan", path: str) -> str:
-    """A PNG/SVG with matplotlib if it is installed; otherwise the ASCII plot as text. Returns what was written."""
-    done = [r for r in plan.results if r.skipped is None]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        text_path = path if path.endswith(".txt") else path + ".txt"
-        with open(text_path, "w") as f:
+    """Writes the plot to ``path``: the text chart for ``.txt``, else an image in the format its suffix names
+    (PNG, SVG, PDF) with matplotlib. Raises :class:`~fsdp2.tools.plotting.PlotUnavailable` (naming the
+    ``[plot]`` extra) when an image is asked for without matplotlib. Returns ``path``."""
+    if path.endswith(".txt"):
+        with open(path, "w") as f:
             f.write(ascii_plot(plan) + "\n")
-        return text_path
-    names = [r.name for r in done]
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(done) + 1)), sharey=True)
+        return path
+    plt = pyplot(f"plot {path}")
+    done = [r for r in plan.results if r.skipped is None]
+    names = [r.name + ("  (verdict)" if plan.recommended is r else "") for r in done]
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(done) + 1.5)), sharey=True)
     colors = ["tab:green" if r.fits else "tab:red" for r in done]
-    ax_mem.barh(names, [r.memory.peak / GiB for r in done], color=colors)
-    ax_mem.axvline(plan.cluster.usable_bytes / GiB, color="black", linestyle="--", label="usable")
-    ax_mem.set_xlabel("predicted peak GiB per GPU")
+    edges = ["black" if plan.recommended is r else "none" for r in done]
+    ax_mem.barh(names, [r.memory.peak / GiB for r in done], color=colors, edgecolor=edges, linewidth=2)
+    ax_mem.axvline(plan.cluster.usable_bytes / GiB, color="black", linestyle="--",
+                   label=f"usable ({plan.cluster.usable_bytes / GiB:.0f} GiB)")
+    ax_mem.set_xlabel("predicted peak memory per GPU (GiB)")
     ax_mem.invert_yaxis()
-    ax_mem.legend()
-    ax_time.barh(names, [r.time.seconds * 1e3 for r in done], color=colors)
-    ax_time.set_xlabel("predicted step ms")
-    title = f"{plan.model} on {plan.cluster.gpus} GPUs"
+    ax_mem.legend(loc="lower right")
+    ax_time.barh(names, [r.time.seconds * 1e3 for r in done], color=colors, edgecolor=edges, linewidth=2)
+    ax_time.set_xlabel("predicted step time (ms)")
+    for label in ax_mem.get_yticklabels():
+        if label.get_text().endswith("(verdict)"):
+            label.set_fontweight("bold")
+    title = f"{plan.model} on {plan.cluster.gpus} GPUs (red: does not fit)"
     if plan.recommended is not None:
-        title += f": {plan.recommended.name}"
+        title += f"; verdict: {plan.recommended.name}"
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
