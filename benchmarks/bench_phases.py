@@ -74,31 +74,14 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
 def _counts(model, opt, tokens) -> dict[str, int]:
     """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
     of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
-    import cProfile
-    import pstats
+    from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCounter(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            OpCounter.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with OpCounter():
-        _timed_step(model, opt, tokens)
-    profile = cProfile.Profile()
-    profile.enable()
-    _timed_step(model, opt, tokens)
-    profile.disable()
-    stats = pstats.Stats(profile).stats
-    calls = lambda where: sum(nc for (file, _, _), (_, nc, *_) in stats.items() if any(w in file for w in where))  # noqa: E731
+    work = count_host_work(lambda: _timed_step(model, opt, tokens))
     return {
-        "ops": OpCounter.ops,
-        "python calls": sum(nc for _, nc, *_ in stats.values()),
-        "DTensor calls": calls(["/torch/distributed/tensor/"]),
-        "FSDP calls": calls(["/fsdp2/", "/_fully_shard/"]) - calls(["/fsdp2/models/"]),
+        "ops": work.ops,
+        "python calls": work.python_calls,
+        "DTensor calls": work.calls_in(DTENSOR_CODE),
+        "FSDP calls": work.calls_in(FSDP_CODE),
     }
 
 
