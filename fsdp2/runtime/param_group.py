@@ -32,7 +32,13 @@ from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
-from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.sharded_param import (
+    ShardedParam,
+    free_all_unsharded,
+    hold_all_sharded,
+    hold_all_unsharded,
+    take_unreduced_grads,
+)
 from fsdp2.runtime.streams import CommStreams
 
 
@@ -86,7 +92,7 @@ class GradReadiness:
         """Record ``param``'s gradient; True once every parameter that needs one has it."""
         if not self._ready:
             # Counted once per backward: requires_grad may change between iterations, not within.
-            self._expected = sum(p.requires_grad for p in params)
+            self._expected = len([p for p in params if p.sharded_param.requires_grad])
         self._ready.add(id(param))
         return len(self._ready) == self._expected
 
@@ -200,7 +206,7 @@ class ParamGroup:
         logger.debug("FSDP::post_backward (%s)", self.name)
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
-            grads = {id(p): p.take_unreduced_grad() for p in self.params if p.requires_grad}
+            grads = take_unreduced_grads(self.params)
             reduction = self.reduce.issue(grads)
             if reduction is not None:
                 self.reduce_window.add(reduction)
@@ -232,7 +238,7 @@ class ParamGroup:
         self.phase = Phase.IDLE
         self._grads.reset()
 
-    def _on_grad_ready(self, param: ShardedParam) -> None:
+    def _on_grad_ready(self, param: ShardedParam, _unsharded: torch.Tensor | None = None) -> None:
         if self._grads.note(param, self.params) and self.phase != Phase.POST_BACKWARD:
             self.post_backward()
 
@@ -275,8 +281,7 @@ class ParamGroup:
         return None
 
     def _hold_unsharded(self) -> None:
-        for p in self.params:
-            p.hold_unsharded()
+        hold_all_unsharded(self.params)
         self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
@@ -307,6 +312,5 @@ class ParamGroup:
         self.state = GroupState.PARTIALLY_SHARDED
 
     def _free_unsharded(self) -> None:
-        for p in self.params:
-            p.hold_sharded()
-            p.free_unsharded()
+        hold_all_sharded(self.params)
+        free_all_unsharded(self.params)

@@ -19,7 +19,7 @@ from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
-from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
@@ -78,7 +78,7 @@ class PendingReduce:
 def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -> torch.Tensor:
     """A fresh ``world x numel_per_rank`` buffer of ``bucket``'s full gradients, each split into padded rank rows."""
     inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
-    if bucket.all_dim0_even and all(g is not None for g in grads):
+    if bucket.all_dim0_even and all([g is not None for g in grads]):
         # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
         # rank (ShardLayout's dim-0 layout). Only without padding (see PaddedScatterInput).
         torch._chunk_cat(grads, 0, world, out=inp)
@@ -101,8 +101,7 @@ class Reduction:
     def finish(self) -> None:
         self._completion.wait()
         for pending in self._pending:
-            for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-                p.accumulate_sharded_grad(slot)
+            accumulate_sharded_grads(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes))
             pending.release()
         self._pending = []
 
@@ -166,7 +165,7 @@ class GroupReduce:
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
         pattern = tuple(
-            p.requires_grad and (grads.get(id(p)) is not None or self.include_unused) for p in self.params
+            [p.sharded_param.requires_grad and (grads.get(id(p)) is not None or self.include_unused) for p in self.params]
         )
         if pattern not in self._buckets:
             chosen = [p for p, keep in zip(self.params, pattern) if keep]
@@ -206,7 +205,7 @@ class GroupReduce:
     def _pack(self, bucket: FlatBucket, grads: list) -> tuple[torch.Tensor, PaddedScatterInput | None]:
         """The reduce-scatter input of ``bucket`` and, if it is a kept buffer, its owner."""
         world = self.dp.shard_size
-        if bucket.all_dim0 and not bucket.all_dim0_even and all(g is not None for g in grads):
+        if bucket.all_dim0 and not bucket.all_dim0_even and all([g is not None for g in grads]):
             kept = self._kept_inputs.get(id(bucket))
             if kept is None:
                 kept = self._kept_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
