@@ -200,6 +200,11 @@ class CopyInViews:
     padding: list[torch.Tensor]
     source_rows: list[tuple[int, int, tuple[int, ...] | None]]
 
+    @functools.cached_property
+    def takes_whole(self) -> bool:
+        """The one destination takes the full tensor as it is (no per-copy view of it)."""
+        return len(self.source_rows) == 1 and self.source_rows[0][2] is None
+
     def sources(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The pieces of ``full`` that go to ``destinations``, in order."""
         pieces = []

@@ -50,7 +50,12 @@ class PaddedScatterInput:
         self.in_use = True
         if self._padding:
             torch._foreach_zero_(self._padding)  # summed across ranks: must be zeros
-        sources = [piece for views, grad in zip(self._views, grads) for piece in views.sources(grad)]
+        sources = []
+        for views, grad in zip(self._views, grads):
+            if views.takes_whole:  # one row per rank (the common padded case): no view per step
+                sources.append(grad)
+            else:
+                sources += views.sources(grad)
         if sources:
             torch._foreach_copy_(self._destinations, sources)
         return self.buffer
