@@ -21,6 +21,12 @@ a tensor (LBFGS, Adafactor, Muon, ...) would compute something else on a shard, 
 A step falls back to the DTensor path when it cannot be exact on local shards: a ``closure``
 (it recomputes gradients mid-step), a gradient whose placements differ from its parameter's, or a
 0-dim DTensor parameter whose state does not exist yet.
+
+By default (no call needed) it is installed on every optimizer that is exactly one of those
+classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
+still runs on DTensors), through torch.optim's public global step pre-hook, registered once by
+the first ``fully_shard`` call. No torch.optim class or function is patched; other optimizers
+only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2 import compat
+from fsdp2.runtime.sharded_param import managed_by
 
 # Every one updates each element from that element's parameter, gradient and state alone.
 ELEMENTWISE_OPTIMIZERS = (
@@ -41,6 +49,7 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 _HANDLE_ATTR = "_fsdp2_local_shard_step"
+_DECIDED_ATTR = "_fsdp2_default_step_decided"  # the default looked at this optimizer already
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> "LocalShardStep":
@@ -61,8 +70,45 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool 
         )
     existing = getattr(optimizer, _HANDLE_ATTR, None)
     if existing is not None and existing.active:
+        if existing.by_default:
+            return existing  # the default installed it already: the same step
         raise ValueError("step_on_local_shards: this optimizer already steps on local shards (remove() the first one)")
     return LocalShardStep(optimizer)
+
+
+def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
+    """Opt ``optimizer`` out of the default: its ``step()`` runs on the DTensor parameters
+    (removes a local-shard step installed on it, by default or by ``step_on_local_shards``)."""
+    setattr(optimizer, _DECIDED_ATTR, True)
+    existing = getattr(optimizer, _HANDLE_ATTR, None)
+    if existing is not None:
+        existing.remove()
+
+
+# -- the default ------------------------------------------------------------------------------
+
+_default_hook = None  # the global step pre-hook's handle, once registered
+
+
+def step_on_local_shards_by_default() -> None:
+    """Register (once per process) the step pre-hook that installs the local-shard step on
+    optimizers for which it is known to give the same result (called by ``fully_shard``)."""
+    global _default_hook
+    if _default_hook is None:
+        _default_hook = register_optimizer_step_pre_hook(_install_where_identical)
+
+
+def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer.__dict__.get(_DECIDED_ATTR):
+        return
+    setattr(optimizer, _DECIDED_ATTR, True)  # looked at once, whatever the answer
+    if _HANDLE_ATTR in optimizer.__dict__:
+        return  # the user chose already
+    # Exact classes only: a subclass may override step() with an update that is not element-wise.
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS and any(
+        managed_by(p) is not None for group in optimizer.param_groups for p in group["params"]
+    ):
+        LocalShardStep(optimizer, by_default=True)  # from the next step on: this one is under way
 
 
 class LocalShardStep:
@@ -72,9 +118,10 @@ class LocalShardStep:
     straight through (an lr scheduler may have wrapped it since, so it stays in the chain).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, by_default: bool = False):
         self.optimizer = optimizer
         self.active = True
+        self.by_default = by_default  # installed by the default, not by step_on_local_shards
         self._inner_step = optimizer.step  # bound method, or an lr scheduler's wrapper of it
         self._aliases: dict[DTensor, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (its local tensor, our alias)
         self.local_steps = 0  # steps taken on local shards (the rest fell back to DTensors)
