@@ -146,10 +146,18 @@ class LocalShardStep:
         held_params = [group["params"] for group in opt.param_groups]
         held_state = opt.state
         local_state = defaultdict(dict)
+        # The state's DTensor entries as their local tensors, fetched in one batch.
+        dtensor_entries = []  # (alias, key, DTensor)
         for param, alias in aliases.items():
             entries = held_state.get(param)
             if entries:
-                local_state[alias] = {k: compat.local_tensor(v) if isinstance(v, DTensor) else v for k, v in entries.items()}
+                translated = local_state[alias]
+                for key, value in entries.items():
+                    translated[key] = value  # a DTensor is replaced below, keeping the entries' order
+                    if isinstance(value, DTensor):
+                        dtensor_entries.append((alias, key, value))
+        for (alias, key, _), local in zip(dtensor_entries, compat.local_tensors([v for *_, v in dtensor_entries])):
+            local_state[alias][key] = local
         for group in opt.param_groups:
             group["params"] = [aliases[p] for p in group["params"]]
         opt.state = local_state
@@ -169,37 +177,36 @@ class LocalShardStep:
     def _present(self) -> dict | None:
         """Parameter -> what the optimizer sees in its place this step; None: this step must use DTensors."""
         opt = self.optimizer
-        previous, aliases = self._aliases, {}
-        for group in opt.param_groups:
-            for param in group["params"]:
-                if not isinstance(param, DTensor):
-                    aliases[param] = param
-                    continue
-                grad = param.grad
-                if grad is not None and (
-                    not isinstance(grad, DTensor)
-                    or grad.placements != param.placements
-                    or (grad.device_mesh is not param.device_mesh and grad.device_mesh != param.device_mesh)
-                ):
-                    return None
-                if param.dim() == 0 and grad is not None and not opt.state.get(param):
-                    return None  # its new state entries cannot be told apart from the scalar 'step'
-                local = compat.local_tensor(param)
-                cached = previous.get(param)
-                if cached is not None and cached[0] is local:
-                    alias = cached[1]
-                else:
-                    alias = local.detach().requires_grad_(param.requires_grad)
-                aliases[param] = alias
-        for param, alias in aliases.items():  # only once the whole step is known to go local
-            if alias is not param:
-                alias.grad = None if param.grad is None else compat.local_tensor(param.grad)
-        self._aliases = {p: (compat.local_tensor(p), a) for p, a in aliases.items() if a is not p}
+        params = [param for group in opt.param_groups for param in group["params"]]
+        dtensors = [param for param in params if isinstance(param, DTensor)]
+        for param in dtensors:
+            grad = param.grad
+            if grad is not None and (
+                not isinstance(grad, DTensor)
+                or grad.placements != param.placements
+                or (grad.device_mesh is not param.device_mesh and grad.device_mesh != param.device_mesh)
+            ):
+                return None
+            if param.dim() == 0 and grad is not None and not opt.state.get(param):
+                return None  # its new state entries cannot be told apart from the scalar 'step'
+        # Only now that the whole step is known to go local: the aliases, made once per local tensor.
+        previous, aliases = self._aliases, {param: param for param in params}
+        locals_ = compat.local_tensors(dtensors)
+        for param, local in zip(dtensors, locals_):
+            cached = previous.get(param)
+            aliases[param] = cached[1] if cached is not None and cached[0] is local else local.detach().requires_grad_(param.requires_grad)
+        with_grads = [param for param in dtensors if param.grad is not None]
+        for param in dtensors:
+            aliases[param].grad = None
+        for param, grad in zip(with_grads, compat.local_tensors([param.grad for param in with_grads])):
+            aliases[param].grad = grad
+        self._aliases = {param: (local, aliases[param]) for param, local in zip(dtensors, locals_)}
         return aliases
 
     def _fold_back(self, aliases: dict, local_state: dict) -> None:
         """Write the state the optimizer left on the aliases back onto the DTensor parameters."""
         state = self.optimizer.state
+        held_dtensors = []  # (held entries, key, the DTensor held before, the value after)
         for param, alias in aliases.items():
             entries = local_state.get(alias)
             if entries is None:
@@ -211,12 +218,15 @@ class LocalShardStep:
             for key, value in entries.items():
                 before = held.get(key)
                 if isinstance(before, DTensor):
-                    if value is not compat.local_tensor(before):  # replaced, not updated in place
-                        held[key] = _like(value, before)
+                    held_dtensors.append((held, key, before, value))
                 elif before is None and _is_shard_shaped(value, alias):
                     held[key] = _like(value, param)  # new per-element state: a DTensor, as on the DTensor path
                 else:
                     held[key] = value
+        befores = compat.local_tensors([before for _, _, before, _ in held_dtensors])
+        for (held, key, before, value), local_before in zip(held_dtensors, befores):
+            if value is not local_before:  # replaced, not updated in place
+                held[key] = _like(value, before)
 
 
 def _step(optimizer: torch.optim.Optimizer, *args, **kwargs):
