@@ -26,7 +26,7 @@ from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import GatherBucket
 from fsdp2.runtime.dp_mesh import DataParallelMesh
-from fsdp2.runtime.sharded_param import ShardedParam, copy_in_pairs, gather_targets
+from fsdp2.runtime.sharded_param import ShardedParam, copy_in_pairs, gather_targets, unsharded_storages
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
@@ -139,7 +139,7 @@ class GroupGather:
         its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
         _check_not_meta(self.params)
         if self._all_plain:
-            _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
+            _copy_pairs(copy_in_pairs(self.params, unsharded_storages(self.params)))
             return
         pairs = []
         for p in self.params:

@@ -380,26 +380,35 @@ def free_all_unsharded(params: Sequence[ShardedParam]) -> None:
             p.codec.release()
 
 
-def gather_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor] | None:
-    """Every parameter's :meth:`ShardedParam.gather_target`, its storage allocated; None unless
-    all are dim-0 shards."""
-    targets = []
+def allocate_all_unsharded(params: Sequence[ShardedParam]) -> None:
+    """Give every parameter's unsharded storage its memory (building it the first time)."""
     for p in params:
-        if p.layout.dim != 0:
-            return None
         if p.unsharded_param is None:
             p._allocate_unsharded()
         else:
             storage = p._padded_full.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(p._padded_nbytes)
-        targets.append(p._gather_rows)
-    return targets
+
+
+def unsharded_storages(params: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """Every parameter's :meth:`ShardedParam.unsharded_storage`."""
+    allocate_all_unsharded(params)
+    return [p._gather_target for p in params]
+
+
+def gather_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor] | None:
+    """Every parameter's :meth:`ShardedParam.gather_target`, its storage allocated; None unless
+    all are dim-0 shards."""
+    if any([p.layout.dim != 0 for p in params]):
+        return None
+    allocate_all_unsharded(params)
+    return [p._gather_rows for p in params]
 
 
 def copy_in_pairs(params: Sequence[ShardedParam], slots: Sequence[torch.Tensor]) -> list:
     """Every parameter's :meth:`ShardedParam.copy_in_pair` for its plain codec's all-gather ``slot``
-    (``padded_shard_numel`` elements)."""
+    (``padded_shard_numel`` elements; on one rank, its unsharded storage)."""
     pairs = []
     for p, slot, shard in zip(params, slots, compat.local_tensors([p.sharded_param for p in params])):
         if p._flat_shard_of is shard:  # the common case: a contiguous shard, its flat view cached
