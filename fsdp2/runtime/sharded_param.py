@@ -243,6 +243,7 @@ class ShardedParam:
         if self.unsharded_param is None:
             self._padded_full = torch.empty(numel, dtype=self.param_dtype, device=self.device)
             self._padded_nbytes = numel * self._padded_full.element_size()
+            self._padded_storage = self._padded_full.untyped_storage()  # the same object across resizes
             # Same storage, separate version counter: refilling it must not look like an in-place
             # change to autograd, which saved the unsharded parameter in forward for backward.
             self._gather_target = self._padded_full.data
@@ -255,8 +256,8 @@ class ShardedParam:
             # functorch transforms (torch.func.jvp) refuse on a tensor from outside the transform.
             self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
             self._grad_hook_registered = False
-        elif self._padded_full.untyped_storage().size() == 0:
-            self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
+        elif self._padded_storage.nbytes() == 0:
+            self._padded_storage.resize_(self._padded_nbytes)
 
     def _sync_requires_grad(self) -> None:
         """Give the unsharded parameter the shard's current requires_grad (and our grad hook)."""
@@ -375,7 +376,7 @@ def free_all_unsharded(params: Sequence[ShardedParam]) -> None:
     """Free every parameter's unsharded storage (the tensor objects stay for autograd)."""
     for p in params:
         if p._padded_full is not None:
-            p._padded_full.untyped_storage().resize_(0)
+            p._padded_storage.resize_(0)
         if p.codec.holds_memory:
             p.codec.release()
 
@@ -386,8 +387,8 @@ def allocate_all_unsharded(params: Sequence[ShardedParam]) -> None:
         if p.unsharded_param is None:
             p._allocate_unsharded()
         else:
-            storage = p._padded_full.untyped_storage()
-            if storage.size() == 0:
+            storage = p._padded_storage
+            if storage.nbytes() == 0:  # nbytes(): size() is a Python call
                 storage.resize_(p._padded_nbytes)
 
 
