@@ -4,8 +4,9 @@
     python benchmarks/bench_phases.py --world-size 8 --pg fake  # PyTorch's fake process group instead
     python benchmarks/bench_phases.py --world-size 1024 --paired  # all in one process, turns alternating
 
-Each implementation (fsdp2; fsdp2 with ``fsdp2.optim.step_on_local_shards`` on its AdamW, which
-steps the local shards as plain tensors; PyTorch FSDP2; unsharded) runs in a fresh process on a
+Each implementation (fsdp2 as users get it, whose AdamW steps the local shards as plain tensors
+from its second step by default; fsdp2 with ``fsdp2.optim.step_on_dtensors``, AdamW stepping the
+DTensors; PyTorch FSDP2; unsharded) runs in a fresh process on a
 GPT of bench_fsdp.py with AdamW, and reports the median process CPU time (all threads, which
 other load on a shared machine moves little) of each phase over --steps steps after --warmup.
 With ``--paired`` they share one process and take turns step by step, so that load from other
@@ -23,7 +24,7 @@ import sys
 import time
 import warnings
 
-IMPLS = ("fsdp2", "fsdp2-local", "torch", "unsharded")
+IMPLS = ("fsdp2", "fsdp2-dtensor", "torch", "unsharded")
 
 
 def _build(impl: str, world_size: int, model_name: str):
@@ -50,10 +51,10 @@ def _build(impl: str, world_size: int, model_name: str):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if impl == "fsdp2-local":
-        from fsdp2.optim import step_on_local_shards
+    if impl == "fsdp2-dtensor":
+        from fsdp2.optim import step_on_dtensors
 
-        step_on_local_shards(opt)
+        step_on_dtensors(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     return model, opt, tokens
 
@@ -74,31 +75,14 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
 def _counts(model, opt, tokens) -> dict[str, int]:
     """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
     of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
-    import cProfile
-    import pstats
+    from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCounter(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            OpCounter.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with OpCounter():
-        _timed_step(model, opt, tokens)
-    profile = cProfile.Profile()
-    profile.enable()
-    _timed_step(model, opt, tokens)
-    profile.disable()
-    stats = pstats.Stats(profile).stats
-    calls = lambda where: sum(nc for (file, _, _), (_, nc, *_) in stats.items() if any(w in file for w in where))  # noqa: E731
+    work = count_host_work(lambda: _timed_step(model, opt, tokens))
     return {
-        "ops": OpCounter.ops,
-        "python calls": sum(nc for _, nc, *_ in stats.values()),
-        "DTensor calls": calls(["/torch/distributed/tensor/"]),
-        "FSDP calls": calls(["/fsdp2/", "/_fully_shard/"]) - calls(["/fsdp2/models/"]),
+        "ops": work.ops,
+        "python calls": work.python_calls,
+        "DTensor calls": work.calls_in(DTENSOR_CODE),
+        "FSDP calls": work.calls_in(FSDP_CODE),
     }
 
 
@@ -169,9 +153,13 @@ def main(argv=None) -> None:
     if ns.counts:
         for name in results[IMPLS[0]]["counts"]:
             print(f"| {name} per step | " + " | ".join(str(results[i]["counts"][name]) for i in IMPLS) + " |")
-    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with step_on_local_shards "
-          f"{total['fsdp2-local'] / total['torch']:.2f}x (optimizer phase {results['fsdp2-local']['optimizer']:.1f} "
-          f"vs {results['fsdp2']['optimizer']:.1f} ms)")
+    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with the optimizer on DTensors "
+          f"{total['fsdp2-dtensor'] / total['torch']:.2f}x (optimizer phase {results['fsdp2']['optimizer']:.1f} "
+          f"vs {results['fsdp2-dtensor']['optimizer']:.1f} ms)")
+    fwd_bwd = {i: results[i]["forward"] + results[i]["backward"] for i in IMPLS}
+    over = {i: fwd_bwd[i] - fwd_bwd["unsharded"] for i in ("fsdp2", "torch")}
+    print(f"forward + backward over unsharded: fsdp2 {over['fsdp2']:.1f} ms, PyTorch FSDP2 {over['torch']:.1f} ms "
+          f"({over['fsdp2'] / over['torch']:.2f}x)" if over["torch"] > 0 else "")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def local_tensors(dtensors: list[DTensor]) -> list[torch.Tensor]:
+    """``local_tensor`` of each (one call for a whole group, not one per parameter)."""
+    return [d._local_tensor for d in dtensors]
+
+
 def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
     """A DTensor with ``template``'s mesh, placements, shape and stride around ``local``.
 
@@ -44,6 +49,14 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
     if local.dtype == template.dtype:
         return DTensor(local, template._spec, requires_grad=requires_grad)
     return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
+
+
+def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list[DTensor]:
+    """``dtensor_like`` of each pair (one call for a whole group, not one per parameter)."""
+    return [
+        DTensor(local, template._spec, requires_grad=False) if local.dtype == template.dtype else dtensor_like(template, local)
+        for template, local in zip(templates, locals_)
+    ]
 
 
 def make_dtensor(

@@ -244,3 +244,54 @@ def test_refuses_a_second_install_and_remove_restores_the_plain_step():
     opt.step()
     assert torch.equal(p.detach(), torch.zeros(2)) and handle.local_steps == 0
     step_on_local_shards(opt)  # a removed one can be replaced
+
+
+# -- the default ---------------------------------------------------------------------------------
+
+
+class AdamWSubclass(torch.optim.AdamW):
+    """May override step() with anything: the default leaves subclasses alone."""
+
+
+def _default_vs_dtensor_step(rank, world_size):
+    from fsdp2.optim import step_on_dtensors
+    from fsdp2.optim.local_step import _HANDLE_ATTR
+
+    models = [shard(make_model(0), mesh_1d(world_size)) for _ in range(3)]
+    default, dtensor, subclass = (
+        cls(m.parameters(), lr=1e-2, weight_decay=0.1) for cls, m in zip((torch.optim.AdamW, torch.optim.AdamW, AdamWSubclass), models)
+    )
+    step_on_dtensors(dtensor)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # no fully_shard parameter
+    plain.param_groups[0]["params"][0].grad = torch.ones(2)
+    for model, opt in zip(models, (default, dtensor, subclass)):
+        _train(model, opt, 3, 0, rank)
+    plain.step()
+    handle = getattr(default, _HANDLE_ATTR, None)
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    return (
+        same and _same(_state_snapshot(default), _state_snapshot(dtensor)),
+        handle is not None and handle.by_default and handle.local_steps,
+        [getattr(o, _HANDLE_ATTR, None) is None for o in (dtensor, subclass, plain)],
+    )
+
+
+def test_by_default_fully_shard_optimizers_step_on_local_shards_bitwise(worlds):
+    """An element-wise torch.optim optimizer over fully_shard parameters steps on local shards
+    from its second step without being told (the first is under way when the default sees it),
+    bitwise as on DTensors; opted-out, subclassed and non-fsdp2 optimizers are left alone."""
+    for same, local_steps, untouched in worlds.run(2, _default_vs_dtensor_step):
+        assert same
+        assert local_steps == 2
+        assert untouched == [True, True, True]
+
+
+def test_an_explicit_install_after_the_default_returns_its_step():
+    from fsdp2.optim import step_on_dtensors, step_on_local_shards
+    from fsdp2.optim.local_step import LocalShardStep
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    installed = LocalShardStep(opt, by_default=True)
+    assert step_on_local_shards(opt) is installed
+    step_on_dtensors(opt)
+    assert not installed.active

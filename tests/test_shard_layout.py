@@ -88,3 +88,29 @@ def _round_trip_on_world(rank, world_size, shape, dim):
 def test_fully_shard_round_trip_on_real_ranks(worlds, world_size, shape, data):
     dim = data.draw(st.integers(0, len(shape) - 1))
     assert all(worlds.run(world_size, _round_trip_on_world, shape, dim))
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape_dim_world(), st.booleans())
+def test_copy_in_views_fill_slots_as_copy_full_in(case, strided):
+    """The reduce-scatter copy-in through views built once (reused while the buffer's storage is
+    freed and regrown) writes exactly what copy_full_in writes: rows in rank slots, zero padding."""
+    shape, _, world = case
+    layout = ShardLayout(shape, 0, world, 0)
+    n = layout.padded_shard_numel
+    # The parameter's block of a wider bucket buffer (strided rows), or a buffer of its own.
+    buffer = torch.full((world, n + 3 if strided else n), float("nan"))
+    slots = buffer[:, 1 : 1 + n] if strided else buffer
+    views = layout.copy_in_views(slots)
+    buffer.untyped_storage().resize_(0)
+    buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+    buffer.fill_(float("nan"))
+    for _ in range(2):  # reused: the second fill sees the first's values, not fresh NaNs
+        full = torch.randn(shape)
+        for zero in views.padding:
+            zero.zero_()
+        for destination, source in zip(views.destinations, views.sources(full), strict=True):
+            destination.copy_(source)
+        expected = torch.full((world, n), float("nan"))
+        layout.copy_full_in(full, expected)
+        assert torch.equal(slots, expected)

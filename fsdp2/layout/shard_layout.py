@@ -154,8 +154,64 @@ class ShardLayout:
             complete += 1
         slots[complete:].zero_()
 
+    def copy_in_views(self, slots: torch.Tensor) -> "CopyInViews":
+        """Views of ``slots`` (``world x padded_shard_numel``, may be strided) for :meth:`copy_full_in`
+        along dim 0 as fused ops: built once, they let a caller that keeps ``slots`` (its storage
+        freed and regrown between uses) copy every step with no per-rank and few per-tensor ops."""
+        assert self.dim == 0, "copy_in_views: only dim-0 layouts are rank blocks of rows"
+        rows, chunk = self.full_shape[0], self.chunk
+        if not self.padded_shard_numel:
+            return CopyInViews([], [], [])
+        if chunk == 1:
+            # One row per rank: the real rows are an evenly strided view shaped like the tensor,
+            # so the full gradient is copied as it is (no per-step view).
+            return CopyInViews([slots[:rows].view(self.full_shape)], _nonempty([slots[rows:]]), [(0, rows, None)])
+        complete = rows // chunk
+        tail = rows - complete * chunk
+        destinations, sources = [slots[:complete]], [(0, complete * chunk, (complete, self.padded_shard_numel))]
+        padding = [slots[complete + (1 if tail else 0) :]]
+        if tail:
+            row_numel = self.padded_shard_numel // chunk
+            destinations.append(slots[complete, : tail * row_numel])
+            sources.append((complete * chunk, rows, (tail * row_numel,)))
+            padding.append(slots[complete, tail * row_numel :])
+        return CopyInViews(destinations, _nonempty(padding), sources)
+
     def shard_rows(self, slot: torch.Tensor) -> torch.Tensor:
         """This rank's real rows of its padded ``slot`` (1-D): a view of ``local_shape``."""
         if self.local_rows == self.chunk:
             return slot.view(self.local_shape)  # no padding on this rank
         return slot.view(self.padded_shard_shape).narrow(self.dim, 0, self.local_rows)
+
+
+def _nonempty(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v for v in views if v.numel()]
+
+
+@dataclass
+class CopyInViews:
+    """One tensor's copy into its padded rank slots, as views built once (:meth:`ShardLayout.copy_in_views`).
+
+    ``destinations[i]`` receives rows ``start:stop`` of the full tensor, viewed as ``shape`` (None:
+    the tensor as it is); ``padding`` is what must be zeroed.
+    """
+
+    destinations: list[torch.Tensor]
+    padding: list[torch.Tensor]
+    source_rows: list[tuple[int, int, tuple[int, ...] | None]]
+
+    @functools.cached_property
+    def takes_whole(self) -> bool:
+        """The one destination takes the full tensor as it is (no per-copy view of it)."""
+        return len(self.source_rows) == 1 and self.source_rows[0][2] is None
+
+    def sources(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of ``full`` that go to ``destinations``, in order."""
+        pieces = []
+        for start, stop, shape in self.source_rows:
+            if shape is None:
+                pieces.append(full)
+            else:
+                rows = full if start == 0 and stop == full.shape[0] else full[start:stop]
+                pieces.append(rows.reshape(shape))
+        return pieces

@@ -21,6 +21,12 @@ a tensor (LBFGS, Adafactor, Muon, ...) would compute something else on a shard, 
 A step falls back to the DTensor path when it cannot be exact on local shards: a ``closure``
 (it recomputes gradients mid-step), a gradient whose placements differ from its parameter's, or a
 0-dim DTensor parameter whose state does not exist yet.
+
+By default (no call needed) it is installed on every optimizer that is exactly one of those
+classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
+still runs on DTensors), through torch.optim's public global step pre-hook, registered once by
+the first ``fully_shard`` call. No torch.optim class or function is patched; other optimizers
+only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2 import compat
+from fsdp2.runtime.sharded_param import managed_by
 
 # Every one updates each element from that element's parameter, gradient and state alone.
 ELEMENTWISE_OPTIMIZERS = (
@@ -41,6 +49,7 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 _HANDLE_ATTR = "_fsdp2_local_shard_step"
+_DECIDED_ATTR = "_fsdp2_default_step_decided"  # the default looked at this optimizer already
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> "LocalShardStep":
@@ -61,8 +70,45 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool 
         )
     existing = getattr(optimizer, _HANDLE_ATTR, None)
     if existing is not None and existing.active:
+        if existing.by_default:
+            return existing  # the default installed it already: the same step
         raise ValueError("step_on_local_shards: this optimizer already steps on local shards (remove() the first one)")
     return LocalShardStep(optimizer)
+
+
+def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
+    """Opt ``optimizer`` out of the default: its ``step()`` runs on the DTensor parameters
+    (removes a local-shard step installed on it, by default or by ``step_on_local_shards``)."""
+    setattr(optimizer, _DECIDED_ATTR, True)
+    existing = getattr(optimizer, _HANDLE_ATTR, None)
+    if existing is not None:
+        existing.remove()
+
+
+# -- the default ------------------------------------------------------------------------------
+
+_default_hook = None  # the global step pre-hook's handle, once registered
+
+
+def step_on_local_shards_by_default() -> None:
+    """Register (once per process) the step pre-hook that installs the local-shard step on
+    optimizers for which it is known to give the same result (called by ``fully_shard``)."""
+    global _default_hook
+    if _default_hook is None:
+        _default_hook = register_optimizer_step_pre_hook(_install_where_identical)
+
+
+def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer.__dict__.get(_DECIDED_ATTR):
+        return
+    setattr(optimizer, _DECIDED_ATTR, True)  # looked at once, whatever the answer
+    if _HANDLE_ATTR in optimizer.__dict__:
+        return  # the user chose already
+    # Exact classes only: a subclass may override step() with an update that is not element-wise.
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS and any(
+        managed_by(p) is not None for group in optimizer.param_groups for p in group["params"]
+    ):
+        LocalShardStep(optimizer, by_default=True)  # from the next step on: this one is under way
 
 
 class LocalShardStep:
@@ -72,9 +118,10 @@ class LocalShardStep:
     straight through (an lr scheduler may have wrapped it since, so it stays in the chain).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, by_default: bool = False):
         self.optimizer = optimizer
         self.active = True
+        self.by_default = by_default  # installed by the default, not by step_on_local_shards
         self._inner_step = optimizer.step  # bound method, or an lr scheduler's wrapper of it
         self._aliases: dict[DTensor, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (its local tensor, our alias)
         self.local_steps = 0  # steps taken on local shards (the rest fell back to DTensors)
@@ -99,10 +146,18 @@ class LocalShardStep:
         held_params = [group["params"] for group in opt.param_groups]
         held_state = opt.state
         local_state = defaultdict(dict)
+        # The state's DTensor entries as their local tensors, fetched in one batch.
+        dtensor_entries = []  # (alias, key, DTensor)
         for param, alias in aliases.items():
             entries = held_state.get(param)
             if entries:
-                local_state[alias] = {k: compat.local_tensor(v) if isinstance(v, DTensor) else v for k, v in entries.items()}
+                translated = local_state[alias]
+                for key, value in entries.items():
+                    translated[key] = value  # a DTensor is replaced below, keeping the entries' order
+                    if isinstance(value, DTensor):
+                        dtensor_entries.append((alias, key, value))
+        for (alias, key, _), local in zip(dtensor_entries, compat.local_tensors([v for *_, v in dtensor_entries])):
+            local_state[alias][key] = local
         for group in opt.param_groups:
             group["params"] = [aliases[p] for p in group["params"]]
         opt.state = local_state
@@ -122,37 +177,36 @@ class LocalShardStep:
     def _present(self) -> dict | None:
         """Parameter -> what the optimizer sees in its place this step; None: this step must use DTensors."""
         opt = self.optimizer
-        previous, aliases = self._aliases, {}
-        for group in opt.param_groups:
-            for param in group["params"]:
-                if not isinstance(param, DTensor):
-                    aliases[param] = param
-                    continue
-                grad = param.grad
-                if grad is not None and (
-                    not isinstance(grad, DTensor)
-                    or grad.placements != param.placements
-                    or (grad.device_mesh is not param.device_mesh and grad.device_mesh != param.device_mesh)
-                ):
-                    return None
-                if param.dim() == 0 and grad is not None and not opt.state.get(param):
-                    return None  # its new state entries cannot be told apart from the scalar 'step'
-                local = compat.local_tensor(param)
-                cached = previous.get(param)
-                if cached is not None and cached[0] is local:
-                    alias = cached[1]
-                else:
-                    alias = local.detach().requires_grad_(param.requires_grad)
-                aliases[param] = alias
-        for param, alias in aliases.items():  # only once the whole step is known to go local
-            if alias is not param:
-                alias.grad = None if param.grad is None else compat.local_tensor(param.grad)
-        self._aliases = {p: (compat.local_tensor(p), a) for p, a in aliases.items() if a is not p}
+        params = [param for group in opt.param_groups for param in group["params"]]
+        dtensors = [param for param in params if isinstance(param, DTensor)]
+        for param in dtensors:
+            grad = param.grad
+            if grad is not None and (
+                not isinstance(grad, DTensor)
+                or grad.placements != param.placements
+                or (grad.device_mesh is not param.device_mesh and grad.device_mesh != param.device_mesh)
+            ):
+                return None
+            if param.dim() == 0 and grad is not None and not opt.state.get(param):
+                return None  # its new state entries cannot be told apart from the scalar 'step'
+        # Only now that the whole step is known to go local: the aliases, made once per local tensor.
+        previous, aliases = self._aliases, {param: param for param in params}
+        locals_ = compat.local_tensors(dtensors)
+        for param, local in zip(dtensors, locals_):
+            cached = previous.get(param)
+            aliases[param] = cached[1] if cached is not None and cached[0] is local else local.detach().requires_grad_(param.requires_grad)
+        with_grads = [param for param in dtensors if param.grad is not None]
+        for param in dtensors:
+            aliases[param].grad = None
+        for param, grad in zip(with_grads, compat.local_tensors([param.grad for param in with_grads])):
+            aliases[param].grad = grad
+        self._aliases = {param: (local, aliases[param]) for param, local in zip(dtensors, locals_)}
         return aliases
 
     def _fold_back(self, aliases: dict, local_state: dict) -> None:
         """Write the state the optimizer left on the aliases back onto the DTensor parameters."""
         state = self.optimizer.state
+        held_dtensors = []  # (held entries, key, the DTensor held before, the value after)
         for param, alias in aliases.items():
             entries = local_state.get(alias)
             if entries is None:
@@ -164,12 +218,15 @@ class LocalShardStep:
             for key, value in entries.items():
                 before = held.get(key)
                 if isinstance(before, DTensor):
-                    if value is not compat.local_tensor(before):  # replaced, not updated in place
-                        held[key] = _like(value, before)
+                    held_dtensors.append((held, key, before, value))
                 elif before is None and _is_shard_shaped(value, alias):
                     held[key] = _like(value, param)  # new per-element state: a DTensor, as on the DTensor path
                 else:
                     held[key] = value
+        befores = compat.local_tensors([before for _, _, before, _ in held_dtensors])
+        for (held, key, before, value), local_before in zip(held_dtensors, befores):
+            if value is not local_before:  # replaced, not updated in place
+                held[key] = _like(value, before)
 
 
 def _step(optimizer: torch.optim.Optimizer, *args, **kwargs):

@@ -26,13 +26,15 @@ class FlatBucket:
     sizes: list[int] = field(init=False)  # padded shard numel per parameter
     offsets: list[int] = field(init=False)
     numel_per_rank: int = field(init=False)
-    all_dim0_even: bool = field(init=False)  # every parameter sharded on dim 0 without padding
+    all_dim0: bool = field(init=False)  # every parameter sharded on dim 0 (its rank blocks are rows)
+    all_dim0_even: bool = field(init=False)  # ... and without padding
 
     def __post_init__(self) -> None:
         self.sizes = [p.layout.padded_shard_numel for p in self.params]
         self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
         self.numel_per_rank = sum(self.sizes)
-        self.all_dim0_even = all(p.layout.dim == 0 and p.layout.is_even for p in self.params)
+        self.all_dim0 = all(p.layout.dim == 0 for p in self.params)
+        self.all_dim0_even = self.all_dim0 and all(p.layout.is_even for p in self.params)
 
     def columns(self, buffer_2d: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
         """(param, its ``world x padded_shard_numel`` block of a ``world x numel_per_rank`` buffer)."""

@@ -48,6 +48,7 @@ class GatherCodec:
     kept_from_unsharded = False
     builds_unsharded = False  # makes the unsharded parameter object itself (else: ShardedParam's storage)
     prepares = False  # its columns are known only after prepare()
+    holds_memory = False  # release() has something to free (else the group skips calling it)
 
     def __init__(self, param: ShardedParam):
         self.param = param

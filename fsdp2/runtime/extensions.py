@@ -87,6 +87,7 @@ class SubclassCodec(GatherCodec):
 
     builds_unsharded = True
     prepares = True
+    holds_memory = True  # the hooks' all-gather outputs and inner tensors
 
     def __init__(self, param: ShardedParam, shard_mesh: DeviceMesh):
         super().__init__(param)

@@ -78,6 +78,9 @@ def fully_shard(
             subgroup = Subgroup(group, position, reshard_after_forward)
 
     # Validation is over: from here on we change the module.
+    from fsdp2.optim.local_step import step_on_local_shards_by_default  # fsdp2.optim imports the runtime
+
+    step_on_local_shards_by_default()
     sharded = [
         ShardedParam(
             p.managed.fqn, p.managed.param, [ParamSlot(m, n) for m, n in p.managed.places], dp, p.shard_dim,

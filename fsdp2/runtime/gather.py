@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import GatherBucket
 from fsdp2.runtime.dp_mesh import DataParallelMesh
-from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.sharded_param import ShardedParam, copy_in_pairs, gather_targets, unsharded_storages
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
@@ -61,8 +62,8 @@ class PendingGather:
         rows = self.rank_rows(world)
         bucket = self.bucket
         if bucket.plain:
-            targets = [p.gather_target() for p in bucket.params]
-            if all(t is not None for t in targets):
+            targets = gather_targets(bucket.params)
+            if targets is not None:
                 torch.split_with_sizes_copy(rows, bucket.widths, dim=1, out=targets)  # one copy per bucket
                 return
         pairs = []
@@ -75,7 +76,8 @@ class PendingGather:
 
 def _copy_pairs(pairs) -> None:
     """One fused (casting) copy of every ``(destination, shard)`` pair; ``None`` pairs are skipped."""
-    pairs = [pair for pair in pairs if pair is not None]
+    if not isinstance(pairs, list) or None in pairs:
+        pairs = [pair for pair in pairs if pair is not None]
     if pairs:
         destinations, shards = zip(*pairs)
         # Pinned CPU shards (offload) copy host-to-device without blocking the host.
@@ -83,9 +85,9 @@ def _copy_pairs(pairs) -> None:
 
 
 def _check_not_meta(params: list[ShardedParam]) -> None:
-    for p in params:
+    for p, shard in zip(params, compat.local_tensors([p.sharded_param for p in params])):
         # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
-        if p.local_shard.is_meta:
+        if shard.is_meta:
             raise FSDPUsageError(
                 f"parameter {p.fqn} is on the meta device: call module.to_empty(device=...) and "
                 "initialize the parameters (e.g. reset_parameters()) before running the module"
@@ -137,7 +139,7 @@ class GroupGather:
         its buffer and cast-copy each shard straight into its unsharded storage (compute stream)."""
         _check_not_meta(self.params)
         if self._all_plain:
-            _copy_pairs(p.copy_in_pair(p.unsharded_storage()) for p in self.params)
+            _copy_pairs(copy_in_pairs(self.params, unsharded_storages(self.params)))
             return
         pairs = []
         for p in self.params:
@@ -158,8 +160,7 @@ class GroupGather:
                 # In-place all-gather: our input is our own slot of the output, no separate buffer.
                 own_slot = output.narrow(0, rank * bucket.numel_per_rank, bucket.numel_per_rank)
                 if bucket.plain:
-                    slots = torch.split_with_sizes(own_slot, bucket.widths)
-                    _copy_pairs(p.copy_in_pair(slot) for p, slot in zip(bucket.params, slots))
+                    _copy_pairs(copy_in_pairs(bucket.params, torch.split_with_sizes(own_slot, bucket.widths)))
                 else:
                     pairs = []
                     for p, slots in bucket.pieces(own_slot):

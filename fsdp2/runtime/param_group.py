@@ -32,7 +32,13 @@ from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
-from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.sharded_param import (
+    ShardedParam,
+    free_all_unsharded,
+    hold_all_sharded,
+    hold_all_unsharded,
+    take_unreduced_grads,
+)
 from fsdp2.runtime.streams import CommStreams
 
 
@@ -76,19 +82,26 @@ class ReshardAfterForward:
 
 
 class GradReadiness:
-    """Counts which of a group's parameters autograd has finished this backward."""
+    """Counts which of a group's parameters autograd has finished this backward, and calls
+    ``on_all_ready`` once every parameter that needs a gradient has it.
 
-    def __init__(self) -> None:
+    ``note`` is each parameter's gradient hook itself (one Python call per parameter and step).
+    """
+
+    def __init__(self, params: list[ShardedParam], on_all_ready) -> None:
+        self._params = params
+        self._on_all_ready = on_all_ready
         self._ready: set[int] = set()
         self._expected = 0
 
-    def note(self, param: ShardedParam, params: list[ShardedParam]) -> bool:
-        """Record ``param``'s gradient; True once every parameter that needs one has it."""
+    def note(self, param: ShardedParam, _unsharded: torch.Tensor | None = None) -> None:
+        """Record ``param``'s gradient (``_unsharded``: what autograd's hook passes)."""
         if not self._ready:
             # Counted once per backward: requires_grad may change between iterations, not within.
-            self._expected = sum(p.requires_grad for p in params)
+            self._expected = len([p for p in self._params if p.sharded_param.requires_grad])
         self._ready.add(id(param))
-        return len(self._ready) == self._expected
+        if len(self._ready) == self._expected:
+            self._on_all_ready()
 
     def reset(self) -> None:
         self._ready.clear()
@@ -117,9 +130,9 @@ class ParamGroup:
         self.reduce = GroupReduce(params, dp, self.streams, self.local_only)
         self.reduce_window: ReduceWindow | None = None  # the root's, handed over at lazy init
         self._kept_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
-        self._grads = GradReadiness()
+        self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
-            p.bind_grad_ready(self._on_grad_ready)
+            p.bind_grad_ready(self._grads.note)
 
     @property
     def has_params(self) -> bool:
@@ -200,7 +213,7 @@ class ParamGroup:
         logger.debug("FSDP::post_backward (%s)", self.name)
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
-            grads = {id(p): p.take_unreduced_grad() for p in self.params if p.requires_grad}
+            grads = take_unreduced_grads(self.params)
             reduction = self.reduce.issue(grads)
             if reduction is not None:
                 self.reduce_window.add(reduction)
@@ -232,8 +245,8 @@ class ParamGroup:
         self.phase = Phase.IDLE
         self._grads.reset()
 
-    def _on_grad_ready(self, param: ShardedParam) -> None:
-        if self._grads.note(param, self.params) and self.phase != Phase.POST_BACKWARD:
+    def _on_all_grads_ready(self) -> None:
+        if self.phase != Phase.POST_BACKWARD:
             self.post_backward()
 
     # -- unshard / reshard ------------------------------------------------------------------------
@@ -275,8 +288,7 @@ class ParamGroup:
         return None
 
     def _hold_unsharded(self) -> None:
-        for p in self.params:
-            p.hold_unsharded()
+        hold_all_unsharded(self.params)
         self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
@@ -307,6 +319,5 @@ class ParamGroup:
         self.state = GroupState.PARTIALLY_SHARDED
 
     def _free_unsharded(self) -> None:
-        for p in self.params:
-            p.hold_sharded()
-            p.free_unsharded()
+        hold_all_sharded(self.params)
+        free_all_unsharded(self.params)

@@ -19,8 +19,52 @@ from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
-from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads
 from fsdp2.runtime.streams import CommStreams, Completion
+
+
+class PaddedScatterInput:
+    """A padded bucket's reduce-scatter input, kept from step to step with its copy views built once.
+
+    Padding takes a bucket off the one-``_chunk_cat`` path (on CPU that kernel pads every gradient
+    into a temporary first: +10% step peak at 1024 ranks), and slicing a fresh buffer per
+    parameter and per padded rank range costs ops that grow with the world size. Here the views
+    of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_zero_``
+    of the padding and one ``_foreach_copy_`` of the gradients at any world size. The buffer's
+    storage exists only from ``fill`` to ``release`` (freed and regrown: views survive that), as
+    a fresh buffer's would, so peak memory is unchanged.
+    """
+
+    def __init__(self, bucket: FlatBucket, world: int, device):
+        self.buffer = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
+        self._nbytes = self.buffer.untyped_storage().nbytes()
+        self._views = [p.layout.copy_in_views(block) for p, block in bucket.columns(self.buffer)]
+        self._destinations = [d for views in self._views for d in views.destinations]
+        self._padding = [z for views in self._views for z in views.padding]
+        self.in_use = True
+        self.release()
+
+    def fill(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The buffer, allocated and holding ``grads`` (one per bucket parameter, none missing)."""
+        self.buffer.untyped_storage().resize_(self._nbytes)
+        self.in_use = True
+        if self._padding:
+            torch._foreach_zero_(self._padding)  # summed across ranks: must be zeros
+        sources = []
+        for views, grad in zip(self._views, grads):
+            if views.takes_whole:  # one row per rank (the common padded case): no view per step
+                sources.append(grad)
+            else:
+                sources += views.sources(grad)
+        if sources:
+            torch._foreach_copy_(self._destinations, sources)
+        return self.buffer
+
+    def release(self) -> None:
+        """Free the storage (the reduction that read it is done, or abandoned)."""
+        if self.in_use:
+            self.buffer.untyped_storage().resize_(0)
+            self.in_use = False
 
 
 @dataclass
@@ -29,15 +73,19 @@ class PendingReduce:
     # Both allocated on the compute stream and kept until it waited for the reduction.
     input: torch.Tensor
     output: torch.Tensor
+    kept_input: PaddedScatterInput | None = None  # owns ``input``: released once it is done
+
+    def release(self) -> None:
+        if self.kept_input is not None:
+            self.kept_input.release()
 
 
 def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -> torch.Tensor:
-    """``world x numel_per_rank`` buffer of ``bucket``'s full gradients, each split into padded rank rows."""
+    """A fresh ``world x numel_per_rank`` buffer of ``bucket``'s full gradients, each split into padded rank rows."""
     inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
-    if bucket.all_dim0_even and all(g is not None for g in grads):
+    if bucket.all_dim0_even and all([g is not None for g in grads]):
         # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
-        # rank (ShardLayout's dim-0 layout). Only without padding: padding makes the CPU
-        # kernel build padded temporaries first (measured: +10% step peak at 1024 ranks).
+        # rank (ShardLayout's dim-0 layout). Only without padding (see PaddedScatterInput).
         torch._chunk_cat(grads, 0, world, out=inp)
         return inp
     for (p, block), grad in zip(bucket.columns(inp), grads):
@@ -58,8 +106,14 @@ class Reduction:
     def finish(self) -> None:
         self._completion.wait()
         for pending in self._pending:
-            for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-                p.accumulate_sharded_grad(slot)
+            accumulate_sharded_grads(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes))
+            pending.release()
+        self._pending = []
+
+    def abandon(self) -> None:
+        """Drop the results unread (an aborted iteration), freeing the buffers as finish() would."""
+        for pending in self._pending:
+            pending.release()
         self._pending = []
 
 
@@ -81,6 +135,8 @@ class ReduceWindow:
 
     def discard(self) -> None:
         """Forget reductions of an aborted iteration (their gradients are lost, as in PyTorch)."""
+        for reduction in self._in_flight:
+            reduction.abandon()
         self._in_flight.clear()
 
 
@@ -99,11 +155,13 @@ class GroupReduce:
         self.custom_reduce_scatter: Any = None
         self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
+        self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # HSDP without all-reduce: reduce-scattered sums kept per parameter until the next all-reduce.
         self._partial: dict[int, torch.Tensor] = {}
 
     def rebuild(self) -> None:
         self._buckets.clear()
+        self._kept_inputs.clear()
 
     @property
     def _factor(self) -> float:
@@ -112,7 +170,7 @@ class GroupReduce:
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
         pattern = tuple(
-            p.requires_grad and (grads.get(id(p)) is not None or self.include_unused) for p in self.params
+            [p.sharded_param.requires_grad and (grads.get(id(p)) is not None or self.include_unused) for p in self.params]
         )
         if pattern not in self._buckets:
             chosen = [p for p, keep in zip(self.params, pattern) if keep]
@@ -124,17 +182,16 @@ class GroupReduce:
         buckets = self._buckets_for(grads)
         if not buckets:
             return None
-        world = self.dp.shard_size
         pending = []
         for bucket in buckets:
-            inp = _reduce_scatter_input(bucket, [grads.get(id(p)) for p in bucket.params], world, self.dp.device)
+            inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
             if bucket.dtype == torch.float16 and self._factor != 1:
                 inp.div_(self._factor)  # fp16 would overflow summing before dividing
             if self.local_only:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
                 out = self._allocate(bucket.numel_per_rank, bucket.dtype)
-            pending.append(PendingReduce(bucket, inp, out))
+            pending.append(PendingReduce(bucket, inp, out, kept_input))
         grads.clear()  # copied in: the full gradients can go (same stream, so no hazard)
         group = self.reduce_scatter_group or self.dp.shard_group
         comm = self.custom_reduce_scatter or collectives.reduce_scatter_sum
@@ -145,8 +202,21 @@ class GroupReduce:
                 completion.then(lambda p=p: self._after_reduce_scatter(p))
         if not self.requires_all_reduce and self.dp.is_hybrid:
             completion.wait()  # the sums stay here: nothing reaches .grad yet
+            for p in pending:
+                p.release()
             return None
         return Reduction(completion, pending)
+
+    def _pack(self, bucket: FlatBucket, grads: list) -> tuple[torch.Tensor, PaddedScatterInput | None]:
+        """The reduce-scatter input of ``bucket`` and, if it is a kept buffer, its owner."""
+        world = self.dp.shard_size
+        if bucket.all_dim0 and not bucket.all_dim0_even and all([g is not None for g in grads]):
+            kept = self._kept_inputs.get(id(bucket))
+            if kept is None:
+                kept = self._kept_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
+            if not kept.in_use:  # else an earlier reduction of this bucket still reads it
+                return kept.fill(grads), kept
+        return _reduce_scatter_input(bucket, grads, world, self.dp.device), None
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.custom_reduce_scatter is not None:

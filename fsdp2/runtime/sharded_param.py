@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -88,7 +89,7 @@ class ShardedParam:
         self.storage_device = torch.device("cpu") if self.offload else self.device
         self.tensor_parallel = spec.tensor_parallel  # None unless composed with TP
         self.layout = ShardLayout(spec.fsdp_input.shape, shard_dim, dp.shard_size, dp.shard_rank)
-        self._on_grad_ready: Callable[["ShardedParam"], None] | None = None
+        self._on_grad_ready: Callable[["ShardedParam", torch.Tensor], None] | None = None
         self.state = ParamState.SHARDED
 
         # clone(): the shard must own its memory so the full tensor can be freed.
@@ -103,12 +104,15 @@ class ShardedParam:
         self._accumulated_grad: torch.Tensor | None = None
         self._flat_shard_of: torch.Tensor | None = None  # the local shard _flat_shard views
         self._flat_shard: torch.Tensor | None = None
+        self._flat_numel = 0
+        self._slot_numel = self.layout.padded_shard_numel  # its plain codec's all-gather slot
         self._read_dtypes()
         self.codec: GatherCodec = PlainCodec(self)
         self.hold_sharded()
 
-    def bind_grad_ready(self, on_grad_ready: Callable[["ShardedParam"], None]) -> None:
-        """``on_grad_ready(self)`` runs when autograd has accumulated this parameter's gradient."""
+    def bind_grad_ready(self, on_grad_ready: Callable[["ShardedParam", torch.Tensor], None]) -> None:
+        """``on_grad_ready(self, unsharded_param)`` runs when autograd has accumulated this
+        parameter's gradient. Bound before the first unshard (it is registered then)."""
         self._on_grad_ready = on_grad_ready
 
     @property
@@ -137,15 +141,10 @@ class ShardedParam:
         return compat.local_tensor(self.sharded_param)
 
     def hold_sharded(self) -> None:
-        for slot in self.slots:
-            slot.hold(self.sharded_param)
-        self.state = ParamState.SHARDED
+        hold_all_sharded((self,))
 
     def hold_unsharded(self) -> None:
-        self._sync_requires_grad()
-        for slot in self.slots:
-            slot.hold(self.unsharded_param)
-        self.state = ParamState.UNSHARDED
+        hold_all_unsharded((self,))
 
     def refresh(self) -> None:
         """Re-read the parameter after something outside fsdp2 replaced or converted it.
@@ -217,8 +216,8 @@ class ShardedParam:
         # drops the cache; swap_tensors keeps the object but swaps its storage under it.
         if self._flat_shard_of is not shard:
             self._flat_shard_of, self._flat_shard = shard, shard.reshape(-1)
-        numel = self._flat_shard.numel()
-        return (slot if numel == slot.numel() else slot[:numel]), self._flat_shard
+            self._flat_numel = self._flat_shard.numel()
+        return (slot if self._flat_numel == slot.numel() else slot[: self._flat_numel]), self._flat_shard
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
@@ -243,6 +242,8 @@ class ShardedParam:
         numel = self.layout.world * self.layout.padded_shard_numel
         if self.unsharded_param is None:
             self._padded_full = torch.empty(numel, dtype=self.param_dtype, device=self.device)
+            self._padded_nbytes = numel * self._padded_full.element_size()
+            self._padded_storage = self._padded_full.untyped_storage()  # the same object across resizes
             # Same storage, separate version counter: refilling it must not look like an in-place
             # change to autograd, which saved the unsharded parameter in forward for backward.
             self._gather_target = self._padded_full.data
@@ -255,21 +256,19 @@ class ShardedParam:
             # functorch transforms (torch.func.jvp) refuse on a tensor from outside the transform.
             self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
             self._grad_hook_registered = False
-        elif self._padded_full.untyped_storage().size() == 0:
-            self._padded_full.untyped_storage().resize_(numel * self._padded_full.element_size())
+        elif self._padded_storage.nbytes() == 0:
+            self._padded_storage.resize_(self._padded_nbytes)
 
     def _sync_requires_grad(self) -> None:
         """Give the unsharded parameter the shard's current requires_grad (and our grad hook)."""
         wanted = self.requires_grad
         if self.unsharded_param.requires_grad != wanted:
             self.unsharded_param.requires_grad_(wanted)
-        if wanted and not self._grad_hook_registered:
-            self.unsharded_param.register_post_accumulate_grad_hook(self._grad_accumulated)
+        if wanted and not self._grad_hook_registered and self._on_grad_ready is not None:
+            # The callback itself with this parameter bound: no frame of ours in between, per
+            # parameter and step.
+            self.unsharded_param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, self))
             self._grad_hook_registered = True
-
-    def _grad_accumulated(self, _: torch.Tensor) -> None:
-        if self._on_grad_ready is not None:
-            self._on_grad_ready(self)
 
     def gathered_rank_rows(self) -> torch.Tensor:
         """The unsharded parameter as ``world x padded_shard_numel`` rank slots (as all-gathered)."""
@@ -290,9 +289,7 @@ class ShardedParam:
         self._grad_hook_registered = False
 
     def free_unsharded(self) -> None:
-        if self._padded_full is not None:
-            self._padded_full.untyped_storage().resize_(0)
-        self.codec.release()
+        free_all_unsharded((self,))
 
     # -- gradients ------------------------------------------------------------------------------
 
@@ -344,3 +341,110 @@ class ShardedParam:
         else:
             compat.local_tensor(existing).add_(local)
 
+
+
+# -- a group's parameters in one pass ------------------------------------------------------------
+#
+# The verbs a group applies to all its parameters on every unshard and reshard, each one loop
+# with no Python call per parameter in the common case, so that host work per step grows with
+# the number of groups rather than of parameters (issue 21). The per-parameter methods above
+# call these with one parameter.
+
+
+def hold_all_sharded(params: Sequence[ShardedParam]) -> None:
+    """Put every parameter's sharded form in all the places it is registered."""
+    for p in params:
+        tensor = p.sharded_param
+        for slot in p.slots:
+            slot.module._parameters[slot.name] = tensor  # as ParamSlot.hold, inlined
+        p.state = ParamState.SHARDED
+
+
+def hold_all_unsharded(params: Sequence[ShardedParam]) -> None:
+    """Put every parameter's unsharded form in all its places, with the shard's requires_grad."""
+    for p in params:
+        tensor = p.unsharded_param
+        wanted = p.sharded_param.requires_grad
+        if tensor.requires_grad != wanted or (wanted and not p._grad_hook_registered):
+            p._sync_requires_grad()
+        for slot in p.slots:
+            slot.module._parameters[slot.name] = tensor
+        p.state = ParamState.UNSHARDED
+
+
+def free_all_unsharded(params: Sequence[ShardedParam]) -> None:
+    """Free every parameter's unsharded storage (the tensor objects stay for autograd)."""
+    for p in params:
+        if p._padded_full is not None:
+            p._padded_storage.resize_(0)
+        if p.codec.holds_memory:
+            p.codec.release()
+
+
+def allocate_all_unsharded(params: Sequence[ShardedParam]) -> None:
+    """Give every parameter's unsharded storage its memory (building it the first time)."""
+    for p in params:
+        if p.unsharded_param is None:
+            p._allocate_unsharded()
+        else:
+            storage = p._padded_storage
+            if storage.nbytes() == 0:  # nbytes(): size() is a Python call
+                storage.resize_(p._padded_nbytes)
+
+
+def unsharded_storages(params: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """Every parameter's :meth:`ShardedParam.unsharded_storage`."""
+    allocate_all_unsharded(params)
+    return [p._gather_target for p in params]
+
+
+def gather_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor] | None:
+    """Every parameter's :meth:`ShardedParam.gather_target`, its storage allocated; None unless
+    all are dim-0 shards."""
+    if any([p.layout.dim != 0 for p in params]):
+        return None
+    allocate_all_unsharded(params)
+    return [p._gather_rows for p in params]
+
+
+def copy_in_pairs(params: Sequence[ShardedParam], slots: Sequence[torch.Tensor]) -> list:
+    """Every parameter's :meth:`ShardedParam.copy_in_pair` for its plain codec's all-gather ``slot``
+    (``padded_shard_numel`` elements; on one rank, its unsharded storage)."""
+    pairs = []
+    for p, slot, shard in zip(params, slots, compat.local_tensors([p.sharded_param for p in params])):
+        if p._flat_shard_of is shard:  # the common case: a contiguous shard, its flat view cached
+            pairs.append((slot if p._flat_numel == p._slot_numel else slot[: p._flat_numel], p._flat_shard))
+        else:
+            pairs.append(p.copy_in_pair(slot))
+    return pairs
+
+
+def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tensor | None]:
+    """``id(p) -> p.take_unreduced_grad()`` for every parameter that requires a gradient."""
+    grads = {}
+    for p in params:
+        if not p.sharded_param.requires_grad:
+            continue
+        unsharded = p.unsharded_param
+        if unsharded is None or p._accumulated_grad is not None or p.tensor_parallel is not None:
+            grads[id(p)] = p.take_unreduced_grad()
+        else:  # the common case, inlined: this backward's gradient as autograd left it
+            grads[id(p)] = unsharded.grad
+            unsharded.grad = None
+    return grads
+
+
+def accumulate_sharded_grads(params: Sequence[ShardedParam], reduced_slots: Sequence[torch.Tensor]) -> None:
+    """:meth:`ShardedParam.accumulate_sharded_grad` of each parameter's reduced padded slot."""
+    fresh_params, fresh_grads = [], []
+    for p, slot in zip(params, reduced_slots):
+        layout = p.layout
+        if p.offload or p.sharded_param.grad is not None or layout.local_rows != layout.chunk:
+            p.accumulate_sharded_grad(slot)
+            continue
+        # The common case, inlined: a first gradient, no padding on this rank, on the shard's device.
+        local = slot.view(layout.local_shape)
+        fresh_params.append(p.sharded_param)
+        fresh_grads.append(local if local.dtype == p.orig_dtype else local.to(p.orig_dtype))
+    for param, grad in zip(fresh_params, compat.dtensors_like(fresh_params, fresh_grads)):
+        param.grad = grad

@@ -1,0 +1,95 @@
+"""Regression guards on the host work of a training step, as exact counts (fsdp2.tools.host_work).
+
+Counts of dispatched ops and Python calls do not depend on the CPU's kernels, its thread count
+or the load, so they can bound host work in tests where times cannot. Each step runs on rank 0
+of a simulated world (fsdp2.tools.noop_pg: collectives that do nothing).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp2.models import GPT, GPTConfig
+from fsdp2.tools.host_work import FSDP_CODE, count_host_work
+from fsdp2.tools.noop_pg import init_noop_process_group
+
+# 16 rows split evenly over 8 ranks; over 1024 every parameter is padded to one row per rank.
+CFG = GPTConfig(vocab_size=64, seq_len=8, dim=16, n_layers=2, n_heads=2)
+
+
+def _gpt(cfg: GPTConfig = CFG):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    return model, model.blocks, lambda: model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def _mlp(groups: int, linears_per_group: int, width: int):
+    """``groups`` blocks of ``linears_per_group`` Linear layers (two parameters each)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(*[nn.Linear(width, width) for _ in range(linears_per_group)]) for _ in range(groups)]
+    model = nn.Sequential(*blocks)
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
+    return model, blocks, lambda: model(x).square().mean()
+
+
+def _step_work(world_size: int, build=_gpt, fully_shard=None):
+    """Host work of one AdamW training step of ``build()``'s model, every block and the root
+    fully_shard'ed, on rank 0 of ``world_size`` no-op ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fully_shard is None:
+        from fsdp2 import fully_shard
+
+    assert not dist.is_initialized(), "a process group leaked into this test process"
+    init_noop_process_group(world_size)
+    try:
+        model, blocks, loss = build()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            loss().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # lazy init and the optimizer's state are one-off work
+        return count_host_work(step)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def work_by_world():
+    return {n: _step_work(n) for n in (8, 1024)}
+
+
+def test_ops_per_step_are_flat_in_the_world_size(work_by_world):
+    """Padding (every tensor one row per rank at 1024) adds no per-parameter copies or slices:
+    the padded reduce-scatter copy-in is fused per bucket like the even one (issue 21)."""
+    even, padded = work_by_world[8].ops, work_by_world[1024].ops
+    assert padded <= 1.02 * even, f"ops per step: {padded} at 1024 ranks vs {even} at 8"
+
+
+def test_fsdp2_python_calls_per_step_are_flat_in_the_world_size(work_by_world):
+    even, padded = (work_by_world[n].calls_in(FSDP_CODE) for n in (8, 1024))
+    assert padded <= 1.05 * even, f"fsdp2's Python calls per step: {padded} at 1024 ranks vs {even} at 8"
+
+
+def test_fsdp2_python_calls_per_step_grow_with_groups_not_parameters():
+    """4x the parameters in each of the same groups (more, smaller tensors) adds almost no Python
+    calls in fsdp2: the per-parameter work of unshard, reshard and reduce is batched per group."""
+    few, many = (_step_work(8, lambda m=m, w=w: _mlp(3, m, w)).calls_in(FSDP_CODE) for m, w in ((2, 32), (8, 16)))
+    assert many <= 1.1 * few, f"fsdp2's Python calls per step: {many} with 4x the parameters per group vs {few}"
+
+
+def test_fsdp2_python_calls_per_step_are_a_fraction_of_pytorch_fsdp2s():
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ours = _step_work(8).calls_in(FSDP_CODE)
+    theirs = _step_work(8, fully_shard=torch_fully_shard).calls_in(FSDP_CODE)
+    assert ours <= 0.5 * theirs, f"Python calls per step in FSDP code: fsdp2 {ours}, PyTorch FSDP2 {theirs}"
