@@ -99,3 +99,16 @@ def run_backward(loss: torch.Tensor) -> None:
     Variable._execution_engine.run_backward(
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
+
+
+def global_optimizer_step_hooks() -> list:
+    """Step pre- and post-hooks registered for every optimizer (``register_optimizer_step_pre_hook``
+    and ``..._post_hook``): torch.optim keeps them in private module dicts."""
+    import torch.optim.optimizer as optimizer_module
+
+    return [*optimizer_module._global_optimizer_pre_hooks.values(), *optimizer_module._global_optimizer_post_hooks.values()]
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> list:
+    """Step pre- and post-hooks registered on one optimizer (``register_step_pre_hook``, ...)."""
+    return [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]

@@ -295,3 +295,37 @@ def test_an_explicit_install_after_the_default_returns_its_step():
     assert step_on_local_shards(opt) is installed
     step_on_dtensors(opt)
     assert not installed.active
+
+
+def _hooks_see_dtensors_under_the_default(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from fsdp2.optim.local_step import _HANDLE_ATTR
+
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        seen.append(all(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]))
+
+    results = {}
+    for where in ("optimizer", "global"):
+        model = shard(make_model(0), mesh_1d(world_size))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train(model, opt, 2, 0, rank)  # the default is installed by now
+        handle = opt.register_step_pre_hook(record) if where == "optimizer" else register_optimizer_step_post_hook(record)
+        seen.clear()
+        _train(model, opt, 2, 0, rank)
+        handle.remove()
+        _train(model, opt, 1, 0, rank)
+        results[where] = (list(seen), getattr(opt, _HANDLE_ATTR).local_steps)
+    return results
+
+
+def test_the_default_leaves_step_hooks_the_dtensors_pytorch_shows_them(worlds):
+    """Code that runs inside step() sees DTensor parameters, as on PyTorch's FSDP2: with a step
+    hook on the optimizer or a global one, the default steps on DTensors; without, locally again."""
+    for results in worlds.run(2, _hooks_see_dtensors_under_the_default):
+        for where, (seen, local_steps) in results.items():
+            assert seen == [True, True], where
+            assert local_steps == 2, where  # step 2 (before the hook) and step 5 (after it) went local

@@ -26,7 +26,10 @@ By default (no call needed) it is installed on every optimizer that is exactly o
 classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
 still runs on DTensors), through torch.optim's public global step pre-hook, registered once by
 the first ``fully_shard`` call. No torch.optim class or function is patched; other optimizers
-only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out.
+only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out. A step
+during which other code would see the parameters (step hooks on the optimizer, or global ones
+other than the default's) runs on DTensors, as on PyTorch's FSDP2: the default changes nothing
+that anyone can observe, only the time.
 """
 
 from __future__ import annotations
@@ -111,6 +114,14 @@ def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> 
         LocalShardStep(optimizer, by_default=True)  # from the next step on: this one is under way
 
 
+def _user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether code other than the optimizer's own runs inside its ``step()``: step hooks on it, or
+    global ones besides the default's."""
+    return bool(compat.optimizer_step_hooks(optimizer)) or any(
+        hook is not _install_where_identical for hook in compat.global_optimizer_step_hooks()
+    )
+
+
 class LocalShardStep:
     """Installed on one optimizer: its ``step()`` presents local shards, then folds new state back.
 
@@ -138,6 +149,10 @@ class LocalShardStep:
     def step(self, *args, **kwargs):
         closure = kwargs.get("closure", args[0] if args else None)
         if not self.active or closure is not None:
+            return self._inner_step(*args, **kwargs)
+        if self.by_default and _user_step_hooks(self.optimizer):
+            # Hooks see the parameters during step(): on PyTorch's FSDP2 they are DTensors, so the
+            # default, which must change nothing anyone can observe, steps on DTensors here.
             return self._inner_step(*args, **kwargs)
         aliases = self._present()
         if aliases is None:
