@@ -23,6 +23,7 @@ from fsdp2.runtime.gather import Subgroup
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
 from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
+from fsdp2.runtime.torch_view import TorchStateView
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -93,6 +94,8 @@ def fully_shard(
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
         compat.mark_fully_sharded(m)
+        # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
+        compat.set_torch_fully_shard_state(m, TorchStateView(state))
     _register_state_dict_hooks(group)
     return module
 
