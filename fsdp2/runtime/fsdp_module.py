@@ -240,7 +240,8 @@ class FSDPModule(compat.TorchFSDPModule):
         states = self._fsdp_states(recurse=True)
         for state in states:
             state.group.reshard()
-        result = super()._apply(fn, recurse)
+        # Past PyTorch's FSDPModule._apply (it reads PyTorch's state) to the module's own class.
+        result = super(compat.TorchFSDPModule, self)._apply(fn, recurse)
         for state in states:
             state.group.refresh_params()
         return result

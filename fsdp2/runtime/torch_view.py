@@ -58,13 +58,20 @@ class _Unsupported:
 
 
 class TorchParamGroupView(_Unsupported):
-    """One ``FSDPParamGroup`` as pipelining drives it: ``post_backward()`` after the last microbatch."""
+    """One ``FSDPParamGroup`` as pipelining drives it: gathered ahead of a stage's forward,
+    ``post_backward()`` after the last microbatch."""
 
     _what = "FSDPParamGroup"
     _fields = ("_group",)
 
     def __init__(self, group: ParamGroup):
         self._group = group
+
+    def unshard(self, async_op: bool = False) -> None:
+        self._group.unshard(async_op=async_op)
+
+    def wait_for_unshard(self) -> None:
+        self._group.wait_for_unshard()
 
     def post_backward(self) -> None:
         """Reduce the gradients accumulated over the microbatches (as the flags now say), then
@@ -112,6 +119,11 @@ class TorchStateView(_Unsupported):
     def _fsdp_param_groups(self) -> list[TorchParamGroupView]:
         group = self._state.group
         return [TorchParamGroupView(group)] if group.has_params else []
+
+    @property
+    def _fsdp_param_group(self) -> TorchParamGroupView | None:
+        groups = self._fsdp_param_groups
+        return groups[0] if groups else None
 
     def _pre_forward(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self._state._pre_forward_hook(module, args, kwargs)
