@@ -80,6 +80,11 @@ def _identity(rank, ws):
         assert isinstance(ours, cls) and isinstance(ours.blocks[0], cls)
         assert not isinstance(ours.tok_emb, cls)  # not fully_shard'ed itself
     assert isinstance(ours, fsdp2.FSDPModule) and not isinstance(theirs, fsdp2.FSDPModule)
+    # Either fully_shard's state() answers the same for an fsdp2 module (frameworks may hold either).
+    ours.loss(*_batch(0, rank, ws)).backward()  # lazy init: the root knows its states
+    for state_of in (torch_fsdp.fully_shard.state, fsdp2.fully_shard.state):
+        assert [len(s._fsdp_param_groups) for s in state_of(ours)._state_ctx.all_states] == [1, 1, 1]
+        assert state_of(ours.tok_emb) is None
     handle = ours.blocks[0].unshard(async_op=True)
     assert isinstance(handle, torch_fsdp.UnshardHandle)
     handle.wait()

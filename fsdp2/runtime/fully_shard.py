@@ -100,12 +100,14 @@ def fully_shard(
     return module
 
 
-def _state_of(module: nn.Module) -> FSDPState | None:
-    """The fully_shard state of ``module`` (None if fully_shard was not applied to it)."""
-    return module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+def _state_of(module: nn.Module) -> TorchStateView | None:
+    """``module``'s fully_shard state as PyTorch's callers read it, the same answer PyTorch's
+    ``fully_shard.state`` gives for it (None if fully_shard was not applied to it)."""
+    state = module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+    return TorchStateView(state) if state is not None else None
 
 
-# Like PyTorch's ``fully_shard.state(module)``.
+# Like PyTorch's ``fully_shard.state(module)``: code holding either function gets the same view.
 fully_shard.state = _state_of
 
 

@@ -90,8 +90,8 @@ class TorchStateContextView(_Unsupported):
 
     @property
     def all_states(self) -> list["TorchStateView"]:
-        root = self._state.root
-        return [TorchStateView(s) for s in (root.states if root is not None else [self._state])]
+        root = self._state.root  # None before the first forward: no states known yet, as in PyTorch
+        return [TorchStateView(s) for s in root.states] if root is not None else []
 
     @property
     def is_last_backward(self) -> bool:
