@@ -89,8 +89,10 @@ def _identity(rank, ws):
     assert isinstance(handle, torch_fsdp.UnshardHandle)
     handle.wait()
     ours.blocks[0].reshard()
-    # Slicing a container builds the original class, as PyTorch's does.
-    assert type(ours.blocks[0:1]) is nn.ModuleList
+    # Slicing a fully_shard'ed container builds the original class (past both FSDPModule classes).
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp2.fully_shard(sequential, mesh=_mesh())
+    assert type(sequential[0:1]) is nn.Sequential
 
 
 def test_fsdp2_modules_are_pytorch_fsdp_modules(worlds):

@@ -46,7 +46,7 @@ class FSDPModule(compat.TorchFSDPModule):
     def __new__(cls, *args, **kwargs):
         # Constructing a fully_shard'ed class anew (slicing an nn.Sequential or a ModuleList does
         # ``type(self)(...)``) builds the original class: the new module is not sharded.
-        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        original = next(c for c in cls.__mro__ if not issubclass(c, compat.TorchFSDPModule))
         module = original.__new__(original, *args, **kwargs)
         module.__init__(*args, **kwargs)
         return module
