@@ -85,6 +85,7 @@ def _identity(rank, ws):
     for state_of in (torch_fsdp.fully_shard.state, fsdp2.fully_shard.state):
         assert [len(s._fsdp_param_groups) for s in state_of(ours)._state_ctx.all_states] == [1, 1, 1]
         assert state_of(ours.tok_emb) is None
+        assert state_of(ours) is torch_fsdp.fully_shard.state(ours) is ours._get_fsdp_state()  # one object
     handle = ours.blocks[0].unshard(async_op=True)
     assert isinstance(handle, torch_fsdp.UnshardHandle)
     handle.wait()

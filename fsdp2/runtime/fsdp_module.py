@@ -60,7 +60,7 @@ class FSDPModule(compat.TorchFSDPModule):
     def _get_fsdp_state(self) -> TorchStateView:
         """What PyTorch's own code reads as this module's FSDP state (also ``fully_shard.state``
         of PyTorch's fully_shard): the members it uses, routed to fsdp2's."""
-        return TorchStateView(self._fsdp_state)
+        return TorchStateView.of(self._fsdp_state)
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:

@@ -95,7 +95,7 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
         compat.mark_fully_sharded(m)
         # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
-        compat.set_torch_fully_shard_state(m, TorchStateView(state))
+        compat.set_torch_fully_shard_state(m, TorchStateView.of(state))
     _register_state_dict_hooks(group)
     return module
 
@@ -104,7 +104,7 @@ def _state_of(module: nn.Module) -> TorchStateView | None:
     """``module``'s fully_shard state as PyTorch's callers read it, the same answer PyTorch's
     ``fully_shard.state`` gives for it (None if fully_shard was not applied to it)."""
     state = module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
-    return TorchStateView(state) if state is not None else None
+    return TorchStateView.of(state) if state is not None else None
 
 
 # Like PyTorch's ``fully_shard.state(module)``: code holding either function gets the same view.

@@ -11,6 +11,7 @@ and the member, instead of half-working.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 from fsdp2.errors import FSDPUsageError
@@ -91,7 +92,7 @@ class TorchStateContextView(_Unsupported):
     @property
     def all_states(self) -> list["TorchStateView"]:
         root = self._state.root  # None before the first forward: no states known yet, as in PyTorch
-        return [TorchStateView(s) for s in root.states] if root is not None else []
+        return [TorchStateView.of(s) for s in root.states] if root is not None else []
 
     @property
     def is_last_backward(self) -> bool:
@@ -107,9 +108,18 @@ class TorchStateView(_Unsupported):
 
     _what = "FSDPState"
     _fields = ("_state",)
+    _views: "weakref.WeakKeyDictionary[FSDPState, TorchStateView]" = weakref.WeakKeyDictionary()
 
     def __init__(self, state: FSDPState):
         self._state = state
+
+    @classmethod
+    def of(cls, state: FSDPState) -> "TorchStateView":
+        """The one view of ``state`` (callers may compare states by identity, as PyTorch's are)."""
+        view = cls._views.get(state)
+        if view is None:
+            view = cls._views[state] = cls(state)
+        return view
 
     @property
     def _state_ctx(self) -> TorchStateContextView:
