@@ -9,6 +9,7 @@ from fsdp2.policies import AllGatherPolicy, CPUOffloadPolicy, MixedPrecisionPoli
 from fsdp2.runtime.dp_mesh import DataParallelMeshDims
 from fsdp2.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from fsdp2.runtime.fully_shard import fully_shard
+from fsdp2.torch_switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 
 moved.install(sys.modules[__name__])  # the old import paths (fsdp2.comm_stats, ...) warn and forward for one release
 
@@ -23,6 +24,8 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "install_as_torch_fsdp",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "uninstall_as_torch_fsdp",
 ]

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -22,6 +23,25 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # fully_shard on a tensor-parallel parameter split along the same dim: "every tp-th block".
 StridedShard = _StridedShard
+
+# PyTorch's FSDP2 classes that fsdp2's derive from, so frameworks' isinstance checks pass.
+TorchFSDPModule = torch_fsdp.FSDPModule
+TorchUnshardHandle = torch_fsdp.UnshardHandle
+
+
+def torch_fully_shard_home():
+    """The module that defines PyTorch's ``fully_shard`` (its implementation reads its own global
+    ``fully_shard``, so this one binding must always stay PyTorch's)."""
+    import torch.distributed.fsdp._fully_shard._fully_shard as home
+
+    return home
+
+
+def set_torch_fully_shard_state(module: nn.Module, state: object) -> None:
+    """Make PyTorch's ``fully_shard.state(module)`` return ``state``: the composable-API state
+    dict is keyed by the undecorated function ``contract`` wrapped."""
+    key = torch_fully_shard_home().fully_shard.__wrapped__
+    module.__dict__.setdefault(STATE_KEY, OrderedDict())[key] = state
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -317,42 +317,6 @@ def test_dp_mesh_dims_name_the_data_parallel_dims(worlds):
     worlds.run(4, _named_mesh_dims)
 
 
-def _pipelining(rank, ws):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    from fsdp2 import fully_shard
-
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
-    reference = nn.Sequential(*copy.deepcopy(layers))
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
-    part = nn.Sequential(*(layers[:2] if rank == 0 else layers[2:]))
-    for module in [m for m in part if isinstance(m, nn.Linear)] + [part]:
-        fully_shard(module, mesh=mesh["dp"])
-    # Not a torch FSDPModule: pipelining would otherwise drive PyTorch's private FSDP state.
-    assert not isinstance(part, TorchFSDPModule)
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    loss_fn = lambda out, y: (out - y).square().mean()  # noqa: E731
-    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
-    x, y = torch.randn(8, 8), torch.randn(8, 4)
-    schedule.step(x) if rank == 0 else schedule.step(target=y)
-    # The schedule averages the microbatches' gradients.
-    (sum(loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(4), y.chunk(4))) / 4).backward()
-    mine = list(reference)[:2] if rank == 0 else list(reference)[2:]
-    for ours, theirs in zip(part, mine):
-        for p, q in zip(ours.parameters(), theirs.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
-
-
-def test_pipelining_trains_fsdp2_stages_correctly(worlds):
-    """fsdp2 modules are not instances of PyTorch's FSDPModule (see README: PyTorch's pipelining,
-    its FSDP memory tracker and dynamo's package guard read PyTorch-private FSDP state of such
-    modules). Pipelining then runs them as plain modules, and the gradients are right."""
-    worlds.run(2, _pipelining)
-
-
 # -- tensor-subclass all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather) -------------------
 
 

@@ -1,7 +1,10 @@
 """``FSDPModule``: the methods a fully_shard'ed module gains (its class is swapped to include them).
 
 The method set and signatures are PyTorch FSDP2's (``torch.distributed.fsdp.FSDPModule``);
-tests/test_api_parity.py compares them by introspection against the installed torch.
+tests/test_dropin.py compares them by introspection against the installed torch. The class
+derives from PyTorch's, so ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds and
+frameworks that branch on it call these methods; PyTorch code that reads private FSDP state
+gets :mod:`fsdp2.runtime.torch_view`.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime.hooks import FSDPState
+from fsdp2.runtime.torch_view import TorchStateView
 
 
-class UnshardHandle:
+class UnshardHandle(compat.TorchUnshardHandle):
     """Returned by ``unshard(async_op=True)``; ``wait()`` blocks until the parameters are usable."""
 
     def __init__(self, state: FSDPState):
@@ -30,15 +35,18 @@ class UnshardHandle:
         self._state.group.wait_for_unshard()
 
 
-class FSDPModule:
-    """Mixin placed in front of a module's own class by ``fully_shard``."""
+class FSDPModule(compat.TorchFSDPModule):
+    """Mixin placed in front of a module's own class by ``fully_shard``. A subclass of PyTorch's
+    ``FSDPModule``, whose methods it all overrides (the MRO is ``FSDP<Cls>, FSDPModule,
+    torch's FSDPModule, Cls``)."""
 
     _fsdp_state: FSDPState
+    _orig_cls_mro_index = 3  # PyTorch's convention: where the module's own class sits in the MRO
 
     def __new__(cls, *args, **kwargs):
         # Constructing a fully_shard'ed class anew (slicing an nn.Sequential or a ModuleList does
         # ``type(self)(...)``) builds the original class: the new module is not sharded.
-        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        original = next(c for c in cls.__mro__ if not issubclass(c, compat.TorchFSDPModule))
         module = original.__new__(original, *args, **kwargs)
         module.__init__(*args, **kwargs)
         return module
@@ -48,6 +56,11 @@ class FSDPModule:
             f"{type(self).__name__}: a fully_shard'ed module cannot be deep-copied (its parameters are shards "
             "tied to process groups); deep-copy the model before fully_shard, or copy its state_dict()."
         )
+
+    def _get_fsdp_state(self) -> TorchStateView:
+        """What PyTorch's own code reads as this module's FSDP state (also ``fully_shard.state``
+        of PyTorch's fully_shard): the members it uses, routed to fsdp2's."""
+        return TorchStateView.of(self._fsdp_state)
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
@@ -227,7 +240,8 @@ class FSDPModule:
         states = self._fsdp_states(recurse=True)
         for state in states:
             state.group.reshard()
-        result = super()._apply(fn, recurse)
+        # Past PyTorch's FSDPModule._apply (it reads PyTorch's state) to the module's own class.
+        result = super(compat.TorchFSDPModule, self)._apply(fn, recurse)
         for state in states:
             state.group.refresh_params()
         return result

@@ -23,6 +23,7 @@ from fsdp2.runtime.gather import Subgroup
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
 from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
+from fsdp2.runtime.torch_view import TorchStateView
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -96,16 +97,20 @@ def fully_shard(
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
         compat.mark_fully_sharded(m)
+        # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
+        compat.set_torch_fully_shard_state(m, TorchStateView.of(state))
     _register_state_dict_hooks(group)
     return module
 
 
-def _state_of(module: nn.Module) -> FSDPState | None:
-    """The fully_shard state of ``module`` (None if fully_shard was not applied to it)."""
-    return module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+def _state_of(module: nn.Module) -> TorchStateView | None:
+    """``module``'s fully_shard state as PyTorch's callers read it, the same answer PyTorch's
+    ``fully_shard.state`` gives for it (None if fully_shard was not applied to it)."""
+    state = module.__dict__.get("_fsdp_state") if isinstance(module, nn.Module) else None
+    return TorchStateView.of(state) if state is not None else None
 
 
-# Like PyTorch's ``fully_shard.state(module)``.
+# Like PyTorch's ``fully_shard.state(module)``: code holding either function gets the same view.
 fully_shard.state = _state_of
 
 
