@@ -173,6 +173,21 @@ def test_gradient_divide_factor_is_not_recursive(worlds):
     worlds.run(2, _divide_factor)
 
 
+def _reduce_in(rank, ws, reduce_dtype):
+    import torch.distributed.fsdp as torch_fsdp
+
+    mp = torch_fsdp.MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
+    _train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+def test_gradients_reduced_in_fp16_or_fp64_divide_like_pytorch(worlds, reduce_dtype):
+    """Dtypes other than fp32/bf16 are divided partly before the sum (a power of two near
+    sqrt(N)) and the rest after, as PyTorch does; at 4 ranks that is 2 and 2."""
+    worlds.run(4, _reduce_in, reduce_dtype)
+
+
 def _last_backward_before_forward(rank, ws):
     theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
     for model in (theirs, ours):

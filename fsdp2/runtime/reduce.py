@@ -167,6 +167,17 @@ class GroupReduce:
     def _factor(self) -> float:
         return self.divide_factor or float(self.dp.data_parallel_size)
 
+    def _divisors(self, dtype: torch.dtype) -> tuple[float, float]:
+        """(before, after) the sum, as PyTorch's FSDP2 splits the division: fp32 and bf16 after;
+        other dtypes (fp16's narrow range) by a power of two near sqrt(factor) before, the rest after."""
+        factor = self._factor
+        if dtype in (torch.float32, torch.bfloat16):
+            return 1.0, factor
+        before = 1
+        while factor % before == 0 and factor / before > before:
+            before *= 2
+        return float(before), factor / before
+
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
         pattern = tuple(
@@ -185,8 +196,9 @@ class GroupReduce:
         pending = []
         for bucket in buckets:
             inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
-            if bucket.dtype == torch.float16 and self._factor != 1:
-                inp.div_(self._factor)  # fp16 would overflow summing before dividing
+            before, _ = self._divisors(bucket.dtype)
+            if before != 1:
+                inp.div_(before)  # fp16 would overflow summing before dividing
             if self.local_only:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
@@ -231,8 +243,9 @@ class GroupReduce:
                 return
             self._add_partial(pending)
             collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
-        if pending.bucket.dtype != torch.float16 and self._factor != 1:
-            pending.output.div_(self._factor)
+        _, after = self._divisors(pending.bucket.dtype)
+        if after != 1:
+            pending.output.div_(after)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(pending.output)
 
