@@ -372,6 +372,53 @@ def test_pipelining_trains_fsdp2_stages_correctly(worlds):
     worlds.run(2, _pipelining)
 
 
+
+def _deepcopy_refused(rank, ws):
+    from fsdp2.errors import FSDPUsageError
+
+    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    for model in (theirs, ours):
+        # (what is copied, the sharded module the error names): a plain ModuleList of sharded blocks too
+        for module, named in ((model, "FSDPGPT"), (model.blocks[0], "FSDPBlock"), (model.blocks, "FSDPBlock")):
+            # PyTorch's own test: assertRaisesRegex(AssertionError, "FSDP does not support deepcopy")
+            with pytest.raises(AssertionError, match="FSDP does not support deepcopy") as raised:
+                copy.deepcopy(module)
+            if model is ours:
+                assert isinstance(raised.value, FSDPUsageError)
+                assert named in str(raised.value) and "state_dict()" in str(raised.value)
+
+
+def test_deepcopy_of_a_sharded_module_raises_like_pytorch(worlds):
+    worlds.run(2, _deepcopy_refused)
+
+
+def _containers_refused(rank, ws):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2 import fully_shard
+
+    for container in (nn.ModuleList([nn.Linear(4, 4)]), nn.ModuleDict({"a": nn.Linear(4, 4)})):
+        for shard in (torch_fully_shard, fully_shard):
+            with pytest.raises(ValueError, match="fully_shard does not support containers that do not implement forward"):
+                shard(container, mesh=_mesh())
+        assert not any(isinstance(p, DTensor) for p in container.parameters())  # left as it was
+
+    class Stack(nn.ModuleList):  # a container with a forward of its own is a module like any other
+        def forward(self, x):
+            for layer in self:
+                x = layer(x)
+            return x
+
+    theirs, ours = _twins(lambda: Stack([nn.Linear(4, 4), nn.Linear(4, 4)]), lambda m, shard: shard(m, mesh=_mesh()))
+    x = torch.randn(2, 4)
+    assert torch.equal(theirs(x), ours(x))
+
+
+def test_fully_shard_refuses_module_list_and_dict_like_pytorch(worlds):
+    """Their forward is never called, so their hooks would never gather (PyTorch refuses them)."""
+    worlds.run(2, _containers_refused)
+
 # -- tensor-subclass all-gather hooks (fsdp_pre_all_gather / fsdp_post_all_gather) -------------------
 
 

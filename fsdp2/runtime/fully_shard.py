@@ -107,6 +107,14 @@ fully_shard.state = _state_of
 
 
 def _modules_of(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # Its forward is never called, so the hooks that gather its parameters would never run.
+        # The wording starts as PyTorch's, whose tests match it.
+        raise FSDPUsageError(
+            f"fully_shard does not support containers that do not implement forward: this "
+            f"{type(module).__name__} is never called. Apply fully_shard to each module in it, or to them as "
+            "one group: fully_shard(list(container)) (a ModuleDict: list(container.values()))."
+        )
     if isinstance(module, nn.Module):
         return (module,)
     if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
