@@ -29,6 +29,19 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh._get_root_mesh()
 
 
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims as one 1-D mesh called ``name`` (cached by DeviceMesh: same name, same mesh)."""
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (slices of one root mesh), in order."""
+    if hasattr(DeviceMesh, "_concatenate"):  # torch >= 2.13
+        return DeviceMesh._concatenate(meshes)
+    names = tuple(n for m in meshes for n in m.mesh_dim_names)
+    return root_mesh(meshes[0])[names]  # older torch slices flattened dims from the root
+
+
 def local_tensor(dtensor: DTensor) -> torch.Tensor:
     """The local shard of ``dtensor`` itself, not an autograd view of it (``to_local`` is one)."""
     return dtensor._local_tensor

@@ -19,6 +19,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -335,6 +336,87 @@ def _named_mesh_dims(rank, ws):
 def test_dp_mesh_dims_name_the_data_parallel_dims(worlds):
     worlds.run(4, _named_mesh_dims)
 
+
+def _spmd_mlp_net():
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(MLP() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    return Net()
+
+
+def _full_spmd_mesh(rank, ws, case):
+    """Parameters that are DTensors on the whole mesh (torchtitan's full_dtensor backend): forward
+    sees them as DTensors there, gathered on the data-parallel dims only, bitwise as PyTorch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    if case == "context_parallel":  # two data-parallel shard dims, flattened (dp_shard x cp)
+        names, dims = ("dp_shard", "cp"), DataParallelMeshDims(shard=("dp_shard", "cp"))
+        input_placements = (Shard(0), Shard(0))
+
+        def placements_of(module, name):
+            return (Replicate(), Replicate())
+
+    else:  # tensor parallel on the non-data-parallel dim: colwise up, rowwise down
+        names, dims = ("dp", "tp"), DataParallelMeshDims(shard="dp")
+        input_placements = (Shard(0), Replicate())
+
+        def placements_of(module, name):
+            if module.out_features == 16:
+                return (Replicate(), Shard(0))
+            return (Replicate(), Shard(1)) if name == "weight" else (Replicate(), Replicate())
+
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=names)
+    unsharded = {}
+
+    def shard(model, fully_shard):
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                dtensor = distribute_tensor(p.detach(), mesh, placements_of(module, name))
+                module._parameters[name] = nn.Parameter(dtensor)
+        seen = unsharded.setdefault(fully_shard.__module__, [])
+        model.blocks[0].up.register_forward_pre_hook(lambda m, _: seen.append((type(m.weight), m.weight.placements)))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+
+    theirs, ours = _twins(_spmd_mlp_net, shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    for step in range(2):
+        x = distribute_tensor(torch.randn(8, 8, generator=torch.Generator().manual_seed(step)), mesh, input_placements)
+        results = [
+            _step(m, opt, step, rank, ws, loss_fn=lambda m, *_: m(x).pow(2).mean().full_tensor())
+            for m, opt in zip((theirs, ours), opts)
+        ]
+        assert torch.equal(results[0][0], results[1][0]), (case, step)
+        assert results[0][1] == results[1][1], (case, step, results)
+    _assert_same_params(theirs, ours)
+    for a, b in zip(theirs.parameters(), ours.parameters()):
+        assert (a.device_mesh.mesh_dim_names, a.placements) == (b.device_mesh.mesh_dim_names, b.placements)
+    their_seen, our_seen = unsharded.values()
+    assert our_seen == their_seen and our_seen[0] == (DTensor, placements_of(theirs.blocks[0].up, "weight")), unsharded
+
+
+@pytest.mark.skipif(not hasattr(torch_fsdp, "DataParallelMeshDims"), reason="PyTorch < 2.13 has no dp_mesh_dims")
+@pytest.mark.parametrize("case", ["context_parallel", "tensor_parallel"])
+def test_dp_mesh_dims_on_parameters_of_the_full_mesh_like_pytorch(worlds, case):
+    worlds.run(4, _full_spmd_mesh, case)
 
 def _pipelining(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh

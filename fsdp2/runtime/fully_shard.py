@@ -69,7 +69,7 @@ def fully_shard(
     _check_devices(plans, dp, name)
     for plan in plans:
         plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
-        plan.spec = sharded_spec(plan.managed.fqn, dp.tensor_parallel_view(plan.managed.param), dp, plan.shard_dim)
+        plan.spec = sharded_spec(plan.managed.fqn, plan.managed.param, dp, plan.shard_dim)
         extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, dp, name)
     subgroup = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
@@ -156,6 +156,11 @@ def _check_policies(mp_policy, offload_policy, name: str) -> None:
 def _check_reshard_after_forward(value: Any, dp: DataParallelMesh, name: str) -> None:
     if value is None or isinstance(value, bool):
         return
+    if len(dp.shard_dims) > 1 and value not in (1, dp.shard_size):
+        raise FSDPUsageError(
+            f"fully_shard({name}): reshard_after_forward={value!r} with several dp_mesh_dims shard dims "
+            f"{dp.shard_dims}; resharding to a subgroup needs one shard dim: use True or False."
+        )
     if isinstance(value, int) and 1 <= value <= dp.shard_size and dp.shard_size % value == 0:
         return
     raise FSDPUsageError(
