@@ -23,6 +23,11 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 # fully_shard on a tensor-parallel parameter split along the same dim: "every tp-th block".
 StridedShard = _StridedShard
 
+try:  # torch >= 2.13: shard_placement_fn may name a placement and a mesh per parameter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # torch 2.11
+    ShardPlacementResult = None
+
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself if it is not a slice)."""

@@ -418,6 +418,92 @@ def _full_spmd_mesh(rank, ws, case):
 def test_dp_mesh_dims_on_parameters_of_the_full_mesh_like_pytorch(worlds, case):
     worlds.run(4, _full_spmd_mesh, case)
 
+class _Experts(nn.Module):
+    def __init__(self, n=4, dim=8, hidden=16):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, dim, hidden) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(n, hidden, dim) * 0.1)
+
+    def forward(self, h, gate):
+        out = torch.einsum("bd,edf->bef", h, self.w1).relu()
+        return (torch.einsum("bef,efd->bed", out, self.w2) * gate.unsqueeze(-1)).sum(1)
+
+
+class _MoE(nn.Module):
+    """Dense layers around soft-routed experts (an MoE layer without the token dispatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.router, self.experts, self.out = nn.Linear(8, 8), nn.Linear(8, 4), _Experts(), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.dense(x)
+        return self.out(h + self.experts(h, self.router(h).softmax(-1)))
+
+
+def _moe_loss(model, step, rank, ws):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4 * ws, 8, generator=g), torch.randint(0, 3, (4 * ws,), generator=g)
+    return lambda m, *_: F.cross_entropy(m(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4])
+
+
+def _per_parameter_meshes(rank, ws):
+    """PyTorch 2.13's ShardPlacementResult: experts on their own (ep x efsdp) mesh, dense parameters
+    on the default one. fsdp2 shards one fully_shard call on one mesh: such a result on another
+    mesh is refused, naming the way that trains bitwise like PyTorch (the experts' own
+    fully_shard call with their mesh); a result on the call's own mesh is its placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp2 import FSDPUsageError, fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    expert_mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("ep", "efsdp"))
+    expert_info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def experts_apart(model):
+        experts = {id(p) for p in model.experts.parameters()}
+        return lambda p: ShardPlacementResult(None, expert_info) if id(p) in experts else None
+
+    torch.manual_seed(0)
+    refused = _MoE()
+    with pytest.raises(FSDPUsageError, match=r"experts.w1 on mesh .*Apply fully_shard to the module holding these"):
+        fully_shard(refused, mesh=mesh, shard_placement_fn=experts_apart(refused))
+    assert not any(isinstance(p, DTensor) for p in refused.parameters())  # left as it was
+
+    def shard(model, fully_shard):
+        if fully_shard.__module__.startswith("torch"):
+            fully_shard(model, mesh=mesh, shard_placement_fn=experts_apart(model))
+        else:
+            # In PyTorch the experts' group belongs to the root's state, which keeps its
+            # parameters after forward: keep them here too (equal all-gather counts).
+            fully_shard(model.experts, mesh=expert_mesh, reshard_after_forward=False)
+            fully_shard(model, mesh=mesh)
+
+    theirs, ours = _twins(_MoE, shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    for step in range(3):
+        results = [_step(m, opt, step, rank, ws, loss_fn=_moe_loss(m, step, rank, ws)) for m, opt in zip((theirs, ours), opts)]
+        assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1], (step, results)
+    _assert_same_params(theirs, ours)
+    for a, b in zip(theirs.parameters(), ours.parameters()):
+        assert (a.device_mesh, a.placements) == (b.device_mesh, b.placements)
+
+    this_mesh = FSDPMeshInfo(mesh, shard_mesh_dim=0)  # PyTorch wants one object per mesh
+
+    def dim_one_on_this_mesh(p):
+        return ShardPlacementResult(Shard(1) if p.dim() == 2 else None, this_mesh)
+
+    theirs, ours = _twins(_MoE, lambda m, fully_shard: fully_shard(m, mesh=mesh, shard_placement_fn=dim_one_on_this_mesh))
+    assert ours.dense.weight.placements == (Shard(1),)
+    _train_side_by_side(theirs, ours, rank, ws, loss_fn=lambda m, x, y: m(x.float()[:, :8]).sum())
+
+
+@pytest.mark.skipif(not hasattr(torch_fsdp, "DataParallelMeshDims"), reason="PyTorch < 2.13 has no ShardPlacementResult")
+def test_shard_placement_result_per_parameter_mesh(worlds):
+    worlds.run(4, _per_parameter_meshes)
+
 def _pipelining(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule

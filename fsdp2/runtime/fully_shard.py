@@ -68,7 +68,7 @@ def fully_shard(
     plans = _plan_params(modules, set(ignored_params or ()), name)
     _check_devices(plans, dp, name)
     for plan in plans:
-        plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
+        plan.shard_dim = _shard_dim(plan, shard_placement_fn, dp, name)
         plan.spec = sharded_spec(plan.managed.fqn, plan.managed.param, dp, plan.shard_dim)
         extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, dp, name)
     subgroup = None
@@ -207,14 +207,17 @@ def _check_devices(plans: list[_ParamPlan], dp: DataParallelMesh, name: str) -> 
             )
 
 
-def _shard_dim(plan: _ParamPlan, shard_placement_fn, name: str) -> int:
+def _shard_dim(plan: _ParamPlan, shard_placement_fn, dp: DataParallelMesh, name: str) -> int:
     param, fqn = plan.managed.param, plan.managed.fqn
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if compat.ShardPlacementResult is not None and isinstance(placement, compat.ShardPlacementResult):
+        placement = _placement_on_this_mesh(placement, dp, fqn, name)
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
         raise FSDPUsageError(
-            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim) or None"
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim), "
+            "a ShardPlacementResult on fully_shard's mesh, or None"
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
@@ -223,6 +226,21 @@ def _shard_dim(plan: _ParamPlan, shard_placement_fn, name: str) -> int:
             f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})."
         )
     return placement.dim % ndim
+
+
+def _placement_on_this_mesh(result: Any, dp: DataParallelMesh, fqn: str, name: str) -> Shard | None:
+    """The placement of PyTorch 2.13's ``ShardPlacementResult(placement, mesh_info)``, whose mesh must
+    be the one this call shards on: fsdp2 gathers a fully_shard call's parameters in one collective
+    over one mesh, so it refuses per-parameter meshes rather than shard them elsewhere."""
+    mesh = getattr(result.mesh_info, "mesh", None)
+    if mesh != dp.mesh and mesh != dp.shard_mesh:
+        raise FSDPUsageError(
+            f"fully_shard({name}): shard_placement_fn returned a ShardPlacementResult for {fqn} on mesh {mesh}, "
+            f"not this call's mesh {dp.mesh}; fsdp2 shards the parameters of one fully_shard call on one mesh. "
+            "Apply fully_shard to the module holding these parameters (e.g. the MoE experts) first, with "
+            "mesh=<their mesh>, then to its parent."
+        )
+    return result.placement
 
 
 def _move_buffers(module: nn.Module, dp: DataParallelMesh) -> None:
