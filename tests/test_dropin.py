@@ -29,6 +29,11 @@ from fsdp2.models import GPT, GPTConfig
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
 
 
+def _needs_pytorch_2_13(what: str):
+    """Skip a side-by-side test on an older torch whose FSDP2 lacks ``what``."""
+    return pytest.mark.skipif(not hasattr(torch_fsdp, "DataParallelMeshDims"), reason=f"PyTorch < 2.13 has no {what}")
+
+
 # -- side-by-side harness ---------------------------------------------------------------------------
 
 
@@ -413,7 +418,7 @@ def _full_spmd_mesh(rank, ws, case):
     assert our_seen == their_seen and our_seen[0] == (DTensor, placements_of(theirs.blocks[0].up, "weight")), unsharded
 
 
-@pytest.mark.skipif(not hasattr(torch_fsdp, "DataParallelMeshDims"), reason="PyTorch < 2.13 has no dp_mesh_dims")
+@_needs_pytorch_2_13("dp_mesh_dims")
 @pytest.mark.parametrize("case", ["context_parallel", "tensor_parallel"])
 def test_dp_mesh_dims_on_parameters_of_the_full_mesh_like_pytorch(worlds, case):
     worlds.run(4, _full_spmd_mesh, case)
@@ -500,7 +505,7 @@ def _per_parameter_meshes(rank, ws):
     _train_side_by_side(theirs, ours, rank, ws, loss_fn=lambda m, x, y: m(x.float()[:, :8]).sum())
 
 
-@pytest.mark.skipif(not hasattr(torch_fsdp, "DataParallelMeshDims"), reason="PyTorch < 2.13 has no ShardPlacementResult")
+@_needs_pytorch_2_13("ShardPlacementResult")
 def test_shard_placement_result_per_parameter_mesh(worlds):
     worlds.run(4, _per_parameter_meshes)
 
@@ -936,6 +941,7 @@ def _chunked_loss_side_by_side(rank, ws):
     _train_side_by_side(theirs, ours, rank, ws, loss_fn=_chunked_loss)
 
 
+@_needs_pytorch_2_13("handling of a grouped module run alone after forward (chunked loss) to compare with")
 def test_group_module_run_after_a_backward_is_gathered_again(worlds):
     """Regression: the second chunk's head got the DTensor shards (the group's modules still
     to run were never reset after the first chunk's backward)."""
@@ -980,6 +986,7 @@ def _two_forwards_side_by_side(rank, ws):
     _train_side_by_side(theirs, ours, rank, ws, loss_fn=_policy_and_reference_loss)
 
 
+@_needs_pytorch_2_13("re-gathering for a recompute after its group's backward (two forwards) to compare with")
 def test_two_forwards_then_backward_with_reentrant_checkpointing(worlds):
     """Regression: the recompute in backward found its group's all-gather in flight (prefetched)
     and ran on the DTensor shards instead of waiting for it."""

@@ -11,6 +11,7 @@ Its *phase* says where in the step it is::
 
     IDLE --pre_forward--> FORWARD --post_forward--> IDLE --pre_backward--> PRE_BACKWARD
          --post_backward--> POST_BACKWARD --finalize_backward--> IDLE
+                            POST_BACKWARD --pre_backward--> PRE_BACKWARD  (run again in this backward)
 
 The hooks (fsdp2.runtime.hooks) call the lifecycle verbs ``pre_forward``, ``post_forward``,
 ``pre_backward``, ``post_backward`` (also from the parameters' gradient hooks) and
