@@ -3,8 +3,8 @@
 Behaviours are checked side by side: the same model is built twice from one seed, one copy
 sharded by ``torch.distributed.fsdp.fully_shard`` and one by ``fsdp2.fully_shard``, and both
 train on the same batches in the same gloo world. Losses and parameters must be bitwise equal
-and the collectives issued (counted by DTensor's ``CommDebugMode``, which sees every c10d call
-of both) must match. Defects are checked against an unsharded reference where PyTorch is not
+and the collectives issued (counted at dispatch, as DTensor's ``CommDebugMode`` counts them: every
+c10d call of both) must match. Defects are checked against an unsharded reference where PyTorch is not
 the point.
 """
 
