@@ -929,23 +929,44 @@ def _chunked_loss(model, x, y, chunks=2):
     return total
 
 
-def _chunked_loss_side_by_side(rank, ws):
+def _chunked_loss_synced_once(model, x, y, chunks=2):
+    """The chunked loss with the head gathered once up front and its gradients reduced with the
+    last chunk only (``unshard`` and ``set_requires_gradient_sync`` on the group)."""
+    model.lm_head.unshard()
+    model.lm_head.set_requires_gradient_sync(False, recurse=False)
+    h = model(x)
+    detached = h.detach().requires_grad_()
+    total = torch.zeros(())
+    pieces = list(zip(detached.chunk(chunks, dim=1), y.chunk(chunks, dim=1)))
+    for i, (h_chunk, y_chunk) in enumerate(pieces):
+        model.lm_head.set_requires_gradient_sync(i == len(pieces) - 1, recurse=False)
+        loss = F.cross_entropy(model.lm_head(h_chunk).flatten(0, 1), y_chunk.flatten()) / chunks
+        loss.backward()
+        total += loss.detach()
+    h.backward(detached.grad)
+    return total
+
+
+def _chunked_loss_side_by_side(rank, ws, loss_fn, reshard_after_forward):
     def shard(model, fully_shard):
         mesh = _mesh()
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
-        fully_shard([model.ln_f, model.lm_head], mesh=mesh, reshard_after_forward=False)
+        fully_shard([model.ln_f, model.lm_head], mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)
 
     theirs, ours = _twins(lambda: _HiddenGPT(CFG), shard)
-    _train_side_by_side(theirs, ours, rank, ws, loss_fn=_chunked_loss)
+    _train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
 
 
 @_needs_pytorch_2_13("handling of a grouped module run alone after forward (chunked loss) to compare with")
-def test_group_module_run_after_a_backward_is_gathered_again(worlds):
+@pytest.mark.parametrize(
+    "loss_fn, reshard_after_forward", [(_chunked_loss, False), (_chunked_loss, None), (_chunked_loss_synced_once, False)]
+)
+def test_group_module_run_after_a_backward_is_gathered_again(worlds, loss_fn, reshard_after_forward):
     """Regression: the second chunk's head got the DTensor shards (the group's modules still
     to run were never reset after the first chunk's backward)."""
-    worlds.run(2, _chunked_loss_side_by_side)
+    worlds.run(2, _chunked_loss_side_by_side, loss_fn, reshard_after_forward)
 
 
 class _ReentrantCheckpointBlock(nn.Module):
