@@ -43,10 +43,28 @@ def set_torch_fully_shard_state(module: nn.Module, state: object) -> None:
     key = torch_fully_shard_home().fully_shard.__wrapped__
     module.__dict__.setdefault(STATE_KEY, OrderedDict())[key] = state
 
+try:  # torch >= 2.13: shard_placement_fn may name a placement and a mesh per parameter
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # torch 2.11
+    ShardPlacementResult = None
+
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself if it is not a slice)."""
     return mesh._get_root_mesh()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims as one 1-D mesh called ``name`` (cached by DeviceMesh: same name, same mesh)."""
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (slices of one root mesh), in order."""
+    if hasattr(DeviceMesh, "_concatenate"):  # torch >= 2.13
+        return DeviceMesh._concatenate(meshes)
+    names = tuple(n for m in meshes for n in m.mesh_dim_names)
+    return root_mesh(meshes[0])[names]  # older torch slices flattened dims from the root
 
 
 def local_tensor(dtensor: DTensor) -> torch.Tensor:

@@ -170,6 +170,35 @@ def _bad_policies(rank, ws):
                   mesh=_mesh(), offload_policy="cpu")
 
 
+def _spmd_mesh_dims_misuse(rank, ws):
+    from torch.distributed.tensor import distribute_tensor
+
+    from fsdp2 import DataParallelMeshDims
+
+    def on_mesh(mesh, placements):
+        model = _mlp()
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                module._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+        return model
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_shard", "tp", "cp"))
+    model = on_mesh(mesh, (Replicate(),) * 3)
+    apart = DataParallelMeshDims(shard=("dp_shard", "cp"))
+    _expect_error(model, r"not adjacent in the mesh", fully_shard, model, mesh=mesh, dp_mesh_dims=apart)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    model = on_mesh(mesh, (Replicate(), Replicate()))
+    both = DataParallelMeshDims(shard=("dp_shard", "cp"))
+    _expect_error(model, r"reshard_after_forward=2 with several dp_mesh_dims shard dims", fully_shard, model, mesh=mesh,
+                  dp_mesh_dims=both, reshard_after_forward=2)
+    model = on_mesh(mesh, (Shard(0), Replicate()))
+    _expect_error(model, r"0.weight is Shard\(dim=0\) on data-parallel mesh dim 'dp_shard'.*Replicate\(\)",
+                  fully_shard, model, mesh=mesh, dp_mesh_dims=both)
+
+
+def test_dp_mesh_dims_misuse(worlds):
+    worlds.run(4, _spmd_mesh_dims_misuse)
+
 @pytest.mark.parametrize(
     "fn",
     [_twice, _mixed_devices, _three_dim_mesh, _not_a_mesh, _shared_with_parent, _shared_between_siblings,

@@ -49,9 +49,12 @@ class DataParallelMesh:
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
-    # With dp_mesh_dims: the full SPMD mesh the parameters live on, and its non-data-parallel dims.
+    # With dp_mesh_dims: the full SPMD mesh the parameters live on, its data-parallel dims by role,
+    # and the 1-D mesh FSDP shards over (several shard dims flattened into one).
     spmd_mesh: DeviceMesh | None = field(default=None, compare=False)
-    model_parallel_dims: tuple[str, ...] = ()
+    shard_dims: tuple[str, ...] = ()
+    replicate_dims: tuple[str, ...] = ()
+    flat_shard_mesh: DeviceMesh | None = field(default=None, compare=False)
 
     @classmethod
     def from_mesh(
@@ -88,38 +91,28 @@ class DataParallelMesh:
                 f"{where}: replication without sharding (DDP) is not something fully_shard does in fsdp2; "
                 "name the dim to shard over in dp_mesh_dims.shard"
             )
-        if len(shard) > 1 or len(replicate) > 1:
-            raise FSDPUsageError(f"{where}: fsdp2 takes one mesh dim each for shard and replicate; flatten the mesh first")
-        dp_names = replicate + shard
-        dp = cls.from_mesh(mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]], module_name)
-        rest = tuple(n for n in names if n not in dp_names)
-        return cls(dp.mesh, dp.shard_group, dp.shard_size, dp.shard_rank, dp.replicate_group, dp.replicate_size, mesh, rest)
+        shard_mesh = _as_one_dim(mesh, shard)
+        if replicate:
+            replicate_mesh = _as_one_dim(mesh, replicate)
+            dp_mesh = compat.concatenate_meshes([replicate_mesh, shard_mesh])
+            replicate_group, replicate_size = replicate_mesh.get_group(0), replicate_mesh.size(0)
+        else:
+            dp_mesh, replicate_group, replicate_size = shard_mesh, None, 1
+        return cls(
+            dp_mesh, shard_mesh.get_group(0), shard_mesh.size(0), shard_mesh.get_local_rank(0), replicate_group,
+            replicate_size, mesh, shard, replicate, shard_mesh,
+        )
 
-    def tensor_parallel_view(self, param: torch.Tensor) -> torch.Tensor:
-        """``param`` as fully_shard's TP composition expects it: a DTensor on the model-parallel
-        dims only (or a plain tensor). With dp_mesh_dims parameters live on the whole SPMD mesh,
-        replicated on the data-parallel dims; the local tensor is shared, nothing is copied."""
-        if self.spmd_mesh is None or not isinstance(param, DTensor) or param.device_mesh != self.spmd_mesh:
-            return param
-        names = self.spmd_mesh.mesh_dim_names
-        dp_names = set(names) - set(self.model_parallel_dims)
-        for name, placement in zip(names, param.placements):
-            if name in dp_names and not isinstance(placement, Replicate):
-                raise FSDPUsageError(
-                    f"a parameter is {placement} on data-parallel mesh dim {name!r}; with dp_mesh_dims parameters must be "
-                    "Replicate() on the data-parallel dims"
-                )
-        local = compat.local_tensor(param)
-        if not self.model_parallel_dims:
-            return local  # replicated on every dim: the full tensor
-        placements = tuple(p for n, p in zip(names, param.placements) if n in self.model_parallel_dims)
-        sub = self.spmd_mesh[self.model_parallel_dims]
-        return compat.make_dtensor(local, sub, placements, param.shape, param.stride())
+    @property
+    def data_parallel_dims(self) -> tuple[str, ...]:
+        return self.replicate_dims + self.shard_dims
 
     @property
     def shard_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh of the shard dim (what tensor-subclass all-gather hooks receive, as in
         PyTorch); None for an HSDP mesh without dim names, which cannot be sliced."""
+        if self.flat_shard_mesh is not None:
+            return self.flat_shard_mesh
         if self.mesh.ndim == 1:
             return self.mesh
         names = self.mesh.mesh_dim_names
@@ -172,6 +165,12 @@ class DataParallelMesh:
                 )
             _SUBGROUPS[key] = (mine, position)
         return _SUBGROUPS[key]
+
+
+def _as_one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh of dim ``names[0]``, or of several dims flattened into one (torchtitan's
+    ``shard=("dp_shard", "cp")``), ranks in row-major order as PyTorch flattens them."""
+    return mesh[names[0]] if len(names) == 1 else compat.flatten_mesh(mesh[names], "_".join(names))
 
 
 def _default_mesh(module_name: str) -> DeviceMesh:

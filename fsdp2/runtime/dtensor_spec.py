@@ -30,6 +30,9 @@ class TensorParallelSpec:
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    # Mesh dims whose gradient placement is left as autograd made it: the data-parallel dims of a
+    # full SPMD mesh (dp_mesh_dims), which FSDP's reduce-scatter sums, not a redistribution.
+    data_parallel_mesh_dims: frozenset[int] = frozenset()
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
@@ -37,8 +40,12 @@ class TensorParallelSpec:
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The TP-local gradient, first turning Partial (pending-sum) grads into our placements."""
         if isinstance(grad, DTensor):
-            if tuple(grad.placements) != self.placements:
-                grad = grad.redistribute(self.mesh, self.placements)
+            wanted = tuple(
+                current if i in self.data_parallel_mesh_dims else ours
+                for i, (current, ours) in enumerate(zip(grad.placements, self.placements))
+            )
+            if tuple(grad.placements) != wanted:
+                grad = grad.redistribute(self.mesh, wanted)
             return compat.local_tensor(grad)
         return grad
 
@@ -56,6 +63,8 @@ class ShardedSpec:
 def sharded_spec(fqn: str, param: torch.Tensor, dp: DataParallelMesh, shard_dim: int) -> ShardedSpec:
     if not isinstance(param, DTensor):
         return ShardedSpec(dp.mesh, dp.placements(shard_dim), param.detach(), None)
+    if dp.spmd_mesh is not None and param.device_mesh == dp.spmd_mesh:
+        return _spmd_spec(fqn, param, dp, shard_dim)
     tp_mesh = param.device_mesh
     tp = TensorParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride())
     tp_splits = 1
@@ -98,3 +107,46 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
             f"before the tensor-parallel dims {tp_names}."
         )
     return root[names]
+
+
+def _spmd_spec(fqn: str, param: DTensor, dp: DataParallelMesh, shard_dim: int) -> ShardedSpec:
+    """A parameter on the full SPMD mesh (``dp_mesh_dims``), as PyTorch 2.13 shards it: forward
+    sees it as it was (Replicate on the data-parallel dims, its other placements kept); the shard
+    is Shard(shard_dim) on the data-parallel shard dim(s), flattened into one if several."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    names = mesh.mesh_dim_names
+    data_parallel = [names.index(n) for n in dp.data_parallel_dims]
+    for i in data_parallel:
+        if not isinstance(placements[i], Replicate):
+            raise FSDPUsageError(
+                f"fully_shard: parameter {fqn} is {placements[i]!r} on data-parallel mesh dim {names[i]!r}; with "
+                "dp_mesh_dims parameters must be Replicate() on the data-parallel dims"
+            )
+    for name, placement in zip(names, placements):
+        if not isinstance(placement, (Shard, compat.StridedShard, Replicate)):
+            raise FSDPUsageError(
+                f"fully_shard: parameter {fqn} is {placement!r} on mesh dim {name!r}; only Shard and Replicate "
+                "placements can be further sharded."
+            )
+    shard_at = [names.index(n) for n in dp.shard_dims]
+    first, last = min(shard_at), max(shard_at)
+    if sorted(shard_at) != list(range(first, last + 1)):
+        raise FSDPUsageError(
+            f"fully_shard: dp_mesh_dims shard dims {dp.shard_dims} are not adjacent in the mesh {names}; "
+            "order the mesh so the data-parallel shard dims are next to each other."
+        )
+    # Dims after the shard dims that split the same tensor dim make a rank's rows every k-th block.
+    split_factor = 1
+    for j in range(last + 1, mesh.ndim):
+        if isinstance(placements[j], (Shard, compat.StridedShard)) and placements[j].dim == shard_dim:
+            split_factor *= mesh.size(j)
+    fsdp = compat.StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+    if first == last:
+        spec_mesh = mesh
+    else:
+        before = [mesh[n] for n in names[:first]]
+        after = [mesh[n] for n in names[last + 1 :]]
+        spec_mesh = compat.concatenate_meshes([*before, dp.shard_mesh, *after])
+    spec_placements = placements[:first] + (fsdp,) + placements[last + 1 :]
+    unsharded = TensorParallelSpec(mesh, placements, param.shape, param.stride(), frozenset(data_parallel))
+    return ShardedSpec(spec_mesh, spec_placements, compat.local_tensor(param).detach(), unsharded)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPDeepcopyError, FSDPUsageError
 from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.torch_view import TorchStateView
@@ -52,8 +52,8 @@ class FSDPModule(compat.TorchFSDPModule):
         return module
 
     def __deepcopy__(self, memo):
-        raise FSDPUsageError(
-            f"{type(self).__name__}: a fully_shard'ed module cannot be deep-copied (its parameters are shards "
+        raise FSDPDeepcopyError(
+            f"FSDP does not support deepcopy: {type(self).__name__} is fully_shard'ed (its parameters are shards "
             "tied to process groups); deep-copy the model before fully_shard, or copy its state_dict()."
         )
 

@@ -69,8 +69,8 @@ def fully_shard(
     plans = _plan_params(modules, set(ignored_params or ()), name)
     _check_devices(plans, dp, name)
     for plan in plans:
-        plan.shard_dim = _shard_dim(plan, shard_placement_fn, name)
-        plan.spec = sharded_spec(plan.managed.fqn, dp.tensor_parallel_view(plan.managed.param), dp, plan.shard_dim)
+        plan.shard_dim = _shard_dim(plan, shard_placement_fn, dp, name)
+        plan.spec = sharded_spec(plan.managed.fqn, plan.managed.param, dp, plan.shard_dim)
         extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, dp, name)
     subgroup = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
@@ -115,6 +115,14 @@ fully_shard.state = _state_of
 
 
 def _modules_of(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # Its forward is never called, so the hooks that gather its parameters would never run.
+        # The wording starts as PyTorch's, whose tests match it.
+        raise FSDPUsageError(
+            f"fully_shard does not support containers that do not implement forward: this "
+            f"{type(module).__name__} is never called. Apply fully_shard to each module in it, or to them as "
+            "one group: fully_shard(list(container)) (a ModuleDict: list(container.values()))."
+        )
     if isinstance(module, nn.Module):
         return (module,)
     if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
@@ -156,6 +164,11 @@ def _check_policies(mp_policy, offload_policy, name: str) -> None:
 def _check_reshard_after_forward(value: Any, dp: DataParallelMesh, name: str) -> None:
     if value is None or isinstance(value, bool):
         return
+    if len(dp.shard_dims) > 1 and value not in (1, dp.shard_size):
+        raise FSDPUsageError(
+            f"fully_shard({name}): reshard_after_forward={value!r} with several dp_mesh_dims shard dims "
+            f"{dp.shard_dims}; resharding to a subgroup needs one shard dim: use True or False."
+        )
     if isinstance(value, int) and 1 <= value <= dp.shard_size and dp.shard_size % value == 0:
         return
     raise FSDPUsageError(
@@ -202,14 +215,17 @@ def _check_devices(plans: list[_ParamPlan], dp: DataParallelMesh, name: str) -> 
             )
 
 
-def _shard_dim(plan: _ParamPlan, shard_placement_fn, name: str) -> int:
+def _shard_dim(plan: _ParamPlan, shard_placement_fn, dp: DataParallelMesh, name: str) -> int:
     param, fqn = plan.managed.param, plan.managed.fqn
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if compat.ShardPlacementResult is not None and isinstance(placement, compat.ShardPlacementResult):
+        placement = _placement_on_this_mesh(placement, dp, fqn, name)
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
         raise FSDPUsageError(
-            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim) or None"
+            f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim), "
+            "a ShardPlacementResult on fully_shard's mesh, or None"
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
@@ -218,6 +234,21 @@ def _shard_dim(plan: _ParamPlan, shard_placement_fn, name: str) -> int:
             f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})."
         )
     return placement.dim % ndim
+
+
+def _placement_on_this_mesh(result: Any, dp: DataParallelMesh, fqn: str, name: str) -> Shard | None:
+    """The placement of PyTorch 2.13's ``ShardPlacementResult(placement, mesh_info)``, whose mesh must
+    be the one this call shards on: fsdp2 gathers a fully_shard call's parameters in one collective
+    over one mesh, so it refuses per-parameter meshes rather than shard them elsewhere."""
+    mesh = getattr(result.mesh_info, "mesh", None)
+    if mesh != dp.mesh and mesh != dp.shard_mesh:
+        raise FSDPUsageError(
+            f"fully_shard({name}): shard_placement_fn returned a ShardPlacementResult for {fqn} on mesh {mesh}, "
+            f"not this call's mesh {dp.mesh}; fsdp2 shards the parameters of one fully_shard call on one mesh. "
+            "Apply fully_shard to the module holding these parameters (e.g. the MoE experts) first, with "
+            "mesh=<their mesh>, then to its parent."
+        )
+    return result.placement
 
 
 def _move_buffers(module: nn.Module, dp: DataParallelMesh) -> None:

@@ -19,7 +19,7 @@ from fsdp2 import compat
 from fsdp2.policies import MixedPrecisionPolicy
 from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, tensors_in
-from fsdp2.runtime.param_group import ParamGroup
+from fsdp2.runtime.param_group import ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
@@ -42,7 +42,8 @@ class IterationSettings:
 class Root:
     """What the root tracks for one forward/backward iteration of the whole tree."""
 
-    def __init__(self, states: list["FSDPState"], settings: IterationSettings):
+    def __init__(self, root_state: "FSDPState", states: list["FSDPState"], settings: IterationSettings):
+        self.root_state = root_state
         self.states = states  # every FSDPState under the root, in module (pre-)order
         self.settings = settings
         # Order in which states *finished* forward this iteration: backward runs its reverse.
@@ -80,9 +81,17 @@ class Root:
         compat.queue_backward_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
-        logger.debug("FSDP::root_post_backward (last backward: %s)", self.settings.is_last_backward)
+        logger.debug("FSDP::root_post_backward")
+        # A backward through the root's outputs ends every group's backward. One that never
+        # reached them (a chunked loss's per-chunk backward through the head alone) ends only the
+        # groups it ran: the others keep what they hold for the backward still to come.
+        whole_model = self.root_state.group.phase is not Phase.IDLE
         for state in reversed(self.states):
-            state.group.finalize_backward()
+            if whole_model or state.group.phase is not Phase.IDLE:
+                state.group.finalize_backward()
+            # A group some of whose modules ran alone after forward (the chunk's head) starts
+            # its next forward afresh, gathering again what this backward freed.
+            state.forget_forward()
         if self.settings.is_last_backward:
             self.reduce_window.drain()
             if self._offloads:
@@ -128,7 +137,7 @@ class FSDPState:
                 state = module.__dict__.get("_fsdp_state")
                 if isinstance(state, FSDPState) and state not in states:
                     states.append(state)
-        root = Root(states, self.settings)
+        root = Root(self, states, self.settings)
         for state in states:
             state.root = root
             state.is_root = state is self
@@ -136,7 +145,18 @@ class FSDPState:
             state.group.reshard_after_forward.resolve(is_root=state.is_root)
             state.group.reduce_window = root.reduce_window
             state.group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
+        self._name_groups(states)
         logger.debug("FSDP::lazy_init: root %s over %d fully_shard groups", self.name, len(states))
+
+    def _name_groups(self, states: list["FSDPState"]) -> None:
+        """Each group's module paths from the root, for its log lines."""
+        paths: dict[int, list[str]] = {}
+        for path, module in self.modules[0].named_modules():
+            state = module.__dict__.get("_fsdp_state")
+            if state is not None:
+                paths.setdefault(id(state), []).append(path)
+        for state in states:
+            state.group.module_fqn = ", ".join(paths.get(id(state), []))
 
     # -- forward --------------------------------------------------------------------------------------
 
@@ -167,7 +187,7 @@ class FSDPState:
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
-        logger.debug("FSDP::pre_forward (%s)", self.name)
+        logger.debug("%s", self.group.event("FSDP::pre_forward"))
         run_ahead = root.gathers_may_run_ahead
         self.group.pre_forward(gathers_run_ahead=run_ahead)
         for other in self.forward_prefetch:
@@ -191,7 +211,7 @@ class FSDPState:
         return output
 
     def _end_group_forward(self) -> None:
-        logger.debug("FSDP::post_forward (%s)", self.name)
+        logger.debug("%s", self.group.event("FSDP::post_forward"))
         self.group.post_forward(grad_enabled=torch.is_grad_enabled())
         self.root.post_forward_order.append(self)
 
@@ -211,7 +231,11 @@ class FSDPState:
         self.root.begin_backward()
         if not self.group.pre_backward():
             return  # already done for another output of this group
-        logger.debug("FSDP::pre_backward (%s)", self.name)
+        logger.debug("%s", self.group.event("FSDP::pre_backward"))
+        if self._modules_to_run:
+            # Only some of the group's modules ran (a chunked loss calling the head alone): this
+            # backward is the chunk's own and reaches no other group, so nothing is prefetched.
+            return
         for other in self._backward_prefetch_targets():
             other.group.unshard(async_op=True)  # no-op unless it is (partially) sharded
 

@@ -11,6 +11,7 @@ Its *phase* says where in the step it is::
 
     IDLE --pre_forward--> FORWARD --post_forward--> IDLE --pre_backward--> PRE_BACKWARD
          --post_backward--> POST_BACKWARD --finalize_backward--> IDLE
+                            POST_BACKWARD --pre_backward--> PRE_BACKWARD  (run again in this backward)
 
 The hooks (fsdp2.runtime.hooks) call the lifecycle verbs ``pre_forward``, ``post_forward``,
 ``pre_backward``, ``post_backward`` (also from the parameters' gradient hooks) and
@@ -113,7 +114,10 @@ class ParamGroup:
     def __init__(
         self, params: list[ShardedParam], dp: DataParallelMesh, reshard_after_forward: ReshardAfterForward, name: str = ""
     ):
-        self.name = name  # the fully_shard'ed module(s), for logs and messages
+        self.name = name  # the fully_shard'ed module(s) by class, for messages
+        # Their paths from the root ("layers.0"; "norm, output" for a list; "" for the root),
+        # known at lazy init: hook events are logged under them, as PyTorch logs its own.
+        self.module_fqn = ""
         self.params = params
         self.dp = dp
         self.state = GroupState.SHARDED
@@ -133,6 +137,10 @@ class ParamGroup:
         self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
             p.bind_grad_ready(self._grads.note)
+
+    def event(self, label: str) -> str:
+        """A hook event's log line for this group: ``FSDP::pre_forward (layers.0)``."""
+        return f"{label} ({self.module_fqn})" if self.module_fqn else label
 
     @property
     def has_params(self) -> bool:
@@ -199,9 +207,16 @@ class ParamGroup:
         self.phase = Phase.IDLE
 
     def pre_backward(self) -> bool:
-        """Gather for this group's backward; False if already done (another output's gradient)."""
-        if self.phase in (Phase.PRE_BACKWARD, Phase.POST_BACKWARD):
+        """Gather for this group's backward; False if already done (another output's gradient).
+
+        From POST_BACKWARD this starts another round in the same backward: the group ran again
+        after its gradients were reduced (a reentrant activation-checkpoint recompute, one per
+        forward before the backward), and the new gradients are reduced when they are ready.
+        """
+        if self.phase is Phase.PRE_BACKWARD:
             return False
+        if self.phase is Phase.POST_BACKWARD:
+            self._grads.reset()
         self.phase = Phase.PRE_BACKWARD
         if self.unshard_in_backward:
             self.unshard(async_op=True)
@@ -210,7 +225,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Reduce-scatter (or keep, without gradient sync) the gradients, then maybe reshard."""
-        logger.debug("FSDP::post_backward (%s)", self.name)
+        logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
             grads = take_unreduced_grads(self.params)
@@ -258,6 +273,9 @@ class ParamGroup:
         when nothing queued on the compute stream since the last full sync writes the shards
         (the root syncs the streams once at the start of its forward).
         """
+        if self.state == GroupState.UNSHARDING and not async_op:
+            self.wait_for_unshard()  # prefetched: a blocking unshard returns with the parameters usable
+            return
         if self.state not in (GroupState.SHARDED, GroupState.PARTIALLY_SHARDED) or not self.params:
             return
         if self.local_only:
