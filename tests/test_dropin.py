@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2.models import GPT, GPTConfig
+from tests.test_features import _ReentrantCheckpointBlock
 
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
 
@@ -945,15 +946,6 @@ def test_group_module_run_after_a_backward_is_gathered_again(worlds, loss_fn, re
     """Regression: the second chunk's head got the DTensor shards (the group's modules still
     to run were never reset after the first chunk's backward)."""
     worlds.run(2, _chunked_loss_side_by_side, loss_fn, reshard_after_forward)
-
-
-class _ReentrantCheckpointBlock(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.inner = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
 
 
 def _gpt_with_reentrant_checkpoints():
