@@ -705,8 +705,8 @@ def _save_hf_style(rank, ws, path):
     from fsdp2 import fully_shard
 
     model = _HFStyle(0)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh_1d(ws))
+    for layer in model.model.layers:  # a ModuleDict has no forward: its modules form the group
+        fully_shard(list(layer.values()), mesh=mesh_1d(ws))
     fully_shard(model, mesh=mesh_1d(ws))
     ck.save(path, model)
     return full_state(model)
