@@ -21,6 +21,7 @@ ends; a mismatch raises :class:`CheckpointError` naming the file, key and byte r
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import threading
@@ -235,30 +236,52 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
+def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
+    """CRC32C of each range ``[edges[i], edges[i + 1])`` of the concatenation of ``segments``.
+
+    Blocks inside one segment are hashed by one comprehension; only the (at most one per
+    segment boundary) block that straddles a boundary is hashed in parts.
+    """
+    out: list[int] = []
+    pos = 0  # where the current segment starts in the concatenation
+    j = 0  # next block
+    carry: int | None = None  # CRC of the first part of block j, begun in an earlier segment
+    for view in segments:
+        end = pos + len(view)
+        if carry is not None:
+            stop = min(edges[j + 1], end)
+            carry = checksum(view[:stop - pos], carry)
+            if edges[j + 1] > end:
+                pos = end
+                continue
+            out.append(carry)
+            carry, j = None, j + 1
+        k = bisect.bisect_right(edges, end, lo=j) - 1  # blocks j .. k-1 end inside this segment
+        out.extend(checksum(view[a - pos:b - pos]) for a, b in zip(edges[j:k], edges[j + 1:k + 1]))
+        j = k
+        if j + 1 < len(edges) and edges[j] < end:
+            carry = checksum(view[edges[j] - pos:])
+        pos = end
+    return out
+
+
 def _check_blocks(task: _Task, segments: list[memoryview]) -> int:
     """Verify every block of rows [lo, hi) over the concatenated ``segments``; bytes checked."""
     chunk = task.chunk
     base = task.lo * chunk.row_bytes
-    seg_starts, pos = [], 0
-    for s in segments:
-        seg_starts.append(pos)
-        pos += len(s)
-    checked = 0
-    for index, b_lo, b_hi in chunk.grid.blocks(task.lo, task.hi):
-        lo, hi = b_lo - base, b_hi - base
-        crc = 0
-        for s, s0 in zip(segments, seg_starts):
-            a, b = max(lo, s0), min(hi, s0 + len(s))
-            if a < b:
-                crc = checksum(s[a - s0:b - s0], crc)
-        if crc != chunk.checksums[index]:
-            start = chunk.offset + b_lo
-            raise CheckpointError(
-                f"{chunk.path} is corrupted (crc32c {crc:08x}, manifest says {chunk.checksums[index]:08x} for "
-                f"bytes [{start}, {start + b_hi - b_lo}) of {chunk.label}, block {index}); restore the file "
-                "or load an earlier checkpoint")
-        checked += hi - lo
-    return checked
+    first, edges = chunk.grid.edges(task.lo, task.hi)
+    if base:
+        edges = [e - base for e in edges]
+    got = _block_checksums(segments, edges)
+    expected = list(chunk.checksums[first:first + len(got)])
+    if got != expected:
+        i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
+        start = chunk.offset + base + edges[i]
+        raise CheckpointError(
+            f"{chunk.path} is corrupted (crc32c {got[i]:08x}, manifest says {expected[i]:08x} for "
+            f"bytes [{start}, {start + edges[i + 1] - edges[i]}) of {chunk.label}, block {first + i}); "
+            "restore the file or load an earlier checkpoint")
+    return edges[-1] - edges[0]
 
 
 def _run_task(task: _Task, local: threading.local) -> tuple[int, int]:
