@@ -15,8 +15,9 @@ What a task reads:
 Where it lands: straight in the destination when the dtype matches and the rows are
 contiguous there (the edge bytes outside the owned rows go to small side buffers, one
 ``preadv`` call scatters them), else in a per-thread scratch buffer that is checked and then
-copied out. The checksum of each block is computed on the bytes just read, before the task
-ends; a mismatch raises :class:`CheckpointError` naming the file, key and byte range.
+copied out. With checksums, a task reads in windows of whole blocks of about
+:data:`HOT_BYTES` and hashes each window as soon as it lands, while it is still in the CPU cache;
+a mismatch raises :class:`CheckpointError` naming the file, key and byte range.
 """
 
 from __future__ import annotations
