@@ -6,6 +6,7 @@ barriers. Each time is the slowest rank's; tables show the median over --repeats
 
     python benchmarks/bench_checkpoint.py --model 125m --ranks 2 --repeats 3         # CPU, gloo
     python benchmarks/bench_checkpoint.py --device cuda --model 1b --ranks 1 --repeats 3
+    python benchmarks/bench_checkpoint.py --sizes mini,small,125m,350m --repeats 7   # loads only, by size
     python benchmarks/bench_checkpoint.py --hashes                                    # checksum speeds
 
 Rows:
@@ -20,6 +21,10 @@ Rows:
   Round 1 includes allocating the staging buffer, later rounds reuse it (reported apart).
 - bytes: LoadStats of fsdp2 rank 0 (tensor bytes read / owned / checksummed) and each side's
   ``read()`` syscall bytes on rank 0 (rchar; both read with read/pread now).
+- --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
+  --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a rotated order so
+  that load from other jobs hits all three alike; prints medians and the medians of the per-round
+  ratios verified / DCP and verification cost (verified - verify=False) / verify=False.
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -38,12 +43,15 @@ import tempfile
 import time
 
 MODELS = {  # GPTConfig kwargs; state = params + 2 AdamW moments, fp32
+    "mini": dict(vocab_size=1024, seq_len=128, dim=128, n_layers=4, n_heads=4),  # 1.06M params, 13 MB state
     "tiny": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),  # 4.2M params, 51 MB state
+    "small": dict(vocab_size=8192, seq_len=256, dim=512, n_layers=6, n_heads=8),  # 27M, 330 MB state
     "60m": dict(vocab_size=32000, seq_len=512, dim=512, n_layers=8, n_heads=8),  # 58M, 0.70 GB state
     "125m": dict(vocab_size=32000, seq_len=1024, dim=768, n_layers=12, n_heads=12),  # 135M, 1.6 GB state
+    "350m": dict(vocab_size=32000, seq_len=1024, dim=1024, n_layers=14, n_heads=16),  # 244M, 2.9 GB state
     "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),  # 1.04B, 12.5 GB state
 }
-STEP_SEQ = {"tiny": 128, "60m": 64, "125m": 64, "1b": 2048}  # tokens per sequence in the overlap steps
+STEP_SEQ = {"mini": 128, "tiny": 128, "small": 64, "60m": 64, "125m": 64, "350m": 32, "1b": 2048}  # tokens per sequence
 
 
 def _rchar() -> int:
@@ -114,7 +122,8 @@ def _build(cfg, mesh, device):
     return model
 
 
-def _worker(rank, world, port, args, out):
+def _init_world(rank, world, port, args):
+    """Process group and 1-D mesh for this rank; returns (device, mesh)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -123,12 +132,7 @@ def _worker(rank, world, port, args, out):
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp2.checkpoint as ck
-    from fsdp2.checkpoint.staging import process_staging
-    from fsdp2.models import GPTConfig
 
     if args.device == "cuda":
         torch.cuda.set_device(rank)
@@ -136,11 +140,20 @@ def _worker(rank, world, port, args, out):
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh(device.type, (world,))
-    cfg = GPTConfig(**MODELS[args.model])
+    return device, init_device_mesh(device.type, (world,))
+
+
+def _trained(name, mesh, device, args, rank):
+    """A sharded GPT of preset ``name`` with AdamW state (one step); (model, opt, step, state bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp2.models import GPTConfig
+
+    cfg = GPTConfig(**MODELS[name])
     model = _build(cfg, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    seq = min(STEP_SEQ[args.model], cfg.seq_len)
+    seq = min(STEP_SEQ[name], cfg.seq_len)
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=g).to(device)
 
@@ -150,12 +163,24 @@ def _worker(rank, world, port, args, out):
         opt.step()
 
     step()  # creates the AdamW state
-    b = _Bench(rank, device, args)
     local = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
     local += sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
                  if hasattr(v, "to_local"))
     total = torch.tensor([float(local)], device=device)
     dist.all_reduce(total)
+    return model, opt, step, total.item()
+
+
+def _worker(rank, world, port, args, out):
+    device, mesh = _init_world(rank, world, port, args)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp2.checkpoint as ck
+    from fsdp2.checkpoint.staging import process_staging
+
+    model, opt, step, total = _trained(args.model, mesh, device, args, rank)
+    b = _Bench(rank, device, args)
 
     def dcp_state():
         return {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -190,11 +215,78 @@ def _worker(rank, world, port, args, out):
     hf_dir = _hf_export(b, args, model) if args.hf else None
     dist.barrier()
     if rank == 0:
-        out.put(dict(total_bytes=total.item(), rows=rows, stats=stats_rows,
+        out.put(dict(total_bytes=total, rows=rows, stats=stats_rows,
                      async_rows=async_rows, allocations=process_staging().allocations, hf_dir=hf_dir,
                      last=os.path.join(last, "fsdp2")))
     dist.barrier()
     dist.destroy_process_group()
+
+
+LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
+
+
+def _sweep_worker(rank, world, port, args, out):
+    """--sizes: per model preset, save with both libraries, then ``--repeats`` rounds of the three
+    loads, each round in a rotated order so that machine load hits every side alike."""
+    import gc
+    import shutil
+
+    device, mesh = _init_world(rank, world, port, args)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp2.checkpoint as ck
+
+    b = _Bench(rank, device, args)
+    results = {}
+    for name in args.sizes:
+        model, opt, _, total = _trained(name, mesh, device, args, rank)
+        ours, theirs = os.path.join(args.dir, name, "fsdp2"), os.path.join(args.dir, name, "dcp")
+        ck.save(ours, model, opt)
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs)
+        loads = {
+            "fsdp2 verified": lambda: ck.load(ours, model, opt),
+            "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
+            "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
+        }
+        evict = [ours, theirs] if args.cold else []
+        for kind in LOADS:  # warm-up: first-touch costs of both libraries, and the page cache
+            loads[kind]()
+        rounds = []
+        for rep in range(args.repeats):
+            order = LOADS[rep % len(LOADS):] + LOADS[:rep % len(LOADS)]
+            rounds.append({kind: b.timed(loads[kind], evict)[0] for kind in order})
+        results[name] = dict(total_bytes=total, rounds=rounds)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)
+        del model, opt, loads
+        gc.collect()
+    if rank == 0:
+        out.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sweep_report(args, results) -> None:
+    import torch
+
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
+          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the three loads in rotated "
+          "order; times: medians, ratios: medians of the per-round ratios")
+    print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
+          f"{'verified / DCP':>16}{'verify cost':>13}")
+    for name, r in results.items():
+        rounds = r["rounds"]
+        med = {kind: statistics.median(x[kind] for x in rounds) for kind in LOADS}
+        vs_dcp = statistics.median(x["fsdp2 verified"] / x["DCP"] for x in rounds)
+        cost = statistics.median((x["fsdp2 verified"] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"]
+                                 for x in rounds)
+        print(f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
+              f"{med['fsdp2 verify=False']:>14.3f}{med['DCP']:>9.3f}{vs_dcp:>15.2f}x{cost:>12.2f}x")
+    print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
+          "(verified - verify=False) / verify=False")
 
 
 _DCP_GROUP = None
@@ -450,6 +542,8 @@ def main():
     parser.add_argument("--hf", action="store_true", help="also measure load_hf (and DCP's HF reader)")
     parser.add_argument("--hashes", action="store_true", help="only print the checksum speed table")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
+                        f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
     if args.hashes:
         print(f"{'hash':<38}{'GiB/s (1 thread)':>18}{'other thread progress':>23}")
@@ -471,6 +565,15 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
+    if args.sizes:
+        args.sizes = args.sizes.split(",")
+        unknown = [n for n in args.sizes if n not in MODELS]
+        if unknown:
+            parser.error(f"--sizes: unknown model preset(s) {unknown}; choose from {', '.join(MODELS)}")
+        mp.spawn(_sweep_worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True)
+        shutil.rmtree(args.dir, ignore_errors=True)
+        _sweep_report(args, out.get())
+        return
     mp.spawn(_worker, args=(args.ranks, port, args, out), nprocs=args.ranks, join=True)
     res = out.get()
     if res["hf_dir"]:

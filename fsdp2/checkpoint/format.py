@@ -141,9 +141,15 @@ def check_tiling(key: str, shape: Sequence[int], regions: Sequence[Region]) -> N
     for r in regions:
         if len(r.shape) != len(shape) or r.numel == 0 or r.intersect(whole) != r:
             raise CheckpointError(f"chunk {r} of {key!r} lies outside its tensor of shape {list(shape)}")
-    # Disjoint + total volume equal => exact cover. Chunks are few (<= ranks), O(n^2) is fine.
-    for i, a in enumerate(regions):
-        for b in regions[i + 1:]:
+    # Disjoint + total volume equal => exact cover. A tensor has a chunk per saving rank: compare
+    # each chunk only with those that start before it ends along dim 0 (sorted by that start), so
+    # dim-0 splits cost n log n, not the n^2 pairs (0.8 s per tensor at 1024 ranks).
+    ordered = sorted(regions, key=lambda r: r.offsets[:1])
+    for i, a in enumerate(ordered):
+        end = a.offsets[0] + a.shape[0] if a.shape else None
+        for b in ordered[i + 1:]:
+            if end is not None and b.offsets[0] >= end:
+                break
             if a.intersect(b) is not None:
                 raise CheckpointError(f"chunks {a} and {b} of {key!r} overlap")
     covered = sum(r.numel for r in regions)
@@ -322,7 +328,9 @@ def _count(value) -> int:
 
 def _hex(value) -> str:
     """A checksum list: a string of hex digits (not a number, not 'zz')."""
-    if not isinstance(value, str) or any(c not in "0123456789abcdefABCDEF" for c in value):
+    # strip() leaves a non-hex character and whatever lies between it and the ends: at C speed
+    # (a checksum list has 8 digits per block, every load parses them all).
+    if not isinstance(value, str) or value.strip("0123456789abcdefABCDEF"):
         raise ValueError(f"{value!r} is not a string of hex digits")
     return value
 

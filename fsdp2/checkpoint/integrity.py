@@ -130,21 +130,28 @@ class BlockGrid:
         """True if a block starts (or the chunk ends) at chunk row ``row``."""
         return not self.row_mode or row in (0, self.rows) or (self.row0 + row) % self.rows_per_block == 0
 
-    def blocks(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``(index, first byte, end byte)`` (chunk-relative) of the blocks in the aligned rows ``[lo, hi)``."""
-        out = []
+    def edges(self, lo: int, hi: int) -> tuple[int, list[int]]:
+        """``(index of the first block, byte edges)`` (chunk-relative) of the blocks in the aligned
+        rows ``[lo, hi)``: block ``first + i`` is bytes ``[edges[i], edges[i + 1])``.
+
+        Built with ``range`` arithmetic, not a Python loop per block: a load walks every block
+        of what it reads, and small chunks have many small blocks.
+        """
+        rb = self.row_bytes
         if not self.row_mode:
             piece = self.block_elems * self.itemsize
             m = self.pieces_per_row
-            for r in range(lo, hi):
-                base = r * self.row_bytes
-                for j in range(m):
-                    out.append((r * m + j, base + j * piece, base + min(self.row_bytes, (j + 1) * piece)))
-            return out
+            inner = range(0, self.row_bytes, piece)  # m piece starts within a row
+            edges = [r * rb + p for r in range(lo, hi) for p in inner]
+            edges.append(hi * rb)
+            return lo * m, edges
         k = self.rows_per_block
-        first = self.row0 // k
-        for g in range((self.row0 + lo) // k, -(-(self.row0 + hi) // k)):
-            start = max(lo, g * k - self.row0)
-            end = min(hi, (g + 1) * k - self.row0)
-            out.append((g - first, start * self.row_bytes, end * self.row_bytes))
-        return out
+        g_lo = (self.row0 + lo) // k
+        step = k * rb
+        first_inner = ((g_lo + 1) * k - self.row0) * rb  # first block edge after lo
+        return g_lo - self.row0 // k, [lo * rb, *range(first_inner, hi * rb, step), hi * rb]
+
+    def blocks(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(index, first byte, end byte)`` (chunk-relative) of the blocks in the aligned rows ``[lo, hi)``."""
+        first, edges = self.edges(lo, hi)
+        return [(first + i, a, b) for i, (a, b) in enumerate(zip(edges, edges[1:]))]

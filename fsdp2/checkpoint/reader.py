@@ -281,16 +281,25 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
                                       "restore the file or load an earlier checkpoint")
 
 
-def stored_chunk(manifest: Manifest, files: OpenFiles, entry: TensorEntry, chunk: Chunk,
-                 verify: bool) -> StoredChunk:
-    """Where ``chunk``'s bytes are, after checking the file's header against the manifest."""
+def _check_headers(plan: _Plan, files: OpenFiles, names: list[str]) -> None:
+    """Compare each file's safetensors header with the CRC32C the manifest lists (format 2), once
+    per file: the header lists every tensor of the file, so checking it per chunk would cost
+    (tensors in the file)^2."""
+    for rel in names:
+        expected = plan.manifest.files[rel].header_crc32c
+        if expected is None:
+            continue
+        crc = f"{checksum(files.header(rel).raw):08x}"
+        if crc != expected:
+            raise CheckpointError(f"{files.full_path(rel)} is corrupted (crc32c of its header {crc}, manifest "
+                                  f"says {expected}); restore the file or load an earlier checkpoint")
+
+
+def stored_chunk(files: OpenFiles, entry: TensorEntry, chunk: Chunk, verify: bool) -> StoredChunk:
+    """Where ``chunk``'s bytes are, after checking its header entry against the manifest (the header's
+    own checksum is :func:`_check_headers`' job)."""
     full = files.full_path(chunk.file)
-    header = files.header(chunk.file)
-    expected_crc = manifest.files[chunk.file].header_crc32c
-    if verify and expected_crc is not None and f"{checksum(header.raw):08x}" != expected_crc:
-        raise CheckpointError(f"{full} is corrupted (crc32c of its header {checksum(header.raw):08x}, manifest "
-                              f"says {expected_crc}); restore the file or load an earlier checkpoint")
-    info = header.info(chunk.key)
+    info = files.header(chunk.file).info(chunk.key)
     if info.shape != chunk.shape or info.dtype_name != safetensors_dtype(entry.torch_dtype):
         raise CheckpointError(f"{full}, key {chunk.key!r}: file holds {info.dtype_name}{list(info.shape)}, "
                               f"manifest says {entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
@@ -300,16 +309,18 @@ def stored_chunk(manifest: Manifest, files: OpenFiles, entry: TensorEntry, chunk
                        chunk.grid(dtype.itemsize) if checked else None, chunk.checksums() if checked else None)
 
 
-def _read_targets(plan: _Plan, verify: bool, stats: LoadStats) -> None:
+def _read_targets(plan: _Plan, files_needed: list[str], verify: bool, stats: LoadStats) -> None:
     """One pass: each rank reads the blocks holding its boxes, checks them, fills its buffers."""
     with OpenFiles(plan.path) as files:
+        if verify:
+            _check_headers(plan, files, files_needed)
         reads = ReadPass(verify=verify)
         for t in plan.targets.values():
             for chunk in t.entry.chunks:
                 part = chunk.region.intersect(t.region) if t.region.numel else None
                 if part is None:
                     continue
-                source = stored_chunk(plan.manifest, files, t.entry, chunk, verify)
+                source = stored_chunk(files, t.entry, chunk, verify)
                 reads.add(source, part, t.buffer[part.slices_within(t.region)])
             stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
         with ByteProgress("load", plan.path, reads.nbytes) as progress:
@@ -363,7 +374,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         files = plan.needed_files()
         stats.files_read = files
         _verify_files(plan, files, verify, stats)
-        _read_targets(plan, verify, stats)
+        _read_targets(plan, files, verify, stats)
         restored = _restore(plan, model, model_sd, optimizer, saved_optim, encoded_extra, encoded_rank_extra)
     except CheckpointError as e:
         error = e

@@ -1,0 +1,182 @@
+"""What a verified load costs, counted (never timed): work per file, per block and per walk of the
+model must not grow faster than the checkpoint, and reads are hashed while they are hot.
+
+Speed itself is measured by ``benchmarks/bench_checkpoint.py --sizes`` (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp2.checkpoint as ck
+from fsdp2.checkpoint import format as ckformat
+from fsdp2.checkpoint import reader, tensor_reader
+from tests.ckpt_helpers import assert_same_state, full_state, mesh_1d
+
+
+def _stack(layers: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    """Record the first argument's length of every call of ``module.name``."""
+    calls = []
+    real = getattr(module, name)
+
+    def wrapper(data, *args, **kwargs):
+        calls.append(len(data))
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("layers", [4, 32])
+def test_each_header_is_hashed_once_per_load(tmp_path, monkeypatch, layers):
+    """Every tensor of a file is listed in its header: checking the header once per chunk read
+    hashed it (tensors in the file) times, a cost quadratic in the tensors of a rank."""
+    path = str(tmp_path / "c")
+    ck.save(path, _stack(layers))
+    header_hashes = _counting(monkeypatch, reader, "checksum")
+    target = _stack(layers, seed=1)
+    ck.load(path, target)
+    assert len(header_hashes) == 1  # one file
+    assert_same_state(full_state(target), full_state(_stack(layers)))
+
+
+def test_per_load_walks_do_not_grow_with_the_model(tmp_path, monkeypatch):
+    """named_parameters / named_buffers walks per load are a constant, not one per module."""
+    counts = {}
+    for layers in (2, 16):
+        path = str(tmp_path / f"c{layers}")
+        model = _stack(layers)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        ck.save(path, model, opt)
+        walks = []
+        for name in ("named_parameters", "named_buffers"):
+            real = getattr(nn.Module, name)
+
+            def counted(self, *args, _real=real, _name=name, **kwargs):
+                walks.append(_name)
+                return _real(self, *args, **kwargs)
+
+            monkeypatch.setattr(nn.Module, name, counted)
+        ck.load(path, model, opt)
+        monkeypatch.undo()
+        counts[layers] = (walks.count("named_parameters"), walks.count("named_buffers"))
+    assert counts[2] == counts[16]
+
+
+def _blocks_of(path: str) -> int:
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = ckformat.Manifest.from_json(f.read())
+    return sum(c.grid(t.torch_dtype.itemsize).count for t in manifest.tensors.values() for c in t.chunks)
+
+
+def test_verified_reads_are_hashed_in_cache_sized_windows(tmp_path, monkeypatch):
+    """A 4 MiB tensor (64 blocks of 64 KiB): read in windows of about HOT_BYTES, each block hashed
+    once; without verification, one read."""
+    path = str(tmp_path / "c")
+    module = nn.Module()
+    torch.manual_seed(0)
+    module.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    ck.save(path, module)
+    block_hashes = _counting(monkeypatch, tensor_reader, "checksum")
+    reads = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(tensor_reader.os, "preadv",
+                        lambda fd, views, offset: reads.append(sum(len(v) for v in views)) or real_preadv(fd, views,
+                                                                                                         offset))
+    target = nn.Module()
+    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    stats = ck.LoadStats()
+    ck.load(path, target, stats=stats)
+    assert torch.equal(target.w, module.w)
+    assert len(block_hashes) == _blocks_of(path) == 64
+    assert sum(reads) == stats.bytes_read == stats.bytes_verified == 4 << 20
+    assert max(reads) <= tensor_reader.HOT_BYTES and len(reads) == (4 << 20) // tensor_reader.HOT_BYTES
+    reads.clear()
+    ck.load(path, target, verify=False)
+    assert reads == [4 << 20]
+
+
+def _tall_module(ws, seed):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(seed)
+    module = nn.Module()
+    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(16384, 64), mesh_1d(ws), [Shard(0)])))
+    return module
+
+
+def _load_tall(rank, ws, path):
+    module = _tall_module(ws, 1)
+    try:
+        ck.load(path, module)
+    except ck.CheckpointError as e:
+        return str(e)
+    return torch.equal(module.w.full_tensor(), _tall_module(ws, 0).w.full_tensor())
+
+
+def test_windowed_check_across_unaligned_shard_edges(worlds, tmp_path):
+    """4 MiB saved by one rank (64 KiB blocks of 256 rows), loaded by 3 (edges inside blocks: each
+    read has side buffers before and after the owned rows): bitwise equal; a flipped byte in the
+    second window of rank 1 is reported with its block."""
+    path = str(tmp_path / "c")
+    worlds.run(1, _save_tall, path)
+    assert worlds.run(3, _load_tall, path) == [True, True, True]
+    with open(os.path.join(path, "manifest.json")) as f:
+        chunk = json.load(f)["tensors"]["model/w"]["chunks"][0]
+    assert chunk["block_elems"] == 256 * 64
+    full = os.path.join(path, chunk["file"])
+    from fsdp2.checkpoint.safetensors_io import read_header
+
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        begin = read_header(fd, full, os.path.getsize(full)).tensors[chunk["key"]].begin
+    finally:
+        os.close(fd)
+    row = 9472 + 89  # rank 1 owns rows 5462..10923, read from row 5376 (a block edge) in windows of 4096 rows
+    with open(full, "r+b") as f:
+        f.seek(begin + row * 256)
+        byte = f.read(1)
+        f.seek(begin + row * 256)
+        f.write(bytes([byte[0] ^ 0x10]))
+    results = worlds.run(3, _load_tall, path)
+    assert f"key 'model/w', block {row // 256})" in results[1]
+    assert all("failed on another rank" in r for r in (results[0], results[2]))
+
+
+def _save_tall(rank, ws, path):
+    ck.save(path, _tall_module(ws, 0))
+
+
+def test_tiling_check_is_not_quadratic_in_the_saving_ranks(monkeypatch):
+    """A tensor saved by 1024 ranks has 1024 chunks; every load checks their tiling. Comparing all
+    pairs took 0.8 s per tensor there; dim-0 splits now compare each chunk with its neighbours."""
+    from fsdp2.layout.regions import Region
+
+    chunks = [Region((i * 4, 0), (4, 768)) for i in reversed(range(1024))]
+    compared = []
+    real = Region.intersect
+    monkeypatch.setattr(Region, "intersect", lambda a, b: compared.append(1) or real(a, b))
+    ckformat.check_tiling("model/w", (4096, 768), chunks)
+    assert len(compared) <= 3 * len(chunks)
+
+
+@pytest.mark.parametrize("second", [(0, 4), (1020, 0), (2, 0)])
+def test_overlapping_chunks_are_refused_in_any_order(second):
+    from fsdp2.layout.regions import Region
+
+    chunks = [Region((i * 4, 0), (4, 8)) for i in range(256)]
+    chunks.insert(100, Region(second, (4, 4)))  # overlaps a chunk it is not listed next to
+    with pytest.raises(ck.CheckpointError, match=r"of 'model/w' overlap"):
+        ckformat.check_tiling("model/w", (1024, 8), chunks)
