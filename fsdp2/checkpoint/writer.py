@@ -226,6 +226,9 @@ def _warn_unpublished() -> None:
         warnings.warn(f"fsdp2.checkpoint: the async save to {handle.path} was never waited on, so it was not "
                       "published (the checkpoint there is still the previous one). Call wait() on its handle "
                       "(every rank) before the process ends.", RuntimeWarning, stacklevel=1)
+        # Let the writer thread finish its (staged, unpublished) files: a daemon thread still inside
+        # torch or file I/O while the interpreter tears down aborts the process.
+        handle.finish_writing()
 
 
 class _SaveJob:
@@ -320,6 +323,10 @@ class AsyncSave:
         self._thread = threading.Thread(target=job.write, name="fsdp2-checkpoint-writer", daemon=True)
         self._thread.start()
 
+    def finish_writing(self) -> None:
+        """Block until this rank's files are on disk (no commit: that is ``wait()``'s, collective)."""
+        self._thread.join()
+
     def done_writing(self) -> bool:
         """True once this rank's files are on disk (``wait()`` is then quick)."""
         return not self._thread.is_alive()
@@ -331,7 +338,7 @@ class AsyncSave:
             return
         if job.stage == _Stage.FAILED:
             raise CheckpointError(f"the async save to {job.path} failed: {job.error}") from job.error
-        self._thread.join()
+        self.finish_writing()
         job.commit()
 
 
