@@ -121,12 +121,13 @@ def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
     assert sum(read for read, _, _ in unaligned) < 4096 * 256 + 4 * block
 
 
-def _wide_module(ws, seed):
+def _wide_module(ws, seed, rows=4096):
+    """One (rows, 64) parameter sharded on dim 0 over ``ws`` ranks, drawn from ``seed``."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.manual_seed(seed)
     module = nn.Module()
-    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(4096, 64), mesh_1d(ws), [Shard(0)])))
+    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(rows, 64), mesh_1d(ws), [Shard(0)])))
     return module
 
 

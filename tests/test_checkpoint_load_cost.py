@@ -17,6 +17,7 @@ import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import format as ckformat
 from fsdp2.checkpoint import reader, tensor_reader
 from tests.ckpt_helpers import assert_same_state, full_state, mesh_1d
+from tests.test_checkpoint_integrity import _wide_module
 
 
 def _stack(layers: int, seed: int = 0) -> nn.Module:
@@ -109,12 +110,7 @@ def test_verified_reads_are_hashed_in_cache_sized_windows(tmp_path, monkeypatch)
 
 
 def _tall_module(ws, seed):
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.manual_seed(seed)
-    module = nn.Module()
-    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(16384, 64), mesh_1d(ws), [Shard(0)])))
-    return module
+    return _wide_module(ws, seed, rows=16384)
 
 
 def _load_tall(rank, ws, path):
