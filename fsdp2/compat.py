@@ -43,6 +43,7 @@ def set_torch_fully_shard_state(module: nn.Module, state: object) -> None:
     key = torch_fully_shard_home().fully_shard.__wrapped__
     module.__dict__.setdefault(STATE_KEY, OrderedDict())[key] = state
 
+
 try:  # torch >= 2.13: shard_placement_fn may name a placement and a mesh per parameter
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 except ImportError:  # torch 2.11

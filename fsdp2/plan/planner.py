@@ -184,7 +184,8 @@ class _Variant:
 RECORDED_BLOCKS = 4
 
 
-def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload, kernel_scratch) -> StepTrace:
+def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload,
+            kernel_scratch: str | torch.device | None) -> StepTrace:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(model, source.is_block, plan, tp)
     if workload.activation_checkpointing:
@@ -194,7 +195,8 @@ def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload, 
                       kernel_scratch=kernel_scratch)
 
 
-def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload, kernel_scratch) -> _Variant:
+def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload,
+             kernel_scratch: str | torch.device | None) -> _Variant:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(base, source.is_block, plan, tp)
     blocks = sum(1 for m in local.modules() if source.is_block(m))
