@@ -469,23 +469,26 @@ def _reshard_worker(rank, path, model, worlds, out):
     out.put(result)
 
 
-def hash_table(mib: int = 256) -> list[tuple[str, float, float]]:
-    """(name, GiB/s single thread, other thread's progress while it hashes: ~1 = GIL released)."""
+def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
+    """(name, GiB/s on 1 MiB in the CPU cache, GiB/s on ``mib`` MiB from memory, longest stall of
+    another Python thread while it hashes the whole buffer, as a fraction of one such call: ~0 = GIL
+    released, ~1 = held). One thread each; best of 5 (cache) / 3 (memory)."""
     import threading
     import zlib
 
     import numpy as np
 
-    data = np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8).tobytes()
-    view = memoryview(data)
-    block = 4 << 20
-    cands = {"zlib.crc32": lambda m, c: zlib.crc32(m, c)}
-    try:
-        import crc32c
+    from fsdp2.checkpoint import integrity
 
-        cands["crc32c (hardware CRC32C)"] = lambda m, c: crc32c.crc32c(m, c)
-    except ImportError:
-        pass
+    data = np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8)
+    view = memoryview(data)
+    block, window = 4 << 20, view[:1 << 20]
+    cands = {"zlib.crc32 (format 1)": lambda m, c: zlib.crc32(m, c)}
+    for name in integrity.IMPLEMENTATIONS:  # fsdp2's CRC32C implementations, fastest first
+        try:
+            cands[f"{name} (CRC32C)"] = integrity.choose_implementation([name])[1]
+        except ImportError:
+            pass
     try:
         import google_crc32c
 
@@ -499,34 +502,46 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float]]:
     except ImportError:
         pass
 
-    def spin(seconds):
-        n, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            n += 1
-        return n
-
-    idle = spin(0.5)
-    rows = []
-    for name, fn in cands.items():
-        best = float("inf")
-        for _ in range(3):
+    def best(fn, times):
+        out = float("inf")
+        for _ in range(times):
             t = time.perf_counter()
-            c = 0
-            for i in range(0, len(view), block):
-                c = fn(view[i:i + block], c)
-            best = min(best, time.perf_counter() - t)
-        stop = threading.Event()
+            fn()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    def stall(fn) -> float:
+        """Longest gap between iterations of this thread's loop while another thread hashes ``view``
+        4 times, over the time of one such call."""
+        done, took = threading.Event(), []
 
         def worker():
-            while not stop.is_set():
+            time.sleep(0.02)
+            for _ in range(4):
+                t = time.perf_counter()
                 fn(view, 0)
+                took.append(time.perf_counter() - t)
+            done.set()
 
         th = threading.Thread(target=worker)
         th.start()
-        progress = spin(0.5) / idle
-        stop.set()
+        last, longest = time.perf_counter(), 0.0
+        while not done.is_set():
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
         th.join()
-        rows.append((name, len(data) / best / 2**30, progress))
+        return longest / statistics.mean(took)
+
+    rows = []
+    for name, fn in cands.items():
+        in_cache = best(lambda: [fn(window, 0) for _ in range(64)], 5)
+
+        def from_memory():
+            c = 0
+            for i in range(0, len(view), block):
+                c = fn(view[i:i + block], c)
+
+        rows.append((name, 64 / in_cache / 1024, len(data) / best(from_memory, 3) / 2**30, stall(fn)))
     return rows
 
 
@@ -546,11 +561,14 @@ def main():
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
     if args.hashes:
-        print(f"{'hash':<38}{'GiB/s (1 thread)':>18}{'other thread progress':>23}")
-        for name, speed, progress in hash_table():
-            print(f"{name:<38}{speed:>18.2f}{progress:>23.2f}")
-        print("other thread progress: a pure-Python loop's speed while another thread hashes 256 MiB per call, "
-              "relative to idle (~0.5-1: the GIL is released; ~0: held)")
+        from fsdp2.checkpoint import integrity
+
+        print(f"fsdp2 checksums with: {integrity.IMPLEMENTATION}; load average {os.getloadavg()[0]:.1f}")
+        print(f"{'hash':<38}{'GiB/s, 1 MiB in cache':>23}{'GiB/s, 256 MiB':>16}{'GIL stall':>11}")
+        for name, cached, memory, stalled in hash_table():
+            print(f"{name:<38}{cached:>23.1f}{memory:>16.1f}{stalled:>11.2f}")
+        print("GIL stall: longest pause of a Python loop while another thread hashes 256 MiB per call, as a "
+              "fraction of one call (~0: the GIL is released; ~1: held)")
         return
     import socket
 

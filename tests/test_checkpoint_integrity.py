@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import fsdp2.checkpoint as ck
-from fsdp2.checkpoint import cli
+from fsdp2.checkpoint import cli, integrity
 from fsdp2.checkpoint.integrity import BlockGrid
 from tests.ckpt_helpers import (assert_same_state, checksum_blocks, full_state, load_outcome, make_model, mesh_1d,
                                 mesh_2d, shard)
@@ -303,6 +303,93 @@ def test_format_1_verify_and_corruption(tmp_path, capsys):
     assert "crc32" in capsys.readouterr().out
     with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32 "):
         ck.load(copy, make_model(1))
+
+
+# ---------------------------------------------------------------- checksum implementations (issue 24)
+
+
+def _crc32c_bitwise(data: bytes, value: int = 0) -> int:
+    """CRC32C from its definition (reflected polynomial 0x82F63B78), one bit at a time: the reference."""
+    crc = value ^ 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def _installed_implementations() -> list[str]:
+    found = []
+    for name in integrity.IMPLEMENTATIONS:
+        try:
+            integrity.choose_implementation([name])
+            found.append(name)
+        except ImportError:
+            pass
+    return found
+
+
+def test_checksums_use_fastcrc_when_it_is_installed():
+    pytest.importorskip("fastcrc")
+    assert integrity.IMPLEMENTATION == "fastcrc"
+    assert "crc32c" in _installed_implementations()  # the fallback (a core dependency) works too
+
+
+def test_every_crc32c_implementation_computes_the_same_checksums():
+    """Files written with one implementation verify with the other: same values for any length,
+    alignment and split point, equal to CRC32C computed from its definition."""
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    view = memoryview(data)
+    fns = {name: integrity.choose_implementation([name])[1] for name in _installed_implementations()}
+    for length in [*range(0, 70), 255, 256, 257, 1023, 4096 + 13]:
+        for start in (0, 1, 7, 64):
+            piece = view[start:start + length]
+            want = _crc32c_bitwise(bytes(piece), 0x1234)
+            assert {name: fn(piece, 0x1234) for name, fn in fns.items()} == dict.fromkeys(fns, want), (length, start)
+    whole = {name: fn(view, 0) for name, fn in fns.items()}
+    assert len(set(whole.values())) == 1
+    for cut in (1, 4096, 1 << 20, (3 << 20) - 5):  # continue one implementation's CRC with another's
+        for first in fns.values():
+            for second in fns.values():
+                assert second(view[cut:], first(view[:cut], 0)) == whole["crc32c"]
+
+
+def test_a_missing_or_wrong_implementation_is_skipped(monkeypatch):
+    def wrong():
+        return lambda data, value: 0
+
+    def missing():
+        raise ImportError("no such module")
+
+    monkeypatch.setattr(integrity, "IMPLEMENTATIONS", {"missing": missing, "wrong": wrong,
+                                                       **integrity.IMPLEMENTATIONS})
+    name, fn = integrity.choose_implementation()
+    assert name not in ("missing", "wrong") and fn(b"123456789", 0) == 0xE3069283
+    with pytest.raises(ImportError, match="no working CRC32C implementation: pip install crc32c"):
+        integrity.choose_implementation(["missing", "wrong"])
+
+
+@pytest.mark.parametrize("save_with,load_with", [("crc32c", "fastcrc"), ("fastcrc", "crc32c")])
+def test_checkpoint_saved_with_one_implementation_loads_verified_with_the_other(tmp_path, monkeypatch, save_with,
+                                                                                  load_with):
+    pytest.importorskip("fastcrc")
+    model = make_model(0)
+    path = str(tmp_path / "c")
+    monkeypatch.setattr(integrity, "_crc32c", integrity.choose_implementation([save_with])[1])
+    ck.save(path, model)
+    monkeypatch.setattr(integrity, "_crc32c", integrity.choose_implementation([load_with])[1])
+    target = make_model(1)
+    stats = ck.LoadStats()
+    ck.load(path, target, stats=stats)
+    assert_same_state(full_state(target), full_state(model))
+    assert stats.bytes_verified == stats.bytes_read > 0
+    assert ck.verify_checkpoint(path) == []
+    data, offset = _byte_of(path, "model/0.weight", 1)
+    _flip(data, offset)
+    with pytest.raises(ck.CheckpointError, match=r"corrupted \(crc32c .* key 'model/0.weight'"):
+        ck.load(path, make_model(1))
 
 
 # ---------------------------------------------------------------- async snapshot buffer
