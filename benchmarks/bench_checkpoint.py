@@ -24,7 +24,9 @@ Rows:
 - --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
   --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a rotated order so
   that load from other jobs hits all three alike; prints medians and the medians of the per-round
-  ratios verified / DCP and verification cost (verified - verify=False) / verify=False.
+  ratios verified / DCP and verification cost (verified - verify=False) / verify=False;
+  --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
+  fsdp2's default implementation (``fastcrc`` when installed), to the rotation.
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -223,6 +225,25 @@ def _worker(rank, world, port, args, out):
 
 
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
+BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
+
+
+def _kinds(args) -> tuple[str, ...]:
+    return LOADS + (BASELINE_HASH,) if args.hash_baseline else LOADS
+
+
+def _with_checksum_implementation(name: str, fn):
+    """``fn`` run with fsdp2's CRC32C computed by implementation ``name``."""
+    from fsdp2.checkpoint import integrity
+
+    def run():
+        kept = integrity._crc32c
+        integrity._crc32c = integrity.choose_implementation([name])[1]
+        try:
+            fn()
+        finally:
+            integrity._crc32c = kept
+    return run
 
 
 def _sweep_worker(rank, world, port, args, out):
@@ -248,13 +269,15 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verified": lambda: ck.load(ours, model, opt),
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
+            BASELINE_HASH: _with_checksum_implementation("crc32c", lambda: ck.load(ours, model, opt)),
         }
+        kinds = _kinds(args)
         evict = [ours, theirs] if args.cold else []
-        for kind in LOADS:  # warm-up: first-touch costs of both libraries, and the page cache
+        for kind in kinds:  # warm-up: first-touch costs of both libraries, and the page cache
             loads[kind]()
         rounds = []
         for rep in range(args.repeats):
-            order = LOADS[rep % len(LOADS):] + LOADS[:rep % len(LOADS)]
+            order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
             rounds.append({kind: b.timed(loads[kind], evict)[0] for kind in order})
         results[name] = dict(total_bytes=total, rounds=rounds)
         dist.barrier()
@@ -271,22 +294,37 @@ def _sweep_worker(rank, world, port, args, out):
 def _sweep_report(args, results) -> None:
     import torch
 
+    from fsdp2.checkpoint import integrity
+
+    kinds = _kinds(args)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
-          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the three loads in rotated "
-          "order; times: medians, ratios: medians of the per-round ratios")
+          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in rotated "
+          f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
+          f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
+    extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
-          f"{'verified / DCP':>16}{'verify cost':>13}")
+          f"{'verified / DCP':>16}{'verify cost':>13}{extra}")
+
+    def ratios(rounds, verified):
+        vs_dcp = statistics.median(x[verified] / x["DCP"] for x in rounds)
+        cost = statistics.median((x[verified] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"] for x in rounds)
+        return vs_dcp, cost
+
     for name, r in results.items():
         rounds = r["rounds"]
-        med = {kind: statistics.median(x[kind] for x in rounds) for kind in LOADS}
-        vs_dcp = statistics.median(x["fsdp2 verified"] / x["DCP"] for x in rounds)
-        cost = statistics.median((x["fsdp2 verified"] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"]
-                                 for x in rounds)
-        print(f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
-              f"{med['fsdp2 verify=False']:>14.3f}{med['DCP']:>9.3f}{vs_dcp:>15.2f}x{cost:>12.2f}x")
+        med = {kind: statistics.median(x[kind] for x in rounds) for kind in kinds}
+        vs_dcp, cost = ratios(rounds, "fsdp2 verified")
+        line = (f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
+                f"{med['fsdp2 verify=False']:>14.3f}{med['DCP']:>9.3f}{vs_dcp:>15.2f}x{cost:>12.2f}x")
+        if args.hash_baseline:
+            base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
+            line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
+        print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
-          "(verified - verify=False) / verify=False")
+          "(verified - verify=False) / verify=False" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
+                                                        "instead of fsdp2's default" if args.hash_baseline else ""))
 
 
 _DCP_GROUP = None
@@ -557,6 +595,8 @@ def main():
     parser.add_argument("--hf", action="store_true", help="also measure load_hf (and DCP's HF reader)")
     parser.add_argument("--hashes", action="store_true", help="only print the checksum speed table")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--hash-baseline", action="store_true", help="with --sizes: also load verified with the "
+                        "crc32c package's CRC32C (paired with fsdp2's default implementation)")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
