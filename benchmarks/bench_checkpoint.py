@@ -8,6 +8,7 @@ barriers. Each time is the slowest rank's; tables show the median over --repeats
     python benchmarks/bench_checkpoint.py --device cuda --model 1b --ranks 1 --repeats 3
     python benchmarks/bench_checkpoint.py --sizes mini,small,125m,350m --repeats 7   # loads only, by size
     python benchmarks/bench_checkpoint.py --hashes                                    # checksum speeds
+    python benchmarks/bench_checkpoint.py --first-touch                               # fresh vs touched memory
 
 Rows:
 - save: write + fsync + commit (fsdp2: rank files + manifest; DCP: its files + .metadata).
@@ -583,6 +584,68 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
     return rows
 
 
+def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
+    """Where a warm-page-cache load's time goes: read a ``mib`` MiB file (in the page cache) into a
+    buffer in 16 MiB preads, into fresh memory (as every load's new buffers) or memory touched
+    before, plain or hashed in ~1 MiB windows as a verified load does (fsdp2's CRC32C and the
+    crc32c package), and fresh memory advised as transparent huge pages. Median ms per case,
+    cases interleaved per round."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from fsdp2.checkpoint import integrity
+
+    n, piece, window, block, huge = mib << 20, 16 << 20, 1 << 20, 128 << 10, 2 << 20
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_touch_"), "data")
+    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    touched = torch.ones(n, dtype=torch.uint8)
+    fastest = integrity.choose_implementation()[1]
+    package = integrity.choose_implementation(["crc32c"])[1]
+
+    def read(buf, fn=None):
+        view = memoryview(buf.numpy())
+        step = window if fn else piece
+        for off in range(0, n, step):
+            os.preadv(fd, [view[off:off + step]], off)
+            if fn:
+                for b in range(off, off + step, block):
+                    fn(view[b:b + block], 0)
+
+    def fresh_huge():
+        buf = torch.empty(n + huge, dtype=torch.uint8)
+        start = -buf.data_ptr() % huge
+        libc.madvise(buf.data_ptr() + start, n, getattr(mmap, "MADV_HUGEPAGE", 14))
+        read(buf[start:start + n])
+
+    cases = {
+        "fresh memory": lambda: read(torch.empty(n, dtype=torch.uint8)),
+        f"fresh memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(torch.empty(n, dtype=torch.uint8),
+                                                                            fastest),
+        "fresh memory, hashed (crc32c pkg)": lambda: read(torch.empty(n, dtype=torch.uint8), package),
+        "touched memory": lambda: read(touched),
+        f"touched memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(touched, fastest),
+        "touched memory, hashed (crc32c pkg)": lambda: read(touched, package),
+        "fresh memory, MADV_HUGEPAGE": fresh_huge,
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    try:
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -594,6 +657,8 @@ def main():
     parser.add_argument("--reshard", default="", help="comma-separated world sizes to load the checkpoint on")
     parser.add_argument("--hf", action="store_true", help="also measure load_hf (and DCP's HF reader)")
     parser.add_argument("--hashes", action="store_true", help="only print the checksum speed table")
+    parser.add_argument("--first-touch", action="store_true", help="only print where a warm load's time goes: "
+                        "reading into fresh vs touched memory, hashed or not")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--hash-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "crc32c package's CRC32C (paired with fsdp2's default implementation)")
@@ -609,6 +674,13 @@ def main():
             print(f"{name:<38}{cached:>23.1f}{memory:>16.1f}{stalled:>11.2f}")
         print("GIL stall: longest pause of a Python loop while another thread hashes 256 MiB per call, as a "
               "fraction of one call (~0: the GIL is released; ~1: held)")
+        return
+    if args.first_touch:
+        mib = 256
+        print(f"read {mib} MiB from the page cache, one thread, load average {os.getloadavg()[0]:.1f}; "
+              "medians of 9 interleaved rounds")
+        for name, ms in first_touch_table(mib).items():
+            print(f"{name:<44}{ms:>9.1f} ms{mib / 1024 / (ms / 1e3):>7.1f} GiB/s")
         return
     import socket
 
