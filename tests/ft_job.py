@@ -1,0 +1,105 @@
+"""A fault-tolerant HSDP job on this machine for tests and benchmarks: a torchft lighthouse in
+this process and replica groups of tests/ft_worker.py subprocesses (loopback only, free ports,
+bounded waits, every process killed on exit even when a check failed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).resolve().with_name("ft_worker.py")
+ROOT = WORKER.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FTJob:
+    """``launch`` replica groups, ``open_gate`` to let the live ones on, ``result`` to read what
+    each rank wrote. Use as a context manager: leaving it kills whatever still runs."""
+
+    def __init__(self, workdir: Path, *, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 20000):
+        from torchft._torchft import LighthouseServer
+
+        self.gates = workdir / "gates"
+        self.out = workdir / "out"
+        self.gates.mkdir(parents=True)
+        self.out.mkdir(parents=True)
+        self.lighthouse = LighthouseServer(
+            bind=f"127.0.0.1:{free_port()}", min_replicas=1, join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+        self.groups: dict[tuple[int, int], list[subprocess.Popen]] = {}
+
+    def launch(self, replica: int, incarnation: int = 0, *, ranks: int = 2, worker_args: list[str] = ()) -> None:
+        port = free_port()
+        procs = []
+        for rank in range(ranks):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=self.lighthouse.address(), OMP_NUM_THREADS="1",
+                       PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), RUST_LOG="error")
+            args = [sys.executable, str(WORKER), "--replica", str(replica), "--incarnation", str(incarnation),
+                    "--out", str(self.out), "--gates", str(self.gates), *worker_args]
+            log = open(self.out / f"stderr_r{replica}i{incarnation}s{rank}.txt", "w")
+            procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        self.groups[(replica, incarnation)] = procs
+
+    def wait_files(self, pattern: str, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(list(self.gates.glob(pattern))) < count:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout}s for {count} x {pattern}: {self.stderr_tails()}")
+            time.sleep(0.02)
+
+    def open_gate(self, step: int) -> None:
+        (self.gates / f"go_{step}").touch()
+
+    def wait_group(self, replica: int, incarnation: int = 0, timeout: float = 90.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.groups[(replica, incarnation)]:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"replica {replica}/{incarnation} still runs after {timeout}s: {self.stderr_tails()}")
+        return codes
+
+    def result(self, replica: int, incarnation: int, shard_rank: int) -> dict:
+        tag = f"r{replica}i{incarnation}s{shard_rank}"
+        state = torch.load(self.out / f"state_{tag}.pt")
+        state["log"] = json.loads((self.out / f"log_{tag}.json").read_text())
+        return state
+
+    def error(self, replica: int, incarnation: int, shard_rank: int) -> str | None:
+        path = self.out / f"error_r{replica}i{incarnation}s{shard_rank}.txt"
+        return path.read_text() if path.exists() else None
+
+    def stderr_tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.out.glob("stderr_*.txt")))
+
+    def _check_alive(self) -> None:
+        pass  # groups die on purpose in these runs; a stuck one is caught by the timeouts
+
+    def __enter__(self) -> "FTJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for procs in self.groups.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for procs in self.groups.values():
+            for p in procs:
+                p.wait()
+        self.lighthouse.shutdown()
