@@ -71,7 +71,7 @@ class ReplicaLayout:
                 f"{peer.shard_world_size}; start it with the same number of ranks (torchrun --nproc_per_node)"
             )
         mine, theirs = dict((n, (s, t)) for n, s, t in self.params), dict((n, (s, t)) for n, s, t in peer.params)
-        for name in sorted(set(mine) | set(theirs)):
+        for name in list(mine) + [n for n in theirs if n not in mine]:  # the model's order: the first difference
             if name not in theirs:
                 return f"parameter {name!r} is not in the live groups' model; run the same model on every replica group"
             if name not in mine:
@@ -133,11 +133,11 @@ class FaultTolerantHSDP:
         self.model = model
         self.optimizer = optimizer
         self.layout = ReplicaLayout.of(model, self._shard_world_size)
-        device_type = next(model.parameters()).device.type
-        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise FSDPUsageError("FaultTolerantHSDP: no lighthouse address; pass lighthouse= or set TORCHFT_LIGHTHOUSE (start one with torchft_lighthouse)")
+        device_type = next(model.parameters()).device.type
+        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=self.load_state_dict,

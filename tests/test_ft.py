@@ -1,0 +1,140 @@
+"""Fault-tolerant HSDP on torchft (issue 23): 2 replica groups x 2 shard ranks on gloo, one group
+killed (SIGKILL) and restarted while the other trains on; the restarted group heals from the
+live one. Each run is a torchft lighthouse in this process and tests/ft_worker.py subprocesses.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason='fsdp2.ft needs torchft: pip install "fsdp2[ft]"')
+
+from fsdp2 import FSDPUsageError  # noqa: E402
+from fsdp2.ft import FaultTolerantHSDP, ReplicaLayout  # noqa: E402
+from tests.ft_job import FTJob  # noqa: E402
+
+STEPS = 9
+DIE_IN_ALL_REDUCE, FIRST_REJOIN, SECOND_REJOIN = 2, 4, 6
+
+
+def _run_schedule(impl: str, workdir) -> dict:
+    """Group 1 dies inside step 2's all-reduce; its replacement dies while healing at step 4;
+    the next one heals at step 6. Group 0 never stops. Returns each rank's final state."""
+    common = ["--impl", impl, "--steps", str(STEPS)]
+    with FTJob(workdir) as job:
+        job.launch(0, worker_args=common + ["--gate-at", "0", str(FIRST_REJOIN), str(SECOND_REJOIN)])
+        job.launch(1, worker_args=common + ["--gate-at", "0", "--die-in-all-reduce", str(DIE_IN_ALL_REDUCE)])
+        job.wait_files("started_*", 4)
+        job.open_gate(0)  # both groups are up: the first quorum holds both
+        assert job.wait_group(1) == [-9, -9]
+
+        for incarnation, step, extra in ((1, FIRST_REJOIN, ["--die-while-healing"]), (2, SECOND_REJOIN, [])):
+            job.wait_files(f"at_{step}_r0*", 2)  # the survivor waits at `step`, so the join happens there
+            job.launch(1, incarnation, worker_args=common + extra)
+            job.wait_files(f"started_r1i{incarnation}*", 2)
+            job.open_gate(step)
+        assert job.wait_group(1, 1) == [-9, -9]
+        assert job.wait_group(0) == [0, 0] and job.wait_group(1, 2) == [0, 0], job.stderr_tails()
+        return {(r, i, s): job.result(r, i, s) for r, i in ((0, 0), (1, 2)) for s in range(2)}
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory):
+    # fsdp2 and PyTorch's FSDP2 under the same failure schedule, side by side (mostly waiting).
+    with ThreadPoolExecutor(2) as pool:
+        runs = {impl: pool.submit(_run_schedule, impl, tmp_path_factory.mktemp(impl)) for impl in ("fsdp2", "torch")}
+        return {impl: f.result() for impl, f in runs.items()}
+
+
+def _commits(log: list[dict]) -> list[tuple[int, bool, int]]:
+    return [(e["step"], e["committed"], e["participants"]) for e in log]
+
+
+def test_the_survivor_never_stops_and_a_failed_step_is_stepped_by_nobody(schedule_runs):
+    for shard_rank in range(2):
+        survivor = schedule_runs["fsdp2"][0, 0, shard_rank]
+        assert _commits(survivor["log"]) == [
+            (0, True, 2), (1, True, 2),
+            (2, False, 2), (2, True, 1),  # group 1 died in this all-reduce: not committed, retried alone
+            (3, True, 1),
+            (4, False, 2), (4, True, 1),  # its replacement died while healing
+            (5, True, 1),
+            (6, True, 2), (7, True, 2), (8, True, 2),  # healed at 6
+        ]
+        # The optimizer stepped exactly once per committed step on both shard ranks.
+        assert all(int(s["step"]) == STEPS for s in survivor["optimizer"].values())
+
+
+def test_the_healed_group_holds_the_survivors_state_bitwise(schedule_runs):
+    for impl in ("fsdp2", "torch"):
+        for shard_rank in range(2):
+            survivor, healed = schedule_runs[impl][0, 0, shard_rank], schedule_runs[impl][1, 2, shard_rank]
+            assert _commits(healed["log"]) == [(6, True, 2), (7, True, 2), (8, True, 2)]
+            assert survivor["params"].keys() == healed["params"].keys()
+            for name in survivor["params"]:
+                assert torch.equal(survivor["params"][name], healed["params"][name]), (impl, shard_rank, name)
+            for idx, state in survivor["optimizer"].items():
+                for key, value in state.items():
+                    assert torch.equal(value, healed["optimizer"][idx][key]), (impl, shard_rank, idx, key)
+
+
+def test_parameters_equal_pytorch_fsdp2_under_torchft_bitwise(schedule_runs):
+    for who in ((0, 0, 0), (0, 0, 1), (1, 2, 0), (1, 2, 1)):
+        ours, theirs = schedule_runs["fsdp2"][who], schedule_runs["torch"][who]
+        assert _commits(ours["log"]) == _commits(theirs["log"])
+        for name, value in ours["params"].items():
+            assert torch.equal(value, theirs["params"][name]), (who, name)
+
+
+def test_a_joiner_with_another_model_is_refused_and_the_live_groups_train_on(tmp_path):
+    steps, join_at = 5, 2
+    common = ["--steps", str(steps)]
+    with FTJob(tmp_path) as job:
+        for replica in (0, 1):
+            job.launch(replica, worker_args=common + ["--gate-at", "0", str(join_at)])
+        job.wait_files("started_*", 4)
+        job.open_gate(0)
+        job.wait_files(f"at_{join_at}_*", 4)
+        job.launch(2, worker_args=common + ["--hidden", "34"])  # another model
+        job.wait_files("started_r2*", 2)
+        job.open_gate(join_at)
+        assert job.wait_group(2) == [3, 3]
+        error = job.error(2, 0, 0)
+        assert "FSDPUsageError" in error and "cannot join" in error and "'0.weight'" in error and "[34, 10]" in error, error
+        assert job.wait_group(0) == [0, 0] and job.wait_group(1) == [0, 0], job.stderr_tails()
+        results = {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
+    for (replica, shard_rank), result in results.items():
+        commits = _commits(result["log"])
+        # The step the joiner entered is not committed (its all-reduce lost a member) and is retried.
+        assert commits == [(0, True, 2), (1, True, 2), (2, False, 3), (2, True, 2), (3, True, 2), (4, True, 2)]
+        assert all(int(s["step"]) == steps for s in result["optimizer"].values())
+        other = results[1 - replica, shard_rank]
+        for name, value in result["params"].items():
+            assert torch.equal(value, other["params"][name])
+
+
+# -- in-process: the layout check and the step protocol ---------------------------------------
+
+
+def _layout(shard_world_size=2, **shapes) -> ReplicaLayout:
+    return ReplicaLayout(shard_world_size, tuple((n, s, "torch.float32") for n, s in (shapes or {"w": (4, 3)}).items()))
+
+
+def test_layout_mismatch_names_the_parameter_or_the_world_size():
+    assert _layout().mismatch(_layout()) is None
+    assert "2 shard ranks" in _layout(2).mismatch(_layout(4)) and "4" in _layout(2).mismatch(_layout(4))
+    assert "'w' is [4, 3]" in _layout(w=(4, 3)).mismatch(_layout(w=(5, 3)))
+    assert "'v' is not in the live groups' model" in _layout(w=(4, 3), v=(1,)).mismatch(_layout(w=(4, 3)))
+    assert "has parameter 'v'" in _layout(w=(4, 3)).mismatch(_layout(w=(4, 3), v=(1,)))
+    assert ReplicaLayout.from_dict(_layout().as_dict()) == _layout()
+    with pytest.raises(FSDPUsageError, match="no readable layout"):
+        ReplicaLayout.from_dict({"params": []})
+
+
+def test_a_model_without_fully_shard_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(FSDPUsageError, match="no fully_shard'ed module"):
+        FaultTolerantHSDP(model, torch.optim.SGD(model.parameters(), lr=0.1), replica_id="r", lighthouse="http://127.0.0.1:1")
