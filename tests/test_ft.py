@@ -138,3 +138,31 @@ def test_a_model_without_fully_shard_is_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(FSDPUsageError, match="no fully_shard'ed module"):
         FaultTolerantHSDP(model, torch.optim.SGD(model.parameters(), lr=0.1), replica_id="r", lighthouse="http://127.0.0.1:1")
+
+
+def test_example_trains_two_replica_groups_under_torchrun(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.ft_job import ROOT, free_port
+
+    with FTJob(tmp_path) as job:  # for its lighthouse
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=job.lighthouse_address, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        groups = [
+            subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                              str(free_port()), "examples/train_ft.py", "--replica-id", str(r), "--steps", "3", "--min-replicas", "2"],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in (0, 1)
+        ]
+        try:
+            outputs = [g.communicate(timeout=120)[0] for g in groups]
+        finally:
+            for g in groups:
+                g.kill()
+    for r, (group, output) in enumerate(zip(groups, outputs)):
+        assert group.returncode == 0, output[-3000:]
+        assert f"replica {r} step    3 loss" in output and "groups 2 committed" in output, output[-3000:]
