@@ -111,18 +111,20 @@ def main() -> None:
         while ft.step < args.steps:
             step = ft.step
             if step == args.die_before_step:
+                (gates / f"killed_{tag}").write_text(repr(time.time()))  # for benchmarks/bench_ft.py
                 _die()
             if step in args.gate_at:
                 (gates / f"at_{step}_{tag}").touch()
                 wait_for(gates / f"go_{step}")
-            t0 = time.monotonic()
+            t0 = time.time()
             ft.begin_step()
+            begin_s = time.time() - t0
             step = ft.step  # a healed group takes its peer's step
             in_step.update(step=step, all_reduces=0)
             x, y = batch(step, args.replica, rank)
             nn.functional.mse_loss(model(x), y).backward()
             committed = ft.commit_step()
-            log.append({"step": step, "committed": committed, "participants": ft.participants, "t": time.monotonic(), "dt": time.monotonic() - t0})
+            log.append({"step": step, "committed": committed, "participants": ft.participants, "begin_s": begin_s, "end": time.time()})
     except Exception as e:  # noqa: BLE001 (reported to the test through the result file)
         (out / f"error_{tag}.txt").write_text(f"{type(e).__name__}: {e}")
         ft.close()
