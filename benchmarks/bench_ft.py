@@ -36,13 +36,13 @@ def one_run(hidden: int, heartbeat_ms: int) -> dict:
     with tempfile.TemporaryDirectory() as d, FTJob(Path(d), heartbeat_timeout_ms=heartbeat_ms) as job:
         job.launch(0, worker_args=common + ["--gate-at", "0", str(REJOIN_AT)])
         job.launch(1, worker_args=common + ["--gate-at", "0", "--die-before-step", str(KILL_BEFORE)])
-        job.wait_files("started_*", 4)
+        job.wait_lighthouse(participants=0, heartbeating=2)
         job.open_gate(0)
         job.wait_group(1, timeout=300)
         killed = min(float(p.read_text()) for p in job.gates.glob("killed_*"))
         job.wait_files(f"at_{REJOIN_AT}_r0*", 2, timeout=300)
         job.launch(1, 1, worker_args=common)
-        job.wait_files("started_r1i1*", 2, timeout=300)
+        job.wait_lighthouse(participants=1, heartbeating=2, timeout=300)
         job.open_gate(REJOIN_AT)
         assert job.wait_group(0, timeout=300) == [0, 0] and job.wait_group(1, 1, timeout=300) == [0, 0], job.stderr_tails()
         survivor = [job.result(0, 0, s) for s in range(2)]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -63,6 +65,23 @@ class FTJob:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout}s for {count} x {pattern}: {self.stderr_tails()}")
             time.sleep(0.02)
+
+    def wait_lighthouse(self, *, participants: int, heartbeating: int, timeout: float = 60.0) -> None:
+        """Until the lighthouse has quorum requests from ``participants`` groups and heartbeats
+        from ``heartbeat`` groups (its status page): a gate opened after this cannot let a live
+        group form a quorum without a joiner that is still starting."""
+        url = self.lighthouse_address + "/status"
+        pattern = re.compile(r"\[\d+/(\d+) participants healthy\]\[(\d+) heartbeating\]")
+        deadline = time.monotonic() + timeout
+        status = ""
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                status = response.read().decode()
+            found = pattern.search(status)
+            if found and int(found[1]) >= participants and int(found[2]) >= heartbeating:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"lighthouse never had {participants} requests and {heartbeating} heartbeats: {status}\n{self.stderr_tails()}")
 
     def open_gate(self, step: int) -> None:
         (self.gates / f"go_{step}").touch()

@@ -27,14 +27,14 @@ def _run_schedule(impl: str, workdir) -> dict:
     with FTJob(workdir) as job:
         job.launch(0, worker_args=common + ["--gate-at", "0", str(FIRST_REJOIN), str(SECOND_REJOIN)])
         job.launch(1, worker_args=common + ["--gate-at", "0", "--die-in-all-reduce", str(DIE_IN_ALL_REDUCE)])
-        job.wait_files("started_*", 4)
+        job.wait_lighthouse(participants=0, heartbeating=2)
         job.open_gate(0)  # both groups are up: the first quorum holds both
         assert job.wait_group(1) == [-9, -9]
 
         for incarnation, step, extra in ((1, FIRST_REJOIN, ["--die-while-healing"]), (2, SECOND_REJOIN, [])):
             job.wait_files(f"at_{step}_r0*", 2)  # the survivor waits at `step`, so the join happens there
             job.launch(1, incarnation, worker_args=common + extra)
-            job.wait_files(f"started_r1i{incarnation}*", 2)
+            job.wait_lighthouse(participants=1, heartbeating=2)  # the joiner asks first
             job.open_gate(step)
         assert job.wait_group(1, 1) == [-9, -9]
         assert job.wait_group(0) == [0, 0] and job.wait_group(1, 2) == [0, 0], job.stderr_tails()
@@ -89,28 +89,49 @@ def test_parameters_equal_pytorch_fsdp2_under_torchft_bitwise(schedule_runs):
             assert torch.equal(value, theirs["params"][name]), (who, name)
 
 
-def test_a_joiner_with_another_model_is_refused_and_the_live_groups_train_on(tmp_path):
-    steps, join_at = 5, 2
-    common = ["--steps", str(steps)]
-    with FTJob(tmp_path) as job:
+BAD_JOINERS = {
+    "other_model": ({"worker_args": ["--hidden", "34"]}, ["'0.weight' is [34, 10]", "[33, 10] torch.float32 on the live groups"]),
+    "other_world_size": ({"ranks": 1}, ["has 1 shard ranks, the live groups have 2"]),
+}
+JOIN_STEPS, JOIN_AT = 5, 2
+
+
+def _run_with_bad_joiner(joiner: dict, workdir) -> tuple[str | None, list[int], dict]:
+    """Groups 0 and 1 train; at step 2 a group 2 that does not match tries to join."""
+    common = ["--steps", str(JOIN_STEPS), "--timeout", "5"]
+    with FTJob(workdir) as job:
         for replica in (0, 1):
-            job.launch(replica, worker_args=common + ["--gate-at", "0", str(join_at)])
-        job.wait_files("started_*", 4)
+            job.launch(replica, worker_args=common + ["--gate-at", "0", str(JOIN_AT)])
+        job.wait_lighthouse(participants=0, heartbeating=2)
         job.open_gate(0)
-        job.wait_files(f"at_{join_at}_*", 4)
-        job.launch(2, worker_args=common + ["--hidden", "34"])  # another model
-        job.wait_files("started_r2*", 2)
-        job.open_gate(join_at)
-        assert job.wait_group(2) == [3, 3]
-        error = job.error(2, 0, 0)
-        assert "FSDPUsageError" in error and "cannot join" in error and "'0.weight'" in error and "[34, 10]" in error, error
+        job.wait_files(f"at_{JOIN_AT}_*", 4)
+        ranks = joiner.get("ranks", 2)
+        job.launch(2, ranks=ranks, worker_args=common + joiner.get("worker_args", []))
+        job.wait_lighthouse(participants=1, heartbeating=3)
+        job.open_gate(JOIN_AT)
+        codes = job.wait_group(2)
         assert job.wait_group(0) == [0, 0] and job.wait_group(1) == [0, 0], job.stderr_tails()
-        results = {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
+        return job.error(2, 0, 0), codes, {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
+
+
+@pytest.fixture(scope="module")
+def bad_joiner_runs(tmp_path_factory):
+    with ThreadPoolExecutor(len(BAD_JOINERS)) as pool:
+        runs = {k: pool.submit(_run_with_bad_joiner, joiner, tmp_path_factory.mktemp(k)) for k, (joiner, _) in BAD_JOINERS.items()}
+        return {k: f.result() for k, f in runs.items()}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_JOINERS))
+def test_a_bad_joiner_is_refused_and_the_live_groups_train_on(bad_joiner_runs, kind):
+    error, codes, results = bad_joiner_runs[kind]
+    joiner, expected = BAD_JOINERS[kind]
+    assert codes == [3] * joiner.get("ranks", 2)  # every rank of the joiner stopped with the error
+    assert "FSDPUsageError" in error and "replica group 'replica_2' cannot join" in error, error
+    assert all(part in error for part in expected), error
     for (replica, shard_rank), result in results.items():
-        commits = _commits(result["log"])
         # The step the joiner entered is not committed (its all-reduce lost a member) and is retried.
-        assert commits == [(0, True, 2), (1, True, 2), (2, False, 3), (2, True, 2), (3, True, 2), (4, True, 2)]
-        assert all(int(s["step"]) == steps for s in result["optimizer"].values())
+        assert _commits(result["log"]) == [(0, True, 2), (1, True, 2), (2, False, 3), (2, True, 2), (3, True, 2), (4, True, 2)]
+        assert all(int(s["step"]) == JOIN_STEPS for s in result["optimizer"].values())
         other = results[1 - replica, shard_rank]
         for name, value in result["params"].items():
             assert torch.equal(value, other["params"][name])
