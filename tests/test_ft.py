@@ -187,3 +187,49 @@ def test_example_trains_two_replica_groups_under_torchrun(tmp_path):
     for r, (group, output) in enumerate(zip(groups, outputs)):
         assert group.returncode == 0, output[-3000:]
         assert f"replica {r} step    3 loss" in output and "groups 2 committed" in output, output[-3000:]
+
+
+def _misuse(rank: int, world_size: int) -> list[str]:
+    from torch.distributed import TCPStore
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchft._torchft import LighthouseServer
+
+    from fsdp2 import fully_shard
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    where = {
+        "lighthouse": "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1], "replica_id": "solo",
+        "manager_kwargs": {"store_addr": "127.0.0.1", "store_port": store.port, "rank": 0, "world_size": 1, "hostname": "localhost"},
+    }
+    errors = []
+
+    def refused(call, *args) -> None:
+        try:
+            call(*args)
+        except FSDPUsageError as e:
+            errors.append(str(e))
+        else:
+            errors.append("accepted")
+
+    try:
+        model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        with FaultTolerantHSDP(model, torch.optim.SGD(model.parameters(), lr=0.1), **where) as ft:
+            refused(ft.commit_step)  # before begin_step
+            ft.begin_step()
+            refused(ft.begin_step)  # twice
+            model(torch.ones(2, 4)).sum().backward()
+            errors.append(f"committed={ft.commit_step()} step={ft.step}")
+        hsdp = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        refused(lambda: FaultTolerantHSDP(hsdp, torch.optim.SGD(hsdp.parameters(), lr=0.1), **where))
+    finally:
+        lighthouse.shutdown()
+    return errors
+
+
+def test_steps_out_of_order_and_a_replicate_mesh_are_refused(worlds):
+    before, twice, step, hsdp = worlds.run(1, _misuse)[0]
+    assert "commit_step: called between steps" in before and "begin_step()" in before
+    assert "begin_step: called in a step" in twice
+    assert step == "committed=True step=1"  # the refusals changed nothing: the step went on
+    assert "replicate dim" in hsdp and "1-D shard mesh" in hsdp
