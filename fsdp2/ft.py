@@ -132,6 +132,7 @@ class FaultTolerantHSDP:
         self._shard_world_size = _shard_world_size(model)
         self.model = model
         self.optimizer = optimizer
+        self.replica_id = replica_id
         self.layout = ReplicaLayout.of(model, self._shard_world_size)
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
@@ -224,7 +225,7 @@ class FaultTolerantHSDP:
         peer = ReplicaLayout.from_dict(state.get("layout") if isinstance(state, dict) else None)
         why = self.layout.mismatch(peer)
         if why is not None:
-            raise FSDPUsageError(f"fsdp2.ft: replica group {self.manager._replica_id!r} cannot join the job: {why}")
+            raise FSDPUsageError(f"fsdp2.ft: replica group {self.replica_id!r} cannot join the job: {why}")
         own = self.model.state_dict()
         self.model.load_state_dict({k: _from_wire(v, own.get(k)) for k, v in state["model"].items()})
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -59,14 +59,15 @@ class FTJob:
             procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         self.groups[(replica, incarnation)] = procs
 
-    def wait_files(self, pattern: str, count: int, timeout: float = 60.0) -> None:
+    def wait_files(self, pattern: str, count: int, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while len(list(self.gates.glob(pattern))) < count:
+            self._raise_if_crashed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout}s for {count} x {pattern}: {self.stderr_tails()}")
             time.sleep(0.02)
 
-    def wait_lighthouse(self, *, participants: int, heartbeating: int, timeout: float = 60.0) -> None:
+    def wait_lighthouse(self, *, participants: int, heartbeating: int, timeout: float = 240.0) -> None:
         """Until the lighthouse has quorum requests from ``participants`` groups and heartbeats
         from ``heartbeat`` groups (its status page): a gate opened after this cannot let a live
         group form a quorum without a joiner that is still starting."""
@@ -77,16 +78,25 @@ class FTJob:
         while time.monotonic() < deadline:
             with urllib.request.urlopen(url, timeout=5) as response:
                 status = response.read().decode()
+            self._raise_if_crashed()
             found = pattern.search(status)
             if found and int(found[1]) >= participants and int(found[2]) >= heartbeating:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"lighthouse never had {participants} requests and {heartbeating} heartbeats: {status}\n{self.stderr_tails()}")
 
+    def _raise_if_crashed(self) -> None:
+        """Fail now, not at a timeout, when a worker died of something else than an injected
+        SIGKILL (-9) or a reported error (3)."""
+        for (replica, incarnation), procs in self.groups.items():
+            for p in procs:
+                if p.poll() not in (None, 0, -9, 3):
+                    raise RuntimeError(f"replica {replica}/{incarnation} exited with {p.returncode}: {self.stderr_tails()}")
+
     def open_gate(self, step: int) -> None:
         (self.gates / f"go_{step}").touch()
 
-    def wait_group(self, replica: int, incarnation: int = 0, timeout: float = 90.0) -> list[int]:
+    def wait_group(self, replica: int, incarnation: int = 0, timeout: float = 300.0) -> list[int]:
         deadline = time.monotonic() + timeout
         codes = []
         for p in self.groups[(replica, incarnation)]:

@@ -46,7 +46,7 @@ def batch(step: int, replica: int, shard_rank: int) -> tuple[torch.Tensor, torch
     return torch.randn(4, 10, generator=g), torch.randn(4, 7, generator=g)
 
 
-def wait_for(path: Path, timeout: float = 60.0) -> None:
+def wait_for(path: Path, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--die-in-all-reduce", type=int, default=-1, help="SIGKILL in this step's first all-reduce")
     ap.add_argument("--die-while-healing", action="store_true", help="SIGKILL while loading a peer's state")
     ap.add_argument("--gate-at", type=int, nargs="*", default=[], help="before these steps wait for gates/go_<step>")
-    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--timeout", type=float, default=15.0, help="seconds a dead peer may stall a collective")
     args = ap.parse_args()
 
     from fsdp2.ft import FaultTolerantHSDP
@@ -80,31 +80,24 @@ def main() -> None:
     gates, out = Path(args.gates), Path(args.out)
     tag = f"r{args.replica}i{args.incarnation}s{rank}"
     timeout = timedelta(seconds=args.timeout)
-    ft = FaultTolerantHSDP(
-        model, optimizer, replica_id=f"replica_{args.replica}", timeout=timeout, quorum_timeout=timedelta(seconds=60),
+    in_step = {"step": -1, "all_reduces": 0}
+
+    class InjectedFailures(FaultTolerantHSDP):
+        def _all_reduce_across_replicas(self, reduced):
+            if in_step["step"] == args.die_in_all_reduce and in_step["all_reduces"] == 0:
+                _die()
+            in_step["all_reduces"] += 1
+            super()._all_reduce_across_replicas(reduced)
+
+        def load_state_dict(self, state):
+            if args.die_while_healing:
+                _die()
+            super().load_state_dict(state)
+
+    ft = InjectedFailures(
+        model, optimizer, replica_id=f"replica_{args.replica}", timeout=timeout, quorum_timeout=timedelta(seconds=180),
         manager_kwargs={"hostname": "localhost"},
     )
-    if args.die_while_healing:
-        load = ft.load_state_dict
-
-        def dying_load(state):
-            _die()
-            load(state)
-
-        ft.manager._load_state_dict_fns["default"] = dying_load
-    in_step = {"step": -1, "all_reduces": 0}
-    hook = ft._all_reduce_across_replicas
-
-    def counting_hook(t):
-        if in_step["step"] == args.die_in_all_reduce and in_step["all_reduces"] == 0:
-            _die()
-        in_step["all_reduces"] += 1
-        hook(t)
-
-    for m in model.modules():
-        if hasattr(m, "set_all_reduce_hook") and isinstance(m, torch.distributed.fsdp.FSDPModule):
-            m.set_all_reduce_hook(counting_hook)
-
     (gates / f"started_{tag}").touch()
     log = []
     try:

@@ -98,7 +98,7 @@ JOIN_STEPS, JOIN_AT = 5, 2
 
 def _run_with_bad_joiner(joiner: dict, workdir) -> tuple[str | None, list[int], dict]:
     """Groups 0 and 1 train; at step 2 a group 2 that does not match tries to join."""
-    common = ["--steps", str(JOIN_STEPS), "--timeout", "5"]
+    common = ["--steps", str(JOIN_STEPS)]
     with FTJob(workdir) as job:
         for replica in (0, 1):
             job.launch(replica, worker_args=common + ["--gate-at", "0", str(JOIN_AT)])
