@@ -61,7 +61,9 @@ class ReplicaLayout:
         try:
             return cls(int(d["shard_world_size"]), tuple((str(n), tuple(s), str(t)) for n, s, t in d["params"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise FSDPUsageError(f"fsdp2.ft: the peer's state has no readable layout ({e!r}); is it running fsdp2.ft?") from e
+            raise FSDPUsageError(
+                f"fsdp2.ft: the peer's state has no readable layout ({e!r}); is it running fsdp2.ft?"
+            ) from e
 
     def mismatch(self, peer: "ReplicaLayout") -> str | None:
         """Why this group cannot take ``peer``'s state, or None if it can."""
@@ -75,7 +77,10 @@ class ReplicaLayout:
             if name not in theirs:
                 return f"parameter {name!r} is not in the live groups' model; run the same model on every replica group"
             if name not in mine:
-                return f"the live groups' model has parameter {name!r}, this one does not; run the same model on every replica group"
+                return (
+                    f"the live groups' model has parameter {name!r}, this one does not; "
+                    "run the same model on every replica group"
+                )
             if mine[name] != theirs[name]:
                 (s, t), (ps, pt) = mine[name], theirs[name]
                 return f"parameter {name!r} is {list(s)} {t} here, {list(ps)} {pt} on the live groups; run the same model"
@@ -128,7 +133,9 @@ class FaultTolerantHSDP:
 
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if not fsdp_modules:
-            raise FSDPUsageError("FaultTolerantHSDP: the model has no fully_shard'ed module; call fully_shard(model, mesh=shard_mesh) first")
+            raise FSDPUsageError(
+                "FaultTolerantHSDP: the model has no fully_shard'ed module; call fully_shard(model, mesh=shard_mesh) first"
+            )
         self._shard_world_size = _shard_world_size(model)
         self.model = model
         self.optimizer = optimizer
@@ -136,7 +143,10 @@ class FaultTolerantHSDP:
         self.layout = ReplicaLayout.of(model, self._shard_world_size)
         lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
-            raise FSDPUsageError("FaultTolerantHSDP: no lighthouse address; pass lighthouse= or set TORCHFT_LIGHTHOUSE (start one with torchft_lighthouse)")
+            raise FSDPUsageError(
+                "FaultTolerantHSDP: no lighthouse address; pass lighthouse= or set TORCHFT_LIGHTHOUSE "
+                "(start one with torchft_lighthouse)"
+            )
         device_type = next(model.parameters()).device.type
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -202,7 +212,10 @@ class FaultTolerantHSDP:
 
     def _expect(self, phase: _Phase, verb: str) -> None:
         if self._phase is not phase:
-            raise FSDPUsageError(f"FaultTolerantHSDP.{verb}: called {self._phase.value}; each step is begin_step(), forward/backward, commit_step()")
+            raise FSDPUsageError(
+                f"FaultTolerantHSDP.{verb}: called {self._phase.value}; each step is begin_step(), forward/backward, "
+                "commit_step()"
+            )
 
     def _all_reduce_across_replicas(self, reduced: torch.Tensor) -> None:
         # Averages over the quorum's groups in place; on failure the manager records the error
@@ -245,7 +258,9 @@ def _shard_world_size(model: nn.Module) -> int:
                 "replicate dim is the replica groups: fully_shard(model, mesh=<this group's 1-D shard mesh>)"
             )
     if len(meshes) != 1:
-        raise FSDPUsageError(f"FaultTolerantHSDP: expected every parameter on one shard mesh, found {len(meshes)} meshes")
+        raise FSDPUsageError(
+            f"FaultTolerantHSDP: expected every parameter sharded on one mesh, found {len(meshes)} meshes"
+        )
     return next(iter(meshes)).size()
 
 
