@@ -34,9 +34,10 @@ def _mlp(groups: int, linears_per_group: int, width: int):
     return model, blocks, lambda: model(x).square().mean()
 
 
-def _step_work(world_size: int, build=_gpt, fully_shard=None):
+def _step_work(world_size: int, build=_gpt, fully_shard=None, optimizer: bool = True):
     """Host work of one AdamW training step of ``build()``'s model, every block and the root
-    fully_shard'ed, on rank 0 of ``world_size`` no-op ranks."""
+    fully_shard'ed, on rank 0 of ``world_size`` no-op ranks (``optimizer=False``: forward and
+    backward only)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if fully_shard is None:
@@ -54,7 +55,8 @@ def _step_work(world_size: int, build=_gpt, fully_shard=None):
 
         def step():
             loss().backward()
-            opt.step()
+            if optimizer:
+                opt.step()
             opt.zero_grad(set_to_none=True)
 
         step()  # lazy init and the optimizer's state are one-off work
@@ -73,6 +75,30 @@ def test_ops_per_step_are_flat_in_the_world_size(work_by_world):
     the padded reduce-scatter copy-in is fused per bucket like the even one (issue 21)."""
     even, padded = work_by_world[8].ops, work_by_world[1024].ops
     assert padded <= 1.02 * even, f"ops per step: {padded} at 1024 ranks vs {even} at 8"
+
+
+@pytest.fixture(scope="module")
+def forward_backward_work_by_world():
+    return {n: _step_work(n, optimizer=False) for n in (8, 1024)}
+
+
+def test_padding_is_not_zeroed_for_the_reduce_scatter(forward_backward_work_by_world):
+    """The reduce-scatter's padding lands only in padding of the reduced shards, which nothing
+    reads without a user's hook: at 1024 ranks (every parameter padded 64x) backward zeroes no
+    more bytes than at 8 (no padding), where it zeroed 64x the gradients before (issue 21)."""
+    even, padded = (
+        sum(forward_backward_work_by_world[n].bytes_by_op.get(op, 0) for op in ("fill_", "zero_", "_foreach_zero_"))
+        for n in (8, 1024)
+    )
+    assert padded <= even, f"bytes zeroed per forward + backward: {padded} at 1024 ranks vs {even} at 8"
+
+
+def test_padding_adds_no_bytes_copied(forward_backward_work_by_world):
+    """Copy-out writes only the rank slots holding real rows into the unsharded parameters, so
+    a forward + backward at 1024 ranks (every parameter padded 64x) writes no more bytes than at
+    8 (no padding); it wrote 13x as many before (issue 21)."""
+    even, padded = (forward_backward_work_by_world[n].bytes_written for n in (8, 1024))
+    assert padded <= even, f"bytes written per forward + backward: {padded} at 1024 ranks vs {even} at 8"
 
 
 def test_fsdp2_python_calls_per_step_are_flat_in_the_world_size(work_by_world):
