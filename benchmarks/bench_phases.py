@@ -73,13 +73,15 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
 
 
 def _counts(model, opt, tokens) -> dict[str, int]:
-    """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
-    of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
+    """Load-independent work of one step: ops seen by a dispatch mode and the MB they write
+    (collectives excluded), Python calls, and how many of those are in DTensor's package (its
+    dispatch) and in the FSDP implementation's own code."""
     from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
     work = count_host_work(lambda: _timed_step(model, opt, tokens))
     return {
         "ops": work.ops,
+        "MB written": round(work.bytes_written / 1e6, 1),
         "python calls": work.python_calls,
         "DTensor calls": work.calls_in(DTENSOR_CODE),
         "FSDP calls": work.calls_in(FSDP_CODE),

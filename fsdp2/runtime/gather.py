@@ -51,9 +51,9 @@ class KeptGatherOutput:
     Copy-out then writes only the rank slots that hold real rows (``ShardLayout.ranks_with_rows``),
     one ``_foreach_copy_`` for the bucket, instead of every padded slot: at 1024 ranks the small
     GPT's padding is 2.2x its parameters' bytes, written and read for nothing (the unsharded
-    parameter views only the real rows). CPU only: there ``split_with_sizes_copy`` is a copy per
-    parameter anyway, while on an accelerator it is one kernel for the bucket and the padding
-    bytes cost the device, not the host. The storage exists only from ``allocate`` to
+    parameter views only the real rows). CPU only (no side streams): there ``split_with_sizes_copy``
+    is a copy per parameter anyway, while on an accelerator it is one kernel for the bucket and
+    the padding bytes cost the device, not the host. The storage exists only from ``allocate`` to
     ``release`` (freed and regrown: views survive that), as a fresh buffer's would, so peak
     memory is unchanged.
     """
@@ -174,7 +174,9 @@ class GroupGather:
 
     def _kept_output(self, index: int, bucket: GatherBucket) -> KeptGatherOutput | None:
         """``bucket``'s kept output, allocated, where it can serve (see KeptGatherOutput); else None."""
-        if not (bucket.plain and self.dp.device.type == "cpu" and self.custom_all_gather is None):
+        # Only without side streams (CPU): there nothing reads the buffer after its copy-out
+        # (with streams, GatherBuffers holds it until the all-gather stream may reuse it).
+        if not (bucket.plain and self.streams.all_gather.stream is None and self.custom_all_gather is None):
             return None
         if any([p.layout.dim != 0 for p in bucket.params]):
             return None
@@ -286,7 +288,7 @@ class GroupGather:
         )
         for pending in self._pending:
             if pending.kept_output is not None:
-                pending.kept_output.release()  # CPU: no stream still reads it
+                pending.kept_output.release()  # no side streams: nothing reads it any more
         self._pending.clear()
 
     def keep_rows(self, subgroup: Subgroup) -> list[torch.Tensor] | None:

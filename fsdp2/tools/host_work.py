@@ -41,11 +41,24 @@ def _nbytes(value) -> int:
     return 0
 
 
+# The process group's own work (what a collective writes), not its caller's.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+def _op_name(func) -> str:
+    """``copy_`` for ATen ops, ``fsdp::chunk_cat`` for others."""
+    return func._opname if func.namespace == "aten" else f"{func.namespace}::{func._opname}"
+
+
 def _bytes_written(func, args, kwargs, out) -> int:
     """What ``func`` wrote: its mutated arguments (in-place and ``out=`` ops), else its fresh outputs."""
     schema = func._schema
-    if func.namespace != "aten" or func._opname in _WRITE_NOTHING:
-        return 0  # c10d / functional collectives: the process group's work, not the caller's
+    if func.namespace in _COLLECTIVE_NAMESPACES or (func.namespace == "aten" and func._opname in _WRITE_NOTHING):
+        return 0
+    if func.namespace == "fsdp" and func._opname == "all_gather_copy_in":
+        # PyTorch FSDP2's copy-in writes its own slot, returned first; the all-gather output it
+        # also returns is only allocated (or passed in: an alias its schema does not declare).
+        return _nbytes(out[0])
     written = 0
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
@@ -67,7 +80,7 @@ class _OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         written = _bytes_written(func, args, kwargs, out)
         if written:
-            name = func._opname
+            name = _op_name(func)
             self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + written
         return out
 
