@@ -4,7 +4,8 @@ Each parameter's gather codec (fsdp2.runtime.codecs) says which columns it takes
 buffer (fsdp2.runtime.buckets.GatherBucket) and packs / unpacks them. With only default codecs
 and one dtype (the common case), copy-in is one fused cast-copy of every shard into this rank's
 slot of the output buffer (the all-gather is in place: our input is our own slot) and copy-out
-one ``split_with_sizes_copy`` of every dim-0 parameter's rows into its unsharded storage. Other
+one ``split_with_sizes_copy`` of every dim-0 parameter's rows into its unsharded storage (on CPU one
+``_foreach_copy_`` of the rank slots holding real rows, from an output kept with its views). Other
 codecs add what is not a copy (quantize, dequantize, a tensor subclass's hooks) and hand their
 plain copies to one fused ``_foreach_copy_``.
 
@@ -49,9 +50,9 @@ class KeptGatherOutput:
     """A plain dim-0 bucket's all-gather output on CPU, kept from step to step with its views built once.
 
     Copy-out then writes only the rank slots that hold real rows (``ShardLayout.ranks_with_rows``),
-    one ``_foreach_copy_`` for the bucket, instead of every padded slot: at 1024 ranks the small
-    GPT's padding is 2.2x its parameters' bytes, written and read for nothing (the unsharded
-    parameter views only the real rows). CPU only (no side streams): there ``split_with_sizes_copy``
+    one ``_foreach_copy_`` for the bucket, instead of every padded slot, padding written and read
+    for nothing (the unsharded parameter views only the real rows): at 1024 ranks that copied 2.2x
+    the small GPT's parameter bytes. CPU only (no side streams): there ``split_with_sizes_copy``
     is a copy per parameter anyway, while on an accelerator it is one kernel for the bucket and
     the padding bytes cost the device, not the host. The storage exists only from ``allocate`` to
     ``release`` (freed and regrown: views survive that), as a fresh buffer's would, so peak
@@ -169,22 +170,25 @@ class GroupGather:
         if self._buckets is None:
             self._buckets = [GatherBucket(self.params, [p.codec.columns() for p in self.params])] if self.params else []
             self._prepared_columns = [codec.columns() for codec in self._preparing]
-            self._kept_outputs: list[KeptGatherOutput | None] = [None] * len(self._buckets)
+            # Per bucket: its kept output, False where none can serve, None until its first gather.
+            self._kept_outputs: list[KeptGatherOutput | bool | None] = [None] * len(self._buckets)
         return self._buckets
 
     def _kept_output(self, index: int, bucket: GatherBucket) -> KeptGatherOutput | None:
         """``bucket``'s kept output, allocated, where it can serve (see KeptGatherOutput); else None."""
-        # Only without side streams (CPU): there nothing reads the buffer after its copy-out
-        # (with streams, GatherBuffers holds it until the all-gather stream may reuse it).
-        if not (bucket.plain and self.streams.all_gather.stream is None and self.custom_all_gather is None):
-            return None
-        if any([p.layout.dim != 0 for p in bucket.params]):
-            return None
+        if self.custom_all_gather is not None:
+            return None  # the user's collective allocates
         kept = self._kept_outputs[index]
-        if kept is None:
-            kept = self._kept_outputs[index] = KeptGatherOutput(bucket, self.dp.shard_size, self.dp.shard_rank, self.dp.device)
-        if kept.in_use:
-            return None  # an earlier gather of this bucket is still unfinished: a fresh buffer stands in
+        if kept is None:  # decided once per layout: plain dim-0 columns, and no side streams (with
+            # streams GatherBuffers holds each output until the all-gather stream may reuse it)
+            servable = (
+                bucket.plain and self.streams.all_gather.stream is None and all([p.layout.dim == 0 for p in bucket.params])
+            )
+            kept = self._kept_outputs[index] = (
+                KeptGatherOutput(bucket, self.dp.shard_size, self.dp.shard_rank, self.dp.device) if servable else False
+            )
+        if not kept or kept.in_use:
+            return None  # not servable, or an earlier gather of this bucket is unfinished: a fresh buffer
         kept.allocate()
         return kept
 

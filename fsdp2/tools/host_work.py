@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Files whose path contains one of these (and none of the ``excluded``) are that code's.
@@ -34,6 +35,8 @@ _WRITE_NOTHING = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 
 
 def _nbytes(value) -> int:
+    if isinstance(value, DTensor):
+        value = value._local_tensor  # this rank's bytes (the mode sees DTensor ops, not their local ones)
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
