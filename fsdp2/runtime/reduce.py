@@ -31,9 +31,8 @@ class PaddedScatterInput:
     parameter and per padded rank range costs ops that grow with the world size. Here the views
     of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_copy_``
     of the gradients at any world size (and one ``_foreach_zero_`` of the padding where a hook
-    reads it). The buffer's
-    storage exists only from ``fill`` to ``release`` (freed and regrown: views survive that), as
-    a fresh buffer's would, so peak memory is unchanged.
+    reads it). The buffer's storage exists only from ``fill`` to ``release`` (freed and regrown:
+    views survive that), as a fresh buffer's would, so peak memory is unchanged.
     """
 
     def __init__(self, bucket: FlatBucket, world: int, device):
@@ -51,7 +50,7 @@ class PaddedScatterInput:
         ``zero_padding``: someone reads the whole reduced output (a user's hook or collective).
         Otherwise the padding is left as the allocator gave it: the sum is element-wise, so
         padding lands only in the output's padding, which no shard reads (at 1024 ranks the
-        small GPT's padding is half its reduce-scatter bytes).
+        small GPT's padding is about half its reduce-scatter bytes).
         """
         self.buffer.untyped_storage().resize_(self._nbytes)
         self.in_use = True
