@@ -181,9 +181,8 @@ class GroupGather:
         kept = self._kept_outputs[index]
         if kept is None:  # decided once per layout: plain dim-0 columns, and no side streams (with
             # streams GatherBuffers holds each output until the all-gather stream may reuse it)
-            servable = (
-                bucket.plain and self.streams.all_gather.stream is None and all([p.layout.dim == 0 for p in bucket.params])
-            )
+            no_streams = self.streams.all_gather.stream is None
+            servable = bucket.plain and no_streams and all([p.layout.dim == 0 for p in bucket.params])
             kept = self._kept_outputs[index] = (
                 KeptGatherOutput(bucket, self.dp.shard_size, self.dp.shard_rank, self.dp.device) if servable else False
             )

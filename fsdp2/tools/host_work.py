@@ -31,7 +31,9 @@ DTENSOR_CODE = (("/torch/distributed/tensor/",), ())
 
 
 # Ops that give a tensor memory or metadata without writing its elements.
-_WRITE_NOTHING = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_"})
+_WRITE_NOTHING = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_"}
+)
 
 
 def _nbytes(value) -> int:
