@@ -11,6 +11,12 @@ GPT of bench_fsdp.py with AdamW, and reports the median process CPU time (all th
 other load on a shared machine moves little) of each phase over --steps steps after --warmup.
 With ``--paired`` they share one process and take turns step by step, so that load from other
 jobs, which inflates CPU time too (cache misses, spinning threads), hits each alike.
+
+``--malloc caching`` runs the children with glibc's heap keeping freed memory (no ``mmap`` per
+large buffer, no trimming), as CUDA's caching allocator keeps it: by default every buffer an FSDP
+implementation frees and regrows between uses (gathered parameters, communication buffers) is
+returned to the OS and faulted in again page by page, a CPU allocator's cost that a GPU step does
+not have. The allocator's own counts (``torch`` storage bytes) are the same either way.
 """
 
 from __future__ import annotations
@@ -73,13 +79,22 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
 
 
 def _counts(model, opt, tokens) -> dict[str, int]:
-    """Load-independent work of one step: ops seen by a dispatch mode, Python calls, and how many
-    of those are in DTensor's package (its dispatch) and in the FSDP implementation's own code."""
+    """Load-independent work of one step: the page faults of its memory (which depend on the
+    allocator, see --malloc), ops seen by a dispatch mode and the MB they write (collectives
+    excluded), Python calls, and how many of those are in DTensor's package (its dispatch) and in
+    the FSDP implementation's own code."""
+    import resource
+
     from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
     work = count_host_work(lambda: _timed_step(model, opt, tokens))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    _timed_step(model, opt, tokens)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return {
+        "page faults": faults,
         "ops": work.ops,
+        "MB written": round(work.bytes_written / 1e6, 1),
         "python calls": work.python_calls,
         "DTensor calls": work.calls_in(DTENSOR_CODE),
         "FSDP calls": work.calls_in(FSDP_CODE),
@@ -115,6 +130,14 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
     return result
 
 
+def _child_env(malloc: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if malloc == "caching":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)  # glibc's largest: buffers below it come from the heap
+        env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 40)  # and freed memory stays there
+    return env
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=8)
@@ -128,6 +151,8 @@ def main(argv=None) -> None:
                              "jobs hits each alike (the default gives each a fresh process of its own)")
     parser.add_argument("--counts", action="store_true",
                         help="also count one step's ops and Python calls per implementation (independent of load)")
+    parser.add_argument("--malloc", choices=["default", "caching"], default="default",
+                        help="caching: glibc keeps freed memory in its heap (see above)")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
@@ -139,11 +164,11 @@ def main(argv=None) -> None:
         cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
                dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
                     pg=ns.pg, model=ns.model).items()] + (["--counts"] if ns.counts else [])
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_child_env(ns.malloc)).stdout
         results.update(json.loads(out.strip().splitlines()[-1]))
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
     print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
-          f"CPU ms per step (median of {ns.steps}; {how})")
+          f"{ns.malloc} malloc, CPU ms per step (median of {ns.steps}; {how})")
     print("| phase | " + " | ".join(IMPLS) + " |")
     print("|---|" + "---:|" * len(IMPLS))
     for phase in ("forward", "backward", "optimizer"):

@@ -744,9 +744,9 @@ def _synced_microbatches_in_flight(rank, ws, n_micro):
     fills = []
     original_fill = PaddedScatterInput.fill
 
-    def fill(self, grads):
+    def fill(self, grads, **kwargs):
         fills.append(self)
-        return original_fill(self, grads)
+        return original_fill(self, grads, **kwargs)
 
     PaddedScatterInput.fill = fill
     try:
@@ -770,3 +770,50 @@ def _synced_microbatches_in_flight(rank, ws, n_micro):
 
 def test_synced_microbatches_with_reductions_in_flight(worlds):
     worlds.run(2, _synced_microbatches_in_flight, 3)
+
+
+def _padding_reads_as_nan(rank, ws, with_hook):
+    """fsdp2 leaves the padding of its kept buffers unwritten (the reduce-scatter input's; the
+    all-gather output's, copied out only where real rows are): poisoned with NaN here, it
+    reaches no gradient, and a user's all-reduce hook still sees zeros there, as with PyTorch's
+    FSDP2 (the reduce-scatter input's padding is zeroed for it)."""
+    from fsdp2.runtime.gather import KeptGatherOutput
+    from fsdp2.runtime.reduce import PaddedScatterInput
+
+    model, ref = _gpt_pair()  # 67 vocabulary rows, 3 x 36 qkv rows on 2 ranks: padded
+    seen = []
+    if with_hook:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(lambda output: seen.append(output.clone()))
+    original_fill, original_allocate = PaddedScatterInput.fill, KeptGatherOutput.allocate
+    poisoned = []
+
+    def fill(self, grads, **kwargs):
+        self.buffer.untyped_storage().resize_(self._nbytes)  # what fill() does first
+        poisoned.append(self.buffer.fill_(float("nan")))
+        return original_fill(self, grads, **kwargs)
+
+    def allocate(self):
+        poisoned.append(original_allocate(self).fill_(float("nan")))
+        return self.buffer
+
+    PaddedScatterInput.fill, KeptGatherOutput.allocate = fill, allocate
+    try:
+        for step in range(2):  # the kept buffers' second use: storage regrown
+            tokens, targets = _global_batch(step, ws)
+            model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+            ref.loss(tokens, targets).backward()
+            _assert_grads_match(model, ref)
+            for module in (model, ref):
+                module.zero_grad(set_to_none=True)
+    finally:
+        PaddedScatterInput.fill, KeptGatherOutput.allocate = original_fill, original_allocate
+    assert poisoned, "no kept buffer served this step: the test poisons nothing"
+    assert len(seen) == (6 if with_hook else 0)  # 3 groups, 2 steps
+    assert not any(output.isnan().any() for output in seen), "the hook saw unzeroed padding"
+
+
+@pytest.mark.parametrize("with_hook", [False, True])
+def test_padding_left_unwritten_reaches_no_gradient(worlds, with_hook):
+    worlds.run(2, _padding_reads_as_nan, with_hook)

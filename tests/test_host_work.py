@@ -34,9 +34,10 @@ def _mlp(groups: int, linears_per_group: int, width: int):
     return model, blocks, lambda: model(x).square().mean()
 
 
-def _step_work(world_size: int, build=_gpt, fully_shard=None):
+def _step_work(world_size: int, build=_gpt, fully_shard=None, optimizer: bool = True):
     """Host work of one AdamW training step of ``build()``'s model, every block and the root
-    fully_shard'ed, on rank 0 of ``world_size`` no-op ranks."""
+    fully_shard'ed, on rank 0 of ``world_size`` no-op ranks (``optimizer=False``: forward and
+    backward only)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if fully_shard is None:
@@ -54,7 +55,8 @@ def _step_work(world_size: int, build=_gpt, fully_shard=None):
 
         def step():
             loss().backward()
-            opt.step()
+            if optimizer:
+                opt.step()
             opt.zero_grad(set_to_none=True)
 
         step()  # lazy init and the optimizer's state are one-off work
@@ -75,6 +77,31 @@ def test_ops_per_step_are_flat_in_the_world_size(work_by_world):
     assert padded <= 1.02 * even, f"ops per step: {padded} at 1024 ranks vs {even} at 8"
 
 
+@pytest.fixture(scope="module")
+def forward_backward_work_by_world():
+    return {n: _step_work(n, optimizer=False) for n in (8, 1024)}
+
+
+def test_padding_is_not_zeroed_for_the_reduce_scatter(forward_backward_work_by_world):
+    """The reduce-scatter's padding lands only in padding of the reduced shards, which nothing
+    reads without a user's hook: at 1024 ranks (every parameter padded to one row per rank)
+    backward zeroes no more bytes than at 8 (no padding), where it zeroed 33x the gradients'
+    bytes before (issue 21)."""
+    even, padded = (
+        sum(forward_backward_work_by_world[n].bytes_by_op.get(op, 0) for op in ("fill_", "zero_", "_foreach_zero_"))
+        for n in (8, 1024)
+    )
+    assert padded <= even, f"bytes zeroed per forward + backward: {padded} at 1024 ranks vs {even} at 8"
+
+
+def test_padding_adds_no_bytes_copied(forward_backward_work_by_world):
+    """Copy-out writes only the rank slots holding real rows into the unsharded parameters, so
+    a forward + backward at 1024 ranks (every parameter padded to one row per rank) writes no
+    more bytes than at 8 (no padding); it wrote 13x as many before (issue 21)."""
+    even, padded = (forward_backward_work_by_world[n].bytes_written for n in (8, 1024))
+    assert padded <= even, f"bytes written per forward + backward: {padded} at 1024 ranks vs {even} at 8"
+
+
 def test_fsdp2_python_calls_per_step_are_flat_in_the_world_size(work_by_world):
     even, padded = (work_by_world[n].calls_in(FSDP_CODE) for n in (8, 1024))
     assert padded <= 1.05 * even, f"fsdp2's Python calls per step: {padded} at 1024 ranks vs {even} at 8"
@@ -93,3 +120,19 @@ def test_fsdp2_python_calls_per_step_are_a_fraction_of_pytorch_fsdp2s():
     ours = _step_work(8).calls_in(FSDP_CODE)
     theirs = _step_work(8, fully_shard=torch_fully_shard).calls_in(FSDP_CODE)
     assert ours <= 0.5 * theirs, f"Python calls per step in FSDP code: fsdp2 {ours}, PyTorch FSDP2 {theirs}"
+
+
+def test_bytes_written_count_what_ops_write():
+    """In-place and fresh outputs count their bytes; views and allocations write nothing."""
+    a, b = torch.zeros(4, 8), torch.ones(4, 8)
+
+    def step():
+        a.copy_(b)  # 128 bytes, in place
+        torch.add(a, b)  # 128 bytes, a fresh output
+        a.view(32)
+        torch.empty(100)
+        torch._foreach_zero_([a[:2], b[:1]])  # 64 + 32 bytes, through views
+
+    work = count_host_work(step)
+    assert work.bytes_by_op == {"copy_": 128, "add": 128, "_foreach_zero_": 96}
+    assert work.bytes_written == 352

@@ -114,3 +114,14 @@ def test_copy_in_views_fill_slots_as_copy_full_in(case, strided):
         expected = torch.full((world, n), float("nan"))
         layout.copy_full_in(full, expected)
         assert torch.equal(slots, expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape_dim_world())
+def test_ranks_with_rows_are_exactly_the_ranks_holding_real_rows(case):
+    """Copy-out on CPU copies only the first ``ranks_with_rows`` rank slots: every rank before
+    them holds real rows, none after them does."""
+    shape, dim, world = case
+    layout = ShardLayout(shape, dim, world, 0)
+    holding = [rank for rank in range(world) if layout.rows_of(rank)]
+    assert holding == list(range(layout.ranks_with_rows))

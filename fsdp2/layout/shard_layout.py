@@ -89,6 +89,11 @@ class ShardLayout:
         return tuple(reversed(strides))
 
     @functools.cached_property
+    def ranks_with_rows(self) -> int:
+        """How many ranks (the first ones) hold real rows; the rest hold only padding."""
+        return min(self.world, -(-self.full_shape[self.dim] // self.chunk)) if self.chunk else 0
+
+    @functools.cached_property
     def is_even(self) -> bool:
         return self.full_shape[self.dim] == self.chunk * self.world
 

@@ -29,10 +29,10 @@ class PaddedScatterInput:
     Padding takes a bucket off the one-``_chunk_cat`` path (on CPU that kernel pads every gradient
     into a temporary first: +10% step peak at 1024 ranks), and slicing a fresh buffer per
     parameter and per padded rank range costs ops that grow with the world size. Here the views
-    of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_zero_``
-    of the padding and one ``_foreach_copy_`` of the gradients at any world size. The buffer's
-    storage exists only from ``fill`` to ``release`` (freed and regrown: views survive that), as
-    a fresh buffer's would, so peak memory is unchanged.
+    of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_copy_``
+    of the gradients at any world size (and one ``_foreach_zero_`` of the padding where a hook
+    reads it). The buffer's storage exists only from ``fill`` to ``release`` (freed and regrown:
+    views survive that), as a fresh buffer's would, so peak memory is unchanged.
     """
 
     def __init__(self, bucket: FlatBucket, world: int, device):
@@ -44,12 +44,18 @@ class PaddedScatterInput:
         self.in_use = True
         self.release()
 
-    def fill(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The buffer, allocated and holding ``grads`` (one per bucket parameter, none missing)."""
+    def fill(self, grads: list[torch.Tensor], zero_padding: bool) -> torch.Tensor:
+        """The buffer, allocated and holding ``grads`` (one per bucket parameter, none missing).
+
+        ``zero_padding``: someone reads the whole reduced output (a user's hook or collective).
+        Otherwise the padding is left as the allocator gave it: the sum is element-wise, so
+        padding lands only in the output's padding, which no shard reads (at 1024 ranks the
+        small GPT's padding is about half its reduce-scatter bytes).
+        """
         self.buffer.untyped_storage().resize_(self._nbytes)
         self.in_use = True
-        if self._padding:
-            torch._foreach_zero_(self._padding)  # summed across ranks: must be zeros
+        if zero_padding and self._padding:
+            torch._foreach_zero_(self._padding)
         sources = []
         for views, grad in zip(self._views, grads):
             if views.takes_whole:  # one row per rank (the common padded case): no view per step
@@ -227,8 +233,14 @@ class GroupReduce:
             if kept is None:
                 kept = self._kept_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
             if not kept.in_use:  # else an earlier reduction of this bucket still reads it
-                return kept.fill(grads), kept
+                return kept.fill(grads, zero_padding=self._output_seen_whole), kept
         return _reduce_scatter_input(bucket, grads, world, self.dp.device), None
+
+    @property
+    def _output_seen_whole(self) -> bool:
+        """A user's hook or collective sees the reduced buffer, padding included: give it zeros
+        there, as PyTorch's FSDP2 does."""
+        return self.all_reduce_hook is not None or self.custom_reduce_scatter is not None
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.custom_reduce_scatter is not None:

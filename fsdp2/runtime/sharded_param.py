@@ -249,6 +249,7 @@ class ShardedParam:
             self._gather_target = self._padded_full.data
             # Views survive the storage being freed and regrown, so build them once.
             self._gather_rows = self._gather_target.view(self.layout.world, self.layout.padded_shard_numel)
+            self._gather_real_rows = self._gather_rows[: self.layout.ranks_with_rows]
             full = self._padded_full[: self.layout.full_numel].view(self.layout.full_shape)
             if self.tensor_parallel is not None:
                 full = self.tensor_parallel.wrap(full)  # TP modules compute on DTensors
@@ -405,6 +406,13 @@ def gather_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor] | None:
         return None
     allocate_all_unsharded(params)
     return [p._gather_rows for p in params]
+
+
+def gather_real_row_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """Every dim-0 parameter's rank slots that hold real rows (``ranks_with_rows x
+    padded_shard_numel`` of its :meth:`ShardedParam.gather_target`), its storage allocated."""
+    allocate_all_unsharded(params)
+    return [p._gather_real_rows for p in params]
 
 
 def copy_in_pairs(params: Sequence[ShardedParam], slots: Sequence[torch.Tensor]) -> list:
