@@ -95,3 +95,97 @@ def _assert_same(results, exact=True):
 def test_compiled_matches_eager_bitwise(worlds, kind):
     results = worlds.run(2, _train_side_by_side, kind, 3, "aot_eager")[0]
     _assert_same(results)
+
+
+# -- the graph ---------------------------------------------------------------------------------------
+
+_LAYOUT_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "split_with_sizes",
+    "getitem", "getitem_1", "alias", "clone", "contiguous", "detach", "wait_tensor",
+}
+
+
+def _op(node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _graphs_of_one_step(rank, world_size, kind, shard_kwargs=None, partition="min_cut"):
+    """Op lists of the forward and backward graphs AOTAutograd builds for one compiled step, the
+    number of dynamo graphs, and, per all-gather, the forward graph position of its first
+    compute consumer (an op other than views reading a parameter it gathered)."""
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    partition_fn = min_cut_rematerialization_partition if partition == "min_cut" else default_partition
+    backend = CompileCounterWithBackend(aot_autograd(fw_compiler=capture, bw_compiler=capture, partition_fn=partition_fn))
+    model, cfg = _build(kind)
+    model = _shard(model, **(shard_kwargs or {}))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    _loss(compiled, x, y).backward()
+    forward, backward = graphs[0], graphs[1]
+    nodes = [n for n in forward.graph.nodes if n.op == "call_function"]
+    gathers = [n for n in nodes if _op(n) == "all_gather_into_tensor"]
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def source_gather(node, seen):
+        if node in seen or not hasattr(node, "op"):
+            return set()
+        seen.add(node)
+        if node.op == "call_function" and _op(node) == "all_gather_into_tensor":
+            return {node}
+        if node.op == "call_function" and _op(node) in _LAYOUT_OPS:
+            return set().union(*(source_gather(a, seen) for a in node.all_input_nodes)) if node.all_input_nodes else set()
+        return set()
+
+    first_use = {g: None for g in gathers}
+    for node in nodes:
+        if _op(node) in _LAYOUT_OPS or _op(node) == "all_gather_into_tensor":
+            continue
+        for arg in node.all_input_nodes:
+            for g in source_gather(arg, set()):
+                if first_use[g] is None:
+                    first_use[g] = position[node]
+    torch._dynamo.reset()
+    return {
+        "frames": backend.frame_count,
+        "forward": [_op(n) for n in nodes],
+        "backward": [_op(n) for n in backward.graph.nodes if n.op == "call_function"],
+        "gather_positions": [position[g] for g in gathers],
+        "first_uses": [first_use[g] for g in gathers],
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_one_graph_one_gather_and_one_reduce_per_group_with_prefetch(worlds, kind):
+    graphs = worlds.run(2, _graphs_of_one_step, kind)[0]
+    groups = 1 + 2  # the root, two blocks
+    assert graphs["frames"] == 1  # one graph, no break
+    assert graphs["forward"].count("all_gather_into_tensor") == groups
+    assert graphs["backward"].count("reduce_scatter_tensor") == groups
+    # Each group's parameters are first used after the next group's all-gather is issued.
+    positions, first_uses = graphs["gather_positions"], graphs["first_uses"]
+    assert all(use is not None for use in first_uses)
+    for this_group in range(groups - 1):
+        assert positions[this_group + 1] < first_uses[this_group]
+    # reshard_after_forward (default None: every group but the root) gathers again in backward.
+    assert graphs["backward"].count("all_gather_into_tensor") == groups - 1
+
+
+def test_no_reshard_after_forward_saves_the_gathered_parameters(worlds):
+    graphs = worlds.run(2, _graphs_of_one_step, "gpt", {"reshard_after_forward": False})[0]
+    assert graphs["backward"].count("all_gather_into_tensor") == 0
+    graphs = worlds.run(2, _graphs_of_one_step, "gpt", {"reshard_after_forward": True})[0]
+    assert graphs["backward"].count("all_gather_into_tensor") == 3

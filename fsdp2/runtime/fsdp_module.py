@@ -51,6 +51,13 @@ class FSDPModule(compat.TorchFSDPModule):
         module.__init__(*args, **kwargs)
         return module
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A frame of fsdp2's own around nn.Module.__call__: torch.compile(model) traces from here,
+        # so the root's FSDP hooks join the model's one graph. Without it dynamo runs a compiled
+        # top-level module's hooks as frames of their own (torch.nn's __call__ is not traced),
+        # one graph each, with the gathered parameters passed between them.
+        return super().__call__(*args, **kwargs)
+
     def __deepcopy__(self, memo):
         raise FSDPDeepcopyError(
             f"FSDP does not support deepcopy: {type(self).__name__} is fully_shard'ed (its parameters are shards "
