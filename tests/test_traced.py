@@ -214,3 +214,105 @@ def test_no_reshard_after_forward_saves_the_gathered_parameters(worlds):
     assert graphs["backward"].count("all_gather_into_tensor") == 0
     graphs = worlds.run(2, _graphs_of_one_step, "gpt", {"reshard_after_forward": True})[0]
     assert graphs["backward"].count("all_gather_into_tensor") == 3
+
+
+# -- what the traced path refuses ------------------------------------------------------------------
+
+
+def _compile_with(rank, world_size, setup):
+    """The message of the error a compiled step raises after ``setup(model)`` (None: no error)."""
+    import torch._dynamo
+
+    from fsdp2 import CPUOffloadPolicy
+
+    torch._dynamo.reset()
+    model, cfg = _build("gpt")
+    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
+    if setup == "checkpoint_wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model.blocks = torch.nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
+    model = _shard(model, **kwargs)
+    if setup == "no_sync":
+        model.set_requires_gradient_sync(False)
+    elif setup == "all_reduce_hook":
+        model.blocks[1].set_all_reduce_hook(lambda grad: None)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    try:
+        _loss(compiled, x, y).backward()
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return f"{type(error).__name__}: {error}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+@pytest.mark.parametrize(
+    "setup, names",
+    [
+        ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
+        ("no_sync", ["fully_shard(GPT)", "set_requires_gradient_sync(False)"]),
+        ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
+        ("checkpoint_wrapper", ["fully_shard(GPT)", "checkpoint_wrapper"]),
+    ],
+)
+def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):
+    message = worlds.run(2, _compile_with, setup)[0]
+    assert message is not None
+    for name in names:
+        assert name in message
+
+
+# -- between compiled steps: clipping, state_dict, checkpoints ---------------------------------------
+
+
+def _steps_with_clip_and_checkpoint(rank, world_size, root_dir):
+    """Eager and compiled fsdp2 through the same script: clipped steps, a checkpoint saved,
+    a step, the checkpoint loaded, the same step again; losses, norms and parameters of each."""
+    import os
+
+    import torch._dynamo
+    import torch.distributed as dist
+    from fsdp2.checkpoint import load, save
+
+    torch._dynamo.reset()
+    base, cfg = _build("gpt")
+    results = {}
+    for name in ("eager", "compiled"):
+        model = _shard(copy.deepcopy(base))
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        record = []
+
+        def step(batch):
+            x, y = _batch(batch, rank, world_size, cfg)
+            loss = _loss(run, x, y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            record.append((loss.item(), norm.full_tensor().item()))
+
+        step(0)
+        step(1)
+        path = os.path.join(root_dir, name)
+        save(path, model, opt)
+        state = {k: v.detach().full_tensor() for k, v in model.state_dict().items()}
+        step(2)
+        load(path, model, opt)
+        assert all(torch.equal(v.full_tensor(), state[k]) for k, v in model.state_dict().items())
+        step(2)  # the same step from the same state
+        dist.barrier()
+        results[name] = (record, [p.detach().full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    return results
+
+
+def test_clipping_state_dict_and_checkpoints_between_compiled_steps(worlds, tmp_path):
+    results = worlds.run(2, _steps_with_clip_and_checkpoint, str(tmp_path))[0]
+    (eager_record, eager_params), (record, params) = results["eager"], results["compiled"]
+    assert record == eager_record
+    assert record[2] == record[3]  # the load restored the state of step 2
+    for a, b in zip(eager_params, params):
+        assert torch.equal(a, b)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp2.errors import FSDPUsageError
@@ -116,6 +117,11 @@ class TracedGroup:
         self.prefetched: list[torch.Tensor] | None = None
         self.held: list[torch.Tensor] | None = None
         self.modules_left = 0
+        # Checked here, once: AOTAutograd saves a DeviceMesh for backward when a checkpointed
+        # region reads gathered parameters (torch 2.13), and fails at run time.
+        self.activation_checkpointed = any(
+            isinstance(m, CheckpointWrapper) for root in modules for m in root.modules()
+        )
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -127,12 +133,13 @@ class TracedGroup:
         params = self.group.params
         if not params:
             return []
-        shards = [p.sharded_param.to_local() for p in params]
+        sharded = [p.sharded_param for p in params]
         if recompute_in_backward:
-            return list(checkpoint(self._gather, *shards, use_reentrant=False, context_fn=_recompute_in_backward))
-        return self._gather(*shards)
+            return list(checkpoint(self._gather, *sharded, use_reentrant=False, context_fn=_recompute_in_backward))
+        return self._gather(*sharded)
 
-    def _gather(self, *shards: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, *sharded: torch.Tensor) -> list[torch.Tensor]:
+        shards = [dtensor.to_local() for dtensor in sharded]
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
         for bucket in self._buckets():
@@ -185,14 +192,14 @@ class TracedGroup:
         is_root = _trace.root is None
         if is_root:
             _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
-        check_traceable(self.group)
+        check_traceable(self.group, self.activation_checkpointed)
         self.hold(self.gather(self.recomputes(is_root)))
         self.modules_left = len(self.modules)
         _trace.touched.append(self)
         targets = forward_prefetch or ([self.next] if self.next is not None else [])
         for other in targets:
             if other.held is None and other.prefetched is None:
-                check_traceable(other.group)
+                check_traceable(other.group, other.activation_checkpointed)
                 other.prefetched = other.gather(other.recomputes(is_root=False))
                 _trace.touched.append(other)
 
@@ -241,11 +248,13 @@ def link_forward_order(groups: list[TracedGroup]) -> None:
         groups[-1].next = None
 
 
-def check_traceable(group: "ParamGroup") -> None:
+def check_traceable(group: "ParamGroup", activation_checkpointed: bool = False) -> None:
     """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
-    if group.local_only:
+    if activation_checkpointed:
+        problem = "activation checkpointing (checkpoint_wrapper) inside the compiled model"
+    elif group.local_only:
         problem = "a shard group of one rank (eager fsdp2 skips its collectives)"
     elif any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
