@@ -9,7 +9,9 @@
 a dispatch on a GPU); ``python_calls`` every Python function call, from cProfile, by file. The
 step runs twice, once per counter, so it must be repeatable (a training step is). Neither count
 depends on the CPU's kernels, its thread count or the load: they are what benchmarks and the
-regression guards in tests/test_host_work.py compare.
+regression guards in tests/test_host_work.py compare. A compiled step (torch.compile) is counted
+with ``count_ops=False``: dynamo refuses to run under a dispatch mode, so only its Python calls
+are counted (``ops`` is None).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class _OpCounter(TorchDispatchMode):
 
 @dataclass
 class HostWork:
-    ops: int
+    ops: int | None
     calls_by_file: dict[str, int]
 
     @property
@@ -54,11 +56,13 @@ class HostWork:
         )
 
 
-def count_host_work(step: Callable[[], object]) -> HostWork:
-    """Run ``step`` twice: once counting dispatched ops, once counting Python calls."""
+def count_host_work(step: Callable[[], object], count_ops: bool = True) -> HostWork:
+    """Run ``step`` twice: once counting dispatched ops, once counting Python calls (without
+    ``count_ops``: once, counting Python calls only)."""
     counter = _OpCounter()
-    with counter:
-        step()
+    if count_ops:
+        with counter:
+            step()
     profile = cProfile.Profile()
     profile.enable()
     try:
@@ -68,4 +72,4 @@ def count_host_work(step: Callable[[], object]) -> HostWork:
     calls_by_file: dict[str, int] = {}
     for (file, _, _), (_, calls, *_) in pstats.Stats(profile).stats.items():  # (primitive, all calls, ...)
         calls_by_file[file] = calls_by_file.get(file, 0) + calls
-    return HostWork(counter.ops, calls_by_file)
+    return HostWork(counter.ops if count_ops else None, calls_by_file)
