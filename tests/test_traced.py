@@ -228,10 +228,6 @@ def _compile_with(rank, world_size, setup):
     torch._dynamo.reset()
     model, cfg = _build("gpt")
     kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
-    if setup == "checkpoint_wrapper":
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        model.blocks = torch.nn.ModuleList(checkpoint_wrapper(block) for block in model.blocks)
     model = _shard(model, **kwargs)
     if setup == "no_sync":
         model.set_requires_gradient_sync(False)
@@ -254,7 +250,6 @@ def _compile_with(rank, world_size, setup):
         ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
         ("no_sync", ["fully_shard(GPT)", "set_requires_gradient_sync(False)"]),
         ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
-        ("checkpoint_wrapper", ["fully_shard(GPT)", "checkpoint_wrapper"]),
     ],
 )
 def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):
@@ -264,20 +259,24 @@ def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):
         assert name in message
 
 
-# -- between compiled steps: clipping, state_dict, checkpoints ---------------------------------------
+# -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
 
 
-def _steps_with_clip_and_checkpoint(rank, world_size, root_dir):
+def _steps_with_clip_and_checkpoint(rank, world_size, root_dir, activation_checkpointing=False):
     """Eager and compiled fsdp2 through the same script: clipped steps, a checkpoint saved,
     a step, the checkpoint loaded, the same step again; losses, norms and parameters of each."""
     import os
 
     import torch._dynamo
     import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from fsdp2.checkpoint import load, save
 
     torch._dynamo.reset()
     base, cfg = _build("gpt")
+    if activation_checkpointing:
+        base.blocks = torch.nn.ModuleList(checkpoint_wrapper(block) for block in base.blocks)
     results = {}
     for name in ("eager", "compiled"):
         model = _shard(copy.deepcopy(base))
@@ -309,8 +308,9 @@ def _steps_with_clip_and_checkpoint(rank, world_size, root_dir):
     return results
 
 
-def test_clipping_state_dict_and_checkpoints_between_compiled_steps(worlds, tmp_path):
-    results = worlds.run(2, _steps_with_clip_and_checkpoint, str(tmp_path))[0]
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_clipping_state_dict_and_checkpoints_between_compiled_steps(worlds, tmp_path, activation_checkpointing):
+    results = worlds.run(2, _steps_with_clip_and_checkpoint, str(tmp_path), activation_checkpointing)[0]
     (eager_record, eager_params), (record, params) = results["eager"], results["compiled"]
     assert record == eager_record
     assert record[2] == record[3]  # the load restored the state of step 2

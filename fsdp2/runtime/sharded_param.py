@@ -109,6 +109,7 @@ class ShardedParam:
         self._read_dtypes()
         self.codec: GatherCodec = PlainCodec(self)
         self.hold_sharded()
+        self._make_traced_leaf()
 
     def bind_grad_ready(self, on_grad_ready: Callable[["ShardedParam", torch.Tensor], None]) -> None:
         """``on_grad_ready(self, unsharded_param)`` runs when autograd has accumulated this
@@ -161,6 +162,7 @@ class ShardedParam:
             for slot in self.slots:
                 slot.hold(self.sharded_param)
         mark_managed(self.sharded_param, self.owner)  # a tensor swap replaced its __dict__
+        self._make_traced_leaf()
         param_dtype = self.param_dtype
         self._read_dtypes()
         if self.param_dtype != param_dtype:
@@ -197,6 +199,26 @@ class ShardedParam:
         local = self._to_storage(local.detach())
         dtensor = compat.dtensor_like(ours, local)
         return nn.Parameter(dtensor, requires_grad=new.requires_grad)
+
+    # -- the traced path's input ------------------------------------------------------------------
+
+    def _make_traced_leaf(self) -> None:
+        """``traced_leaf``: the local shard as a plain leaf tensor sharing its storage (and version
+        counter), which a compiled graph (fsdp2.runtime.traced) gathers from. A plain tensor, not
+        the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
+        on every step. Its gradient is handed to the DTensor's ``.grad`` as autograd leaves it."""
+        shard = self.local_shard
+        self.traced_leaf = shard.detach().requires_grad_(shard.is_floating_point() or shard.is_complex())
+        if self.traced_leaf.requires_grad:
+            self.traced_leaf.register_post_accumulate_grad_hook(self._take_traced_grad)
+
+    def _take_traced_grad(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        existing = self.sharded_param.grad
+        if existing is None:
+            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, grad)
+        else:
+            compat.local_tensor(existing).add_(grad)
 
     # -- all-gather -----------------------------------------------------------------------------
 

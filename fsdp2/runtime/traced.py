@@ -14,7 +14,9 @@ and autograd builds the backward. How it maps to the eager path:
   the gathered row, which is eager's reduce-scatter input (same layout, padding zeroed); it is
   cast to ``reduce_dtype``, reduce-scattered (sum), all-reduced across replicas under HSDP and
   divided as eager divides it (``GroupReduce._divisors``), then cast to the shard's dtype.
-  The sharded parameters' ``.grad`` are DTensors, accumulated by autograd, as in eager.
+  The graph's inputs are the shards as plain tensors (``ShardedParam.traced_leaf``, sharing the
+  DTensor's storage), so no DTensor is wrapped or unwrapped per step; autograd accumulates their
+  gradients and a hook hands each to the DTensor's ``.grad`` (added to one already there, as eager).
 - reshard after forward (eager: free, gather again in backward): the gather runs inside a
   selective activation-checkpoint region whose ops are all MUST_RECOMPUTE, so the gathered
   parameters are not saved for backward: backward gathers again. Partitioners that rematerialise
@@ -25,18 +27,18 @@ and autograd builds the backward. How it maps to the eager path:
   module order), so that group's all-gather precedes this group's compute in the graph.
 
 What the traced path cannot express raises :class:`FSDPUsageError` at trace time (see
-:func:`check_traceable`); it never falls back to other numerics.
+:func:`check_traceable`; torch.compile reports it as the exception its trace observed, and
+without ``fullgraph`` runs the hooks eagerly instead); it never computes other numerics.
+Dynamo guards on the settings read here, so changing one between steps retraces.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp2.errors import FSDPUsageError
@@ -117,11 +119,6 @@ class TracedGroup:
         self.prefetched: list[torch.Tensor] | None = None
         self.held: list[torch.Tensor] | None = None
         self.modules_left = 0
-        # Checked here, once: AOTAutograd saves a DeviceMesh for backward when a checkpointed
-        # region reads gathered parameters (torch 2.13), and fails at run time.
-        self.activation_checkpointed = any(
-            isinstance(m, CheckpointWrapper) for root in modules for m in root.modules()
-        )
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -133,13 +130,13 @@ class TracedGroup:
         params = self.group.params
         if not params:
             return []
-        sharded = [p.sharded_param for p in params]
+        # Frozen (requires_grad set False on the DTensor after fully_shard): no gradient flows.
+        shards = [p.traced_leaf if p.requires_grad else p.traced_leaf.detach() for p in params]
         if recompute_in_backward:
-            return list(checkpoint(self._gather, *sharded, use_reentrant=False, context_fn=_recompute_in_backward))
-        return self._gather(*sharded)
+            return list(checkpoint(self._gather, *shards, use_reentrant=False, context_fn=_recompute_in_backward))
+        return self._gather(*shards)
 
-    def _gather(self, *sharded: torch.Tensor) -> list[torch.Tensor]:
-        shards = [dtensor.to_local() for dtensor in sharded]
+    def _gather(self, *shards: torch.Tensor) -> list[torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
         for bucket in self._buckets():
@@ -192,14 +189,14 @@ class TracedGroup:
         is_root = _trace.root is None
         if is_root:
             _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
-        check_traceable(self.group, self.activation_checkpointed)
+        check_traceable(self.group)
         self.hold(self.gather(self.recomputes(is_root)))
         self.modules_left = len(self.modules)
         _trace.touched.append(self)
         targets = forward_prefetch or ([self.next] if self.next is not None else [])
         for other in targets:
             if other.held is None and other.prefetched is None:
-                check_traceable(other.group, other.activation_checkpointed)
+                check_traceable(other.group)
                 other.prefetched = other.gather(other.recomputes(is_root=False))
                 _trace.touched.append(other)
 
@@ -248,13 +245,11 @@ def link_forward_order(groups: list[TracedGroup]) -> None:
         groups[-1].next = None
 
 
-def check_traceable(group: "ParamGroup", activation_checkpointed: bool = False) -> None:
+def check_traceable(group: "ParamGroup") -> None:
     """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
-    if activation_checkpointed:
-        problem = "activation checkpointing (checkpoint_wrapper) inside the compiled model"
-    elif group.local_only:
+    if group.local_only:
         problem = "a shard group of one rank (eager fsdp2 skips its collectives)"
     elif any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
