@@ -49,7 +49,9 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _train_side_by_side(rank, world_size, kind, steps, backend, precision="fp32", mesh_shape=None, optimizer="adamw"):
+def _train_side_by_side(
+    rank, world_size, kind, steps, backend, precision="fp32", mesh_shape=None, optimizer="adamw", freeze=False
+):
     """Losses and final parameters of eager fsdp2 and of compiled fsdp2, from the same init."""
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,6 +68,9 @@ def _train_side_by_side(rank, world_size, kind, steps, backend, precision="fp32"
     base, cfg = _build(kind)
     eager = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
     traced = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
+    if freeze:  # frozen after fully_shard, on the sharded parameter: the compiled graph does not see it
+        for model in (eager, traced):
+            model.blocks[0].mlp[0].weight.requires_grad_(False)
     compiled = torch.compile(traced, backend=backend, fullgraph=True)
     results = {}
     for name, model, run in (("eager", eager, eager), ("compiled", traced, compiled)):
@@ -112,6 +117,14 @@ def test_compiled_matches_eager_bitwise(worlds, world_size, kind, steps, precisi
     """aot_eager runs the ops eager fsdp2 runs, on the same gathered layout: bitwise equal."""
     results = worlds.run(world_size, _train_side_by_side, kind, steps, "aot_eager", precision, mesh_shape)[0]
     _assert_same(results)
+
+
+def test_parameter_frozen_after_fully_shard_stays_frozen(worlds):
+    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "fp32", None, "adamw", True)[0]
+    _assert_same(results)
+    base, _ = _build("gpt")
+    frozen_index = [name for name, _ in base.named_parameters()].index("blocks.0.mlp.0.weight")
+    assert torch.equal(results["compiled"][1][frozen_index], base.blocks[0].mlp[0].weight.detach())
 
 
 def test_inductor_matches_eager(worlds):

@@ -208,15 +208,19 @@ class ShardedParam:
         the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
         on every step. Its gradient is handed to the DTensor's ``.grad`` as autograd leaves it."""
         shard = self.local_shard
+        # Always requires a gradient (a float one): the DTensor may be frozen or unfrozen after
+        # fully_shard, which the compiled graph does not see; the hand-off honours it.
         self.traced_leaf = shard.detach().requires_grad_(shard.is_floating_point() or shard.is_complex())
         if self.traced_leaf.requires_grad:
             self.traced_leaf.register_post_accumulate_grad_hook(self._take_traced_grad)
 
     def _take_traced_grad(self, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if not self.sharded_param.requires_grad:
+            return  # frozen: eager fsdp2 computes no gradient for it
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, grad)
+            self.sharded_param.grad = compat.dtensor_like_uninitialized(self.sharded_param, grad)
         else:
             compat.local_tensor(existing).add_(grad)
 

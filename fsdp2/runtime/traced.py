@@ -130,8 +130,7 @@ class TracedGroup:
         params = self.group.params
         if not params:
             return []
-        # Frozen (requires_grad set False on the DTensor after fully_shard): no gradient flows.
-        shards = [p.traced_leaf if p.requires_grad else p.traced_leaf.detach() for p in params]
+        shards = [p.traced_leaf for p in params]
         if recompute_in_backward:
             return list(checkpoint(self._gather, *shards, use_reentrant=False, context_fn=_recompute_in_backward))
         return self._gather(*shards)
