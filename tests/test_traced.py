@@ -50,7 +50,8 @@ def _loss(model, x, y):
 
 
 def _train_side_by_side(
-    rank, world_size, kind, steps, backend, precision="fp32", mesh_shape=None, optimizer="adamw", freeze=False
+    rank, world_size, kind, steps, backend, precision="fp32", mesh_shape=None, optimizer="adamw", freeze=False,
+    microbatches=1,
 ):
     """Losses and final parameters of eager fsdp2 and of compiled fsdp2, from the same init."""
     import torch._dynamo
@@ -80,9 +81,11 @@ def _train_side_by_side(
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for step in range(steps):
-            x, y = _batch(step, rank, world_size, cfg)
-            loss = _loss(run, x, y)
-            loss.backward()
+            for micro in range(microbatches):  # all but the last without gradient sync
+                model.set_requires_gradient_sync(micro == microbatches - 1)
+                x, y = _batch(step * microbatches + micro, rank, world_size, cfg)
+                loss = _loss(run, x, y)
+                loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -116,6 +119,13 @@ def _assert_same(results, exact=True):
 def test_compiled_matches_eager_bitwise(worlds, world_size, kind, steps, precision, mesh_shape):
     """aot_eager runs the ops eager fsdp2 runs, on the same gathered layout: bitwise equal."""
     results = worlds.run(world_size, _train_side_by_side, kind, steps, "aot_eager", precision, mesh_shape)[0]
+    _assert_same(results)
+
+
+def test_gradient_accumulation_without_sync(worlds):
+    """Two microbatches without gradient sync, then one with: one reduction of the sum, as eager
+    (bf16 compute, fp32 reduction: the sum is kept in the reduce dtype, as eager keeps it)."""
+    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "bf16", None, "adamw", False, 3)[0]
     _assert_same(results)
 
 
@@ -242,9 +252,7 @@ def _compile_with(rank, world_size, setup):
     model, cfg = _build("gpt")
     kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
     model = _shard(model, **kwargs)
-    if setup == "no_sync":
-        model.set_requires_gradient_sync(False)
-    elif setup == "all_reduce_hook":
+    if setup == "all_reduce_hook":
         model.blocks[1].set_all_reduce_hook(lambda grad: None)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
@@ -261,7 +269,6 @@ def _compile_with(rank, world_size, setup):
     "setup, names",
     [
         ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
-        ("no_sync", ["fully_shard(GPT)", "set_requires_gradient_sync(False)"]),
         ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
     ],
 )

@@ -112,6 +112,8 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
             state.group.requires_gradient_sync = requires_gradient_sync
+            if not requires_gradient_sync:
+                state.traced.prepare_accumulation()  # for torch.compile'd steps (fsdp2.runtime.traced)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across

@@ -202,6 +202,9 @@ class ShardedParam:
 
     # -- the traced path's input ------------------------------------------------------------------
 
+    # The group's callback when this (its first) parameter gets its gradient on the traced path.
+    after_traced_grad: Callable[[], None] | None = None
+
     def _make_traced_leaf(self) -> None:
         """``traced_leaf``: the local shard as a plain leaf tensor sharing its storage (and version
         counter), which a compiled graph (fsdp2.runtime.traced) gathers from. A plain tensor, not
@@ -216,6 +219,10 @@ class ShardedParam:
 
     def _take_traced_grad(self, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if grad is None:
+            return  # a backward without gradient sync: the group's accumulator took it
+        if self.after_traced_grad is not None:
+            self.after_traced_grad()
         if not self.sharded_param.requires_grad:
             return  # frozen: eager fsdp2 computes no gradient for it
         existing = self.sharded_param.grad

@@ -34,6 +34,7 @@ Dynamo guards on the settings read here, so changing one between steps retraces.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,11 +67,14 @@ class _Reduction:
 
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
-    gradient of the gathered row as eager's post-backward reduces a group's gradients."""
+    gradient of the gathered row as eager's post-backward reduces a group's gradients; without
+    gradient sync, hand it unreduced to ``accumulator`` (a leaf: autograd sums it over
+    microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
 
     @staticmethod
-    def forward(ctx, flat_shards: torch.Tensor, param_dtype: torch.dtype, reduction: _Reduction) -> torch.Tensor:
-        ctx.reduction = reduction
+    def forward(ctx, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
+        ctx.reduction, ctx.sync = reduction, sync
+        ctx.save_for_backward(accumulated)
         gathered = _c10d.all_gather_into_tensor(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
         return _c10d.wait_tensor(gathered)
 
@@ -78,6 +82,11 @@ class _GatherReduce(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         r: _Reduction = ctx.reduction
         grad = grad.to(r.reduce_dtype).contiguous()
+        if not ctx.sync:
+            return None, grad, None, None, None, None
+        (accumulated,) = ctx.saved_tensors
+        if accumulated is not None:
+            grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
         if r.divide_before != 1:
             grad = grad / r.divide_before  # fp16 would overflow summing before dividing
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", r.world, r.shard_group))
@@ -85,7 +94,7 @@ class _GatherReduce(torch.autograd.Function):
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", r.replicate_group))
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
-        return reduced.to(r.grad_dtype), None, None
+        return reduced.to(r.grad_dtype), None, None, None, None, None
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -100,9 +109,14 @@ def _recompute_in_backward():
 class _Bucket:
     """Parameters gathered in one collective: one per group unless dtypes differ."""
 
+    key: tuple
     params: list["ShardedParam"]
     param_dtype: torch.dtype
     reduction: _Reduction
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.reduction.world * sum(p.layout.padded_shard_numel for p in self.params)
 
 
 class TracedGroup:
@@ -119,6 +133,8 @@ class TracedGroup:
         self.prefetched: list[torch.Tensor] | None = None
         self.held: list[torch.Tensor] | None = None
         self.modules_left = 0
+        self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
+        self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -138,9 +154,17 @@ class TracedGroup:
     def _gather(self, *shards: torch.Tensor) -> list[torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
+        sync = self.group.requires_gradient_sync
         for bucket in self._buckets():
             flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
-            gathered = _GatherReduce.apply(flat, bucket.param_dtype, bucket.reduction)
+            accumulator = self.accumulators.get(bucket.key)
+            if not sync and (accumulator is None or accumulator.numel() != bucket.gathered_numel):
+                raise FSDPUsageError(
+                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                    "since set_requires_gradient_sync(False); call it again after the change."
+                )
+            accumulated = self.accumulated.get(bucket.key)
+            gathered = _GatherReduce.apply(flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync)
             rows = gathered.view(bucket.reduction.world, -1)
             widths = [p.layout.padded_shard_numel for p in bucket.params]
             for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
@@ -160,9 +184,36 @@ class TracedGroup:
                 reduction = _Reduction(
                     dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype, before, after
                 )
-                by_key[key] = _Bucket([], p.param_dtype, reduction)
+                by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
             by_key[key].params.append(p)
         return list(by_key.values())
+
+    # -- gradient accumulation without sync ------------------------------------------------------
+
+    def prepare_accumulation(self) -> None:
+        """Eager, from ``set_requires_gradient_sync(False)``: per bucket a leaf whose ``.grad``
+        autograd sums the unreduced gradients in (eager: the unsharded parameters' ``.grad``).
+        One element of storage: only its gradient is ever read."""
+        for bucket in self._buckets():
+            accumulator = self.accumulators.get(bucket.key)
+            if accumulator is None or accumulator.numel() != bucket.gathered_numel:
+                dtype = bucket.reduction.reduce_dtype
+                leaf = torch.empty_strided((bucket.gathered_numel,), (0,), dtype=dtype, device=self.group.dp.device)
+                self.accumulators[bucket.key] = leaf.requires_grad_()
+                # The sum as a plain attribute: dynamo cannot hand a ``.grad`` read to a Function.
+                leaf.register_post_accumulate_grad_hook(functools.partial(self._note_accumulated, bucket.key))
+        if self.group.params:
+            # The synced backward's first shard gradient: the sums were added in, drop them.
+            self.group.params[0].after_traced_grad = self.drop_accumulated
+
+    def _note_accumulated(self, key: tuple, leaf: torch.Tensor) -> None:
+        self.accumulated[key] = leaf.grad
+
+    def drop_accumulated(self) -> None:
+        if self.accumulated:
+            self.accumulated.clear()
+            for accumulator in self.accumulators.values():
+                accumulator.grad = None
 
     # -- what the modules see -----------------------------------------------------------------
 
@@ -260,8 +311,8 @@ def check_traceable(group: "ParamGroup") -> None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif group.reduce.all_reduce_hook is not None:
         problem = "set_all_reduce_hook"
-    elif not group.requires_gradient_sync or not group.reduce.requires_all_reduce:
-        problem = "set_requires_gradient_sync(False) / set_requires_all_reduce(False)"
+    elif not group.reduce.requires_all_reduce:
+        problem = "set_requires_all_reduce(False)"
     elif group.reshard_after_forward.subgroup is not None:
         problem = "reshard_after_forward=k with 1 < k < shard size"
     elif group.reduce.include_unused:
