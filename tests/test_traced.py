@@ -252,7 +252,9 @@ def _compile_with(rank, world_size, setup):
     model, cfg = _build("gpt")
     kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
     model = _shard(model, **kwargs)
-    if setup == "all_reduce_hook":
+    if setup == "replaced":
+        model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
+    elif setup == "all_reduce_hook":
         model.blocks[1].set_all_reduce_hook(lambda grad: None)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
@@ -270,6 +272,7 @@ def _compile_with(rank, world_size, setup):
     [
         ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
         ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
+        ("replaced", ["fully_shard(Block)", "mlp.0.weight", "load_state_dict"]),
     ],
 )
 def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):

@@ -317,6 +317,13 @@ def check_traceable(group: "ParamGroup") -> None:
         problem = "reshard_after_forward=k with 1 < k < shard size"
     elif group.reduce.include_unused:
         problem = "set_reduce_scatter_unused_params(True)"
+    replaced = [p.fqn for p in group.params if p.slots[0].module._parameters[p.slots[0].name] is not p.sharded_param]
+    if problem is None and replaced:
+        # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
+        problem = (
+            f"parameter {replaced[0]} replaced by assignment after fully_shard (load_state_dict takes it over; "
+            "so does one eager forward)"
+        )
     if problem is not None:
         raise FSDPUsageError(
             f"{where}: {problem} is not supported on the traced path (fullgraph). Remove it, or compile "
