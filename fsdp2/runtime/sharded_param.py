@@ -211,6 +211,10 @@ class ShardedParam:
         the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
         on every step. Its gradient is handed to the DTensor's ``.grad`` as autograd leaves it."""
         shard = self.local_shard
+        leaf = getattr(self, "traced_leaf", None)
+        if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
+            if shard.device.type != "meta" and leaf.data_ptr() == shard.data_ptr():
+                return  # still the shard's memory (and no new tensor inside a functorch transform)
         # Always requires a gradient (a float one): the DTensor may be frozen or unfrozen after
         # fully_shard, which the compiled graph does not see; the hand-off honours it.
         self.traced_leaf = shard.detach().requires_grad_(shard.is_floating_point() or shard.is_complex())
