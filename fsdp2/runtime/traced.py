@@ -299,9 +299,7 @@ def check_traceable(group: "ParamGroup") -> None:
     """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
-    if group.local_only:
-        problem = "a shard group of one rank (eager fsdp2 skips its collectives)"
-    elif any(p.offload for p in group.params):
+    if any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
     elif any(p.tensor_parallel is not None for p in group.params):
         problem = "tensor-parallel (DTensor) parameters"
