@@ -311,8 +311,11 @@ def check_traceable(group: "ParamGroup") -> None:
         problem = "set_all_reduce_hook"
     elif not group.reduce.requires_all_reduce:
         problem = "set_requires_all_reduce(False)"
-    elif group.reshard_after_forward.subgroup is not None:
-        problem = "reshard_after_forward=k with 1 < k < shard size"
+    elif (
+        schedule.after_forward(group.reshard_after_forward.setting, is_root=False, shard_size=group.dp.shard_size)
+        is schedule.AfterForward.KEEP_SUBGROUP_SHARD
+    ):
+        problem = "reshard_after_forward=k with 1 < k < shard size (set_reshard_after_forward(True) frees all)"
     elif group.reduce.include_unused:
         problem = "set_reduce_scatter_unused_params(True)"
     replaced = [p.fqn for p in group.params if p.slots[0].module._parameters[p.slots[0].name] is not p.sharded_param]
