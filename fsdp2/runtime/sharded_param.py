@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import compat
@@ -213,7 +214,8 @@ class ShardedParam:
         shard = self.local_shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
-            if shard.device.type != "meta" and leaf.data_ptr() == shard.data_ptr():
+            real = shard.device.type != "meta" and not isinstance(shard, FakeTensor)  # fakes have no data_ptr
+            if real and leaf.data_ptr() == shard.data_ptr():
                 return  # still the shard's memory (and no new tensor inside a functorch transform)
         # Always requires a gradient (a float one): the DTensor may be frozen or unfrozen after
         # fully_shard, which the compiled graph does not see; the hand-off honours it.
