@@ -292,6 +292,9 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy
             shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=on_gpu)  # pinning needs an accelerator
+        if args["compile"] == "blocks" or (args["compile"] == "model" and not ours):
+            for block in model.blocks:
+                block.compile()
         communicate = contextlib.nullcontext()
         if ours and args["force_collectives"]:
             from fsdp2.runtime.schedule import always_communicate
@@ -319,11 +322,22 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
+    if ours and args["compile"] == "model":
+        compiled = torch.compile(model, fullgraph=True)
+
+        def loss_of(x, y):
+            return torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1).float(), y.flatten())
+    else:
+        if impl == "unsharded" and args["compile"] != "none":
+            for block in model.blocks:
+                block.compile()
+        loss_of = model.loss
+
     def step():
         if floor is not None:
             return floor.step(inputs, targets)
         with autocast:
-            loss = model.loss(inputs, targets)
+            loss = loss_of(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -551,6 +565,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
+    parser.add_argument("--compile", choices=["none", "model", "blocks"], default="none",
+                        help="model: fsdp2 under torch.compile(model, fullgraph=True) (its traced path), PyTorch "
+                             "FSDP2 and unsharded with each block compiled (PyTorch FSDP2 cannot run fullgraph); "
+                             "blocks: every implementation with each block compiled")
     parser.add_argument("--offload", action="store_true",
                         help="CPUOffloadPolicy (pinned on GPU) for both FSDP implementations (shards and "
                              "optimizer step on the host; meaningful with --device cuda)")
@@ -591,7 +609,8 @@ def main(argv=None) -> None:
     print(
         f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
         f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
-        f"threads/proc={args['threads']} force_collectives={args['force_collectives']} torch={torch.__version__}",
+        f"threads/proc={args['threads']} force_collectives={args['force_collectives']} compile={ns.compile} "
+        f"torch={torch.__version__}",
         flush=True,
     )
     results = {}

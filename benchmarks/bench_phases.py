@@ -17,6 +17,11 @@ large buffer, no trimming), as CUDA's caching allocator keeps it: by default eve
 implementation frees and regrows between uses (gathered parameters, communication buffers) is
 returned to the OS and faulted in again page by page, a CPU allocator's cost that a GPU step does
 not have. The allocator's own counts (``torch`` storage bytes) are the same either way.
+
+``--compiled`` measures compiled steps instead (``--backend``, default inductor): fsdp2 with the
+whole model under ``torch.compile(fullgraph=True)`` (fsdp2's traced path) against eager fsdp2,
+PyTorch FSDP2 eager and with each block compiled, and the unsharded model compiled whole; and
+reports what PyTorch FSDP2 does under ``torch.compile(model, fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -31,11 +36,17 @@ import time
 import warnings
 
 IMPLS = ("fsdp2", "fsdp2-dtensor", "torch", "unsharded")
+COMPILED_IMPLS = ("fsdp2", "fsdp2-compiled", "torch", "torch-block-compiled", "unsharded-compiled")
 
 
-def _build(impl: str, world_size: int, model_name: str):
-    """``impl``'s model and AdamW on the simulated world already initialized, and a batch."""
+def _build(impl: str, world_size: int, model_name: str, backend: str = "inductor"):
+    """``impl``'s loss function and AdamW on the simulated world already initialized, and a batch.
+
+    ``-compiled``: the whole model under ``torch.compile(fullgraph=True)``; ``-block-compiled``:
+    each block compiled (``block.compile()``) before fully_shard, the way PyTorch's FSDP2 is compiled.
+    """
     import torch
+    import torch.nn.functional as F
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_fsdp import MODELS
@@ -45,7 +56,10 @@ def _build(impl: str, world_size: int, model_name: str):
     cfg = GPTConfig(**MODELS[model_name])
     torch.manual_seed(0)
     model = GPT(cfg)
-    if impl != "unsharded":
+    if impl.endswith("-block-compiled"):
+        for block in model.blocks:
+            block.compile(backend=backend)
+    if not impl.startswith("unsharded"):
         from torch.distributed.device_mesh import init_device_mesh
 
         if impl.startswith("fsdp2"):
@@ -62,13 +76,33 @@ def _build(impl: str, world_size: int, model_name: str):
 
         step_on_dtensors(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    return model, opt, tokens
+    run = torch.compile(model, backend=backend, fullgraph=True) if impl.endswith("-compiled") and "block" not in impl else model
+
+    def loss_of(tokens):
+        logits = run(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+    return loss_of, opt, tokens
 
 
-def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
+def torch_fsdp2_under_fullgraph(world_size: int, model_name: str, backend: str) -> str:
+    """What ``torch.compile(model, fullgraph=True)`` does over PyTorch's FSDP2: its first line."""
+    import torch
+
+    loss_of, _, tokens = _build("torch-compiled", world_size, model_name, backend)
+    try:
+        loss_of(tokens).backward()
+    except Exception as error:  # noqa: BLE001 - reported, not handled
+        return f"{type(error).__name__}: " + next((line for line in str(error).splitlines() if line.strip()), "")
+    finally:
+        torch._dynamo.reset()
+    return "ran (no error)"
+
+
+def _timed_step(loss_of, opt, tokens) -> tuple[float, float, float]:
     """CPU seconds of forward, backward, optimizer step + zero_grad."""
     c0 = time.process_time()
-    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss = loss_of(tokens)
     c1 = time.process_time()
     loss.backward()
     c2 = time.process_time()
@@ -78,7 +112,7 @@ def _timed_step(model, opt, tokens) -> tuple[float, float, float]:
     return c1 - c0, c2 - c1, c3 - c2
 
 
-def _counts(model, opt, tokens) -> dict[str, int]:
+def _counts(loss_of, opt, tokens, compiled: bool = False) -> dict[str, int | str]:
     """Load-independent work of one step: the page faults of its memory (which depend on the
     allocator, see --malloc), ops seen by a dispatch mode and the MB they write (collectives
     excluded), Python calls, and how many of those are in DTensor's package (its dispatch) and in
@@ -87,22 +121,28 @@ def _counts(model, opt, tokens) -> dict[str, int]:
 
     from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
-    work = count_host_work(lambda: _timed_step(model, opt, tokens))
+    # Dynamo does not run under the dispatch mode that counts ops: compiled steps count calls only.
+    work = count_host_work(lambda: _timed_step(loss_of, opt, tokens), count_ops=not compiled)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    _timed_step(model, opt, tokens)
+    _timed_step(loss_of, opt, tokens)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {
+    counts = {
         "page faults": faults,
-        "ops": work.ops,
-        "MB written": round(work.bytes_written / 1e6, 1),
+        "ops": work.ops if work.ops is not None else "n/a",
+        "MB written": round(work.bytes_written / 1e6, 1) if work.ops is not None else "n/a",
         "python calls": work.python_calls,
         "DTensor calls": work.calls_in(DTENSOR_CODE),
         "FSDP calls": work.calls_in(FSDP_CODE),
     }
+    if compiled:  # what the compiler runs, without the optimizer (eager in every column)
+        forward_backward = count_host_work(lambda: loss_of(tokens).backward(), count_ops=False)
+        opt.zero_grad(set_to_none=True)
+        counts["python calls, forward + backward"] = forward_backward.python_calls
+    return counts
 
 
 def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str,
-         counts: bool = False) -> dict:
+         counts: bool = False, backend: str = "inductor") -> dict:
     """Median CPU ms per phase of each impl; several impls in one process take turns step by step."""
     warnings.filterwarnings("ignore")
     import torch
@@ -114,7 +154,7 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # gathered buffers hold garbage in a simulated world
     init_simulated_world(pg, world_size)
-    built = {impl: _build(impl, world_size, model_name) for impl in impls}
+    built = {impl: _build(impl, world_size, model_name, backend) for impl in impls}
     phases = {impl: {"forward": [], "backward": [], "optimizer": []} for impl in impls}
     for i in range(warmup + steps):
         for impl in impls if i % 2 == 0 else impls[::-1]:
@@ -125,7 +165,9 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
     result = {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
     if counts:
         for impl in impls:
-            result[impl]["counts"] = _counts(*built[impl])
+            result[impl]["counts"] = _counts(*built[impl], compiled="compiled" in impl)
+    if "torch-block-compiled" in impls:
+        result["torch-fullgraph"] = torch_fsdp2_under_fullgraph(world_size, model_name, backend)
     dist.destroy_process_group()
     return result
 
@@ -153,19 +195,27 @@ def main(argv=None) -> None:
                         help="also count one step's ops and Python calls per implementation (independent of load)")
     parser.add_argument("--malloc", choices=["default", "caching"], default="default",
                         help="caching: glibc keeps freed memory in its heap (see above)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compiled steps: fsdp2 whole-model fullgraph vs eager fsdp2, PyTorch FSDP2 eager and "
+                             "block-compiled, and the unsharded model compiled")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend with --compiled")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
         print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model,
-                              ns.counts)))
+                              ns.counts, ns.backend)))
         return
+    impls_run = COMPILED_IMPLS if ns.compiled else IMPLS
     results = {}
-    for impls in [IMPLS] if ns.paired else [(impl,) for impl in IMPLS]:
+    for impls in [impls_run] if ns.paired else [(impl,) for impl in impls_run]:
         cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
                dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
-                    pg=ns.pg, model=ns.model).items()] + (["--counts"] if ns.counts else [])
+                    pg=ns.pg, model=ns.model, backend=ns.backend).items()] + (["--counts"] if ns.counts else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_child_env(ns.malloc)).stdout
         results.update(json.loads(out.strip().splitlines()[-1]))
+    if ns.compiled:
+        _report_compiled(results, ns)
+        return
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
     print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
           f"{ns.malloc} malloc, CPU ms per step (median of {ns.steps}; {how})")
@@ -185,6 +235,29 @@ def main(argv=None) -> None:
     over = {i: fwd_bwd[i] - fwd_bwd["unsharded"] for i in ("fsdp2", "torch")}
     print(f"forward + backward over unsharded: fsdp2 {over['fsdp2']:.1f} ms, PyTorch FSDP2 {over['torch']:.1f} ms "
           f"({over['fsdp2'] / over['torch']:.2f}x)" if over["torch"] > 0 else "")
+
+
+def _report_compiled(results: dict, ns) -> None:
+    how = "one process, turns alternating" if ns.paired else "a fresh process each"
+    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, backend "
+          f"{ns.backend}, CPU ms per step (median of {ns.steps} after {ns.warmup} warm-up steps; {how})")
+    print("| phase | " + " | ".join(COMPILED_IMPLS) + " |")
+    print("|---|" + "---:|" * len(COMPILED_IMPLS))
+    for phase in ("forward", "backward", "optimizer"):
+        print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in COMPILED_IMPLS) + " |")
+    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in COMPILED_IMPLS}
+    print("| total | " + " | ".join(f"{total[i]:.1f}" for i in COMPILED_IMPLS) + " |")
+    if ns.counts:
+        for name in results["fsdp2-compiled"]["counts"]:
+            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"].get(name, "")) for i in COMPILED_IMPLS) + " |")
+        for key in ("python calls", "python calls, forward + backward"):
+            ours, unsharded = (results[i]["counts"][key] for i in ("fsdp2-compiled", "unsharded-compiled"))
+            print(f"{key} per step, compiled fsdp2 / compiled unsharded: {ours / unsharded:.2f}x")
+    print(f"CPU per step, compiled fsdp2 / eager fsdp2: {total['fsdp2-compiled'] / total['fsdp2']:.2f}x; / PyTorch FSDP2 "
+          f"eager: {total['fsdp2-compiled'] / total['torch']:.2f}x; / PyTorch FSDP2 block-compiled: "
+          f"{total['fsdp2-compiled'] / total['torch-block-compiled']:.2f}x")
+    if "torch-fullgraph" in results:
+        print(f"PyTorch FSDP2 under torch.compile(model, fullgraph=True): {results['torch-fullgraph']}")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,15 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
     return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
 
 
+def dtensor_like_uninitialized(template: DTensor, local: torch.Tensor) -> DTensor:
+    """``dtensor_like`` built by ``DTensor.__new__`` alone: DTensor's ``__init__`` has no body, only
+    decorators for dynamo and export that cost Python calls (the traced path's gradient hand-off
+    runs once per parameter and step)."""
+    if local.dtype == template.dtype:
+        return DTensor.__new__(DTensor, local, template._spec, requires_grad=False)
+    return dtensor_like(template, local)
+
+
 def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list[DTensor]:
     """``dtensor_like`` of each pair (one call for a whole group, not one per parameter)."""
     return [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,18 +29,42 @@ from fsdp2.layout.regions import chunk_extent
 class ShardLayout:
     """Split of a tensor of ``full_shape`` along ``dim`` across ``world`` ranks, seen from ``rank``.
 
-    Immutable, so the derived sizes are computed once (they are read per parameter per step).
+    Immutable, so the derived sizes are computed once, at construction (they are read per
+    parameter per step, and torch.compile's tracer reads them as plain attributes).
     """
 
     full_shape: torch.Size
     dim: int
     world: int
     rank: int
+    # Derived, set in __post_init__:
+    chunk: int = field(init=False, repr=False, compare=False)  # rows along ``dim`` of every padded shard
+    local_rows: int = field(init=False, repr=False, compare=False)
+    local_offset: int = field(init=False, repr=False, compare=False)  # global index of this rank's first row
+    local_shape: torch.Size = field(init=False, repr=False, compare=False)
+    padded_shard_shape: torch.Size = field(init=False, repr=False, compare=False)
+    padded_shard_numel: int = field(init=False, repr=False, compare=False)
+    full_numel: int = field(init=False, repr=False, compare=False)
+    full_strides: tuple[int, ...] = field(init=False, repr=False, compare=False)  # contiguous strides of full_shape
+    is_even: bool = field(init=False, repr=False, compare=False)
+    ranks_with_rows: int = field(init=False, repr=False, compare=False)  # the first ranks hold real rows, the rest only padding
 
-    @functools.cached_property
-    def chunk(self) -> int:
-        """Rows along ``dim`` of every padded shard."""
-        return -(-self.full_shape[self.dim] // self.world)
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)  # frozen
+        set_("chunk", -(-self.full_shape[self.dim] // self.world))
+        set_("local_rows", self.rows_of(self.rank))
+        set_("local_offset", self.offset_of(self.rank))
+        set_("local_shape", self.shape_of(self.rank))
+        set_("padded_shard_shape", self._with_rows(self.chunk))
+        set_("padded_shard_numel", math.prod(self.padded_shard_shape))
+        set_("full_numel", math.prod(self.full_shape))
+        strides, step = [], 1
+        for n in reversed(self.full_shape):
+            strides.append(step)
+            step *= max(n, 1)
+        set_("full_strides", tuple(reversed(strides)))
+        set_("is_even", self.full_shape[self.dim] == self.chunk * self.world)
+        set_("ranks_with_rows", min(self.world, -(-self.full_shape[self.dim] // self.chunk)) if self.chunk else 0)
 
     def rows_of(self, rank: int) -> int:
         """Real (unpadded) rows along ``dim`` held by ``rank``; 0 for ranks past the tail."""
@@ -53,49 +77,6 @@ class ShardLayout:
     def shape_of(self, rank: int) -> torch.Size:
         """Shape of ``rank``'s (unpadded) shard."""
         return self._with_rows(self.rows_of(rank))
-
-    @functools.cached_property
-    def local_rows(self) -> int:
-        return self.rows_of(self.rank)
-
-    @functools.cached_property
-    def local_offset(self) -> int:
-        """Global index along ``dim`` of this rank's first row."""
-        return self.offset_of(self.rank)
-
-    @functools.cached_property
-    def local_shape(self) -> torch.Size:
-        return self.shape_of(self.rank)
-
-    @functools.cached_property
-    def padded_shard_shape(self) -> torch.Size:
-        return self._with_rows(self.chunk)
-
-    @functools.cached_property
-    def padded_shard_numel(self) -> int:
-        return math.prod(self.padded_shard_shape)
-
-    @functools.cached_property
-    def full_numel(self) -> int:
-        return math.prod(self.full_shape)
-
-    @functools.cached_property
-    def full_strides(self) -> tuple[int, ...]:
-        """Contiguous strides of ``full_shape``."""
-        strides, step = [], 1
-        for n in reversed(self.full_shape):
-            strides.append(step)
-            step *= max(n, 1)
-        return tuple(reversed(strides))
-
-    @functools.cached_property
-    def ranks_with_rows(self) -> int:
-        """How many ranks (the first ones) hold real rows; the rest hold only padding."""
-        return min(self.world, -(-self.full_shape[self.dim] // self.chunk)) if self.chunk else 0
-
-    @functools.cached_property
-    def is_even(self) -> bool:
-        return self.full_shape[self.dim] == self.chunk * self.world
 
     def _with_rows(self, rows: int) -> torch.Size:
         shape = list(self.full_shape)
@@ -124,6 +105,26 @@ class ShardLayout:
             blocks = gathered.reshape(self.world, *self.padded_shard_shape).unbind(0)
             full.copy_(torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_shape[self.dim]))
         return full
+
+    # -- the same copies as tensor expressions (autograd and torch.compile trace them) -----------
+
+    def padded_slot(self, shard: torch.Tensor) -> torch.Tensor:
+        """This rank's ``shard`` padded with zero rows to ``chunk`` rows along ``dim``, flat:
+        what the all-gather sends (a new tensor; its gradient is the shard's rows of the slot's)."""
+        missing = self.chunk - shard.shape[self.dim]
+        if missing:
+            pad_shape = list(shard.shape)
+            pad_shape[self.dim] = missing
+            shard = torch.cat([shard, shard.new_zeros(pad_shape)], dim=self.dim)
+        return shard.reshape(-1)
+
+    def full_from_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from ``gathered`` (``world x padded_shard_numel``), as :meth:`copy_full_out`
+        builds it, but as a view or a new tensor instead of a copy into a given buffer."""
+        if self.dim == 0:
+            return gathered.reshape(-1)[: self.full_numel].view(self.full_shape)
+        blocks = gathered.reshape(self.world, *self.padded_shard_shape).unbind(0)
+        return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_shape[self.dim])
 
     # -- reduce-scatter: full gradient -> padded slots -> shard --------------------------------
 

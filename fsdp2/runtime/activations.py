@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -53,4 +54,9 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor cast to ``dtype``."""
-    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    if torch.compiler.is_compiling():
+        # torch.compile cannot compare containers by identity (map_tensors' "unchanged" check);
+        # pytree's containers only (a dataclass output is not cast under compile).
+        return pytree.tree_map_only(torch.Tensor, cast, value)
+    return map_tensors(cast, value)

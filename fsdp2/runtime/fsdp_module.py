@@ -51,6 +51,13 @@ class FSDPModule(compat.TorchFSDPModule):
         module.__init__(*args, **kwargs)
         return module
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A frame of fsdp2's own around nn.Module.__call__: torch.compile(model) traces from here,
+        # so the root's FSDP hooks join the model's one graph. Without it dynamo runs a compiled
+        # top-level module's hooks as frames of their own (torch.nn's __call__ is not traced),
+        # one graph each, with the gathered parameters passed between them.
+        return super().__call__(*args, **kwargs)
+
     def __deepcopy__(self, memo):
         raise FSDPDeepcopyError(
             f"FSDP does not support deepcopy: {type(self).__name__} is fully_shard'ed (its parameters are shards "
@@ -105,6 +112,8 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
             state.group.requires_gradient_sync = requires_gradient_sync
+            if not requires_gradient_sync:
+                state.traced.prepare_accumulation()  # for torch.compile'd steps (fsdp2.runtime.traced)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across

@@ -15,7 +15,7 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
-from fsdp2.runtime import extensions, schedule
+from fsdp2.runtime import extensions, schedule, traced
 from fsdp2.runtime.dp_mesh import DataParallelMesh, DataParallelMeshDims
 from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.runtime.fsdp_module import FSDPModule
@@ -100,7 +100,20 @@ def fully_shard(
         # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
         compat.set_torch_fully_shard_state(m, TorchStateView.of(state))
     _register_state_dict_hooks(group)
+    _link_traced_forward_order(modules)
     return module
+
+
+def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
+    """The traced path's implicit prefetch: each group gathers the next fully_shard'ed module's
+    group in module order (apply bottom-up: the outermost call sets the order last)."""
+    states: list[FSDPState] = []
+    for root in modules:
+        for m in root.modules():
+            state = m.__dict__.get("_fsdp_state")
+            if isinstance(state, FSDPState) and state not in states:
+                states.append(state)
+    traced.link_forward_order([state.traced for state in states])
 
 
 def _state_of(module: nn.Module) -> TorchStateView | None:

@@ -21,6 +21,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, tensors_in
 from fsdp2.runtime.param_group import ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
+from fsdp2.runtime.traced import TracedGroup
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
 # PyTorch's own, under the same event names.
@@ -123,6 +124,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit (reverse forward order)
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
+        self.traced = TracedGroup(group, modules)  # the hooks' path while torch.compile traces them
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
@@ -160,10 +162,27 @@ class FSDPState:
 
     # -- forward --------------------------------------------------------------------------------------
 
-    # The hooks stay eager under torch.compile: they do communication and Python bookkeeping,
-    # and tracing them would only add graph breaks and recompilations.
-    @torch._dynamo.disable
+    # Two paths. Eager (also a block compiled inside an eager root's forward: block.compile()):
+    # the hooks run outside the compiler, doing communication and Python bookkeeping. Traced
+    # (torch.compile over the whole model): dynamo traces fsdp2.runtime.traced's graph ops.
+
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if torch.compiler.is_compiling() and not self._eager_iteration_running():
+            self.traced.pre_forward([other.traced for other in self.forward_prefetch])
+            return self._cast_inputs(args, kwargs)
+        return self._eager_pre_forward(module, args, kwargs)
+
+    def _eager_iteration_running(self) -> bool:
+        root = self.root
+        return root is not None and (root.gathers_may_run_ahead or root.in_backward)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    @torch._dynamo.disable
+    def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         with compat.outside_functorch():
             if self.root is None:
                 self.lazy_init()
@@ -178,9 +197,7 @@ class FSDPState:
                 except BaseException:
                     self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
                     raise
-        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        return args, kwargs
+        return self._cast_inputs(args, kwargs)
 
     def _begin_group_forward(self) -> None:
         root = self.root
@@ -193,8 +210,19 @@ class FSDPState:
         for other in self.forward_prefetch:
             other.group.unshard(async_op=True, wait_for_compute=not run_ahead)
 
-    @torch._dynamo.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if torch.compiler.is_compiling() and not self._eager_iteration_running():
+            self.traced.post_forward()  # backward is autograd's: no pre-backward hook
+            return self._cast_output(output)
+        return self._eager_post_forward(module, args, kwargs, output)
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    @torch._dynamo.disable
+    def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
                 if tensor.requires_grad and tensor.is_floating_point():
@@ -206,9 +234,7 @@ class FSDPState:
                     if self.is_root:
                         self.root.end_forward()  # before the root joins the order: it is first in backward
                     self._end_group_forward()
-        if self.mp_policy.output_dtype is not None:
-            output = cast_floating(output, self.mp_policy.output_dtype)
-        return output
+        return self._cast_output(output)
 
     def _end_group_forward(self) -> None:
         logger.debug("%s", self.group.event("FSDP::post_forward"))

@@ -11,7 +11,9 @@ outputs alike, by op name in ``bytes_by_op``; views, allocations and the process
 collectives write none here); ``python_calls`` every Python function call, from cProfile, by file. The
 step runs twice, once per counter, so it must be repeatable (a training step is). Neither count
 depends on the CPU's kernels, its thread count or the load: they are what benchmarks and the
-regression guards in tests/test_host_work.py compare.
+regression guards in tests/test_host_work.py compare. A compiled step (torch.compile) is counted
+with ``count_ops=False``: dynamo refuses to run under a dispatch mode, so only its Python calls
+are counted (``ops`` is None).
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ class _OpCounter(TorchDispatchMode):
 
 @dataclass
 class HostWork:
-    ops: int
+    ops: int | None
     calls_by_file: dict[str, int]
-    bytes_by_op: dict[str, int]
+    bytes_by_op: dict[str, int] = field(default_factory=dict)  # empty where ops were not counted
 
     @property
     def bytes_written(self) -> int:
@@ -113,11 +115,13 @@ class HostWork:
         )
 
 
-def count_host_work(step: Callable[[], object]) -> HostWork:
-    """Run ``step`` twice: once counting dispatched ops and their bytes, once counting Python calls."""
+def count_host_work(step: Callable[[], object], count_ops: bool = True) -> HostWork:
+    """Run ``step`` twice: once counting dispatched ops and their bytes, once counting Python calls
+    (without ``count_ops``, for compiled steps the op counter cannot run under: once, Python calls only)."""
     counter = _OpCounter()
-    with counter:
-        step()
+    if count_ops:
+        with counter:
+            step()
     profile = cProfile.Profile()
     profile.enable()
     try:
@@ -127,4 +131,6 @@ def count_host_work(step: Callable[[], object]) -> HostWork:
     calls_by_file: dict[str, int] = {}
     for (file, _, _), (_, calls, *_) in pstats.Stats(profile).stats.items():  # (primitive, all calls, ...)
         calls_by_file[file] = calls_by_file.get(file, 0) + calls
+    if not count_ops:
+        return HostWork(None, calls_by_file)
     return HostWork(counter.ops, calls_by_file, counter.bytes_by_op)

@@ -1,0 +1,332 @@
+"""The traced path: a group's all-gather and reduce-scatter as graph ops under ``torch.compile``.
+
+``torch.compile(model, fullgraph=True)`` over fully_shard'ed modules traces the hooks (fsdp2's
+``FSDPState`` sends them here while dynamo traces) instead of breaking the graph at each one.
+Nothing here keeps eager state: each step's collectives are functional collectives in the graph,
+and autograd builds the backward. How it maps to the eager path:
+
+- gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
+  side in one flat row (the layout of ``GatherBucket``: parameter after parameter), ONE
+  ``all_gather_into_tensor`` per group and dtype, and the unsharded parameters as the rows of its
+  output (``ShardLayout.full_from_rank_rows``, eager's copy-out). The modules see them in place
+  of the shards between the group's pre- and post-forward hooks.
+- reduce (eager: ``GroupReduce``): the all-gather's backward. Autograd hands it the gradient of
+  the gathered row, which is eager's reduce-scatter input (same layout, padding zeroed); it is
+  cast to ``reduce_dtype``, reduce-scattered (sum), all-reduced across replicas under HSDP and
+  divided as eager divides it (``GroupReduce._divisors``), then cast to the shard's dtype.
+  The graph's inputs are the shards as plain tensors (``ShardedParam.traced_leaf``, sharing the
+  DTensor's storage), so no DTensor is wrapped or unwrapped per step; autograd accumulates their
+  gradients and a hook hands each to the DTensor's ``.grad`` (added to one already there, as eager).
+- reshard after forward (eager: free, gather again in backward): the gather runs inside a
+  selective activation-checkpoint region whose ops are all MUST_RECOMPUTE, so the gathered
+  parameters are not saved for backward: backward gathers again. Partitioners that rematerialise
+  (inductor's, ``aot_eager_decomp_partition``) honour it; aot_eager's default partitioner saves
+  views of the gathered parameters taken outside the region (a ``.t()`` in ``F.linear``).
+- prefetch (eager: the all-gather stream running ahead): a group's pre-forward also gathers the
+  next group (``set_modules_to_forward_prefetch``'s, else the next fully_shard'ed module in
+  module order), so that group's all-gather precedes this group's compute in the graph.
+
+What the traced path cannot express raises :class:`FSDPUsageError` at trace time (see
+:func:`check_traceable`; torch.compile reports it as the exception its trace observed, and
+without ``fullgraph`` runs the hooks eagerly instead); it never computes other numerics.
+Dynamo guards on the settings read here, so changing one between steps retraces.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fsdp2.errors import FSDPUsageError
+from fsdp2.runtime import schedule
+
+if TYPE_CHECKING:
+    from fsdp2.runtime.param_group import ParamGroup
+    from fsdp2.runtime.sharded_param import ShardedParam
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """How a bucket's gradient is reduced: what eager's ``GroupReduce`` would do with it."""
+
+    world: int
+    shard_group: str  # process group names: functional collectives take names
+    replicate_group: str | None  # HSDP: all-reduce across replicas after the reduce-scatter
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # the shards' dtype
+    divide_before: float
+    divide_after: float
+
+
+class _GatherReduce(torch.autograd.Function):
+    """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
+    gradient of the gathered row as eager's post-backward reduces a group's gradients; without
+    gradient sync, hand it unreduced to ``accumulator`` (a leaf: autograd sums it over
+    microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
+
+    @staticmethod
+    def forward(ctx, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
+        ctx.reduction, ctx.sync = reduction, sync
+        ctx.save_for_backward(accumulated)
+        gathered = _c10d.all_gather_into_tensor(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
+        return _c10d.wait_tensor(gathered)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        r: _Reduction = ctx.reduction
+        grad = grad.to(r.reduce_dtype).contiguous()
+        if not ctx.sync:
+            return None, grad, None, None, None, None
+        (accumulated,) = ctx.saved_tensors
+        if accumulated is not None:
+            grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
+        if r.divide_before != 1:
+            grad = grad / r.divide_before  # fp16 would overflow summing before dividing
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", r.world, r.shard_group))
+        if r.replicate_group is not None:
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", r.replicate_group))
+        if r.divide_after != 1:
+            reduced = reduced / r.divide_after
+        return reduced.to(r.grad_dtype), None, None, None, None, None
+
+
+def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recompute_in_backward():
+    return create_selective_checkpoint_contexts(_recompute_everything)
+
+
+@dataclass
+class _Bucket:
+    """Parameters gathered in one collective: one per group unless dtypes differ."""
+
+    key: tuple
+    params: list["ShardedParam"]
+    param_dtype: torch.dtype
+    reduction: _Reduction
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.reduction.world * sum(p.layout.padded_shard_numel for p in self.params)
+
+
+class TracedGroup:
+    """The traced path of one ParamGroup: its gather as graph ops, and which modules see it.
+
+    ``held`` (the gathered parameters while the group's forward runs) and ``prefetched`` live
+    only within one trace: the root's post-forward clears them before the trace ends.
+    """
+
+    def __init__(self, group: "ParamGroup", modules: tuple[nn.Module, ...]):
+        self.group = group
+        self.modules = modules
+        self.next: TracedGroup | None = None  # the next group in module order (implicit prefetch)
+        self.prefetched: list[torch.Tensor] | None = None
+        self.held: list[torch.Tensor] | None = None
+        self.modules_left = 0
+        self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
+        self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
+
+    # -- the gather ---------------------------------------------------------------------------
+
+    def gather(self, recompute_in_backward: bool) -> list[torch.Tensor]:
+        """Every parameter of the group unsharded, in ``group.params`` order (one collective per bucket)."""
+        if self.prefetched is not None:
+            gathered, self.prefetched = self.prefetched, None
+            return gathered
+        params = self.group.params
+        if not params:
+            return []
+        shards = [p.traced_leaf for p in params]
+        if recompute_in_backward:
+            return list(checkpoint(self._gather, *shards, use_reentrant=False, context_fn=_recompute_in_backward))
+        return self._gather(*shards)
+
+    def _gather(self, *shards: torch.Tensor) -> list[torch.Tensor]:
+        by_param: dict[int, torch.Tensor] = {}
+        index = {id(p): i for i, p in enumerate(self.group.params)}
+        sync = self.group.requires_gradient_sync
+        for bucket in self._buckets():
+            flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
+            accumulator = self.accumulators.get(bucket.key)
+            if not sync and (accumulator is None or accumulator.numel() != bucket.gathered_numel):
+                raise FSDPUsageError(
+                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                    "since set_requires_gradient_sync(False); call it again after the change."
+                )
+            accumulated = self.accumulated.get(bucket.key)
+            gathered = _GatherReduce.apply(flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync)
+            rows = gathered.view(bucket.reduction.world, -1)
+            widths = [p.layout.padded_shard_numel for p in bucket.params]
+            for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
+                by_param[id(p)] = p.layout.full_from_rank_rows(block)
+        return [by_param[id(p)] for p in self.group.params]
+
+    def _buckets(self) -> list[_Bucket]:
+        group, dp = self.group, self.group.dp
+        reduce = group.reduce
+        shard_group = reduce.reduce_scatter_group or dp.shard_group
+        replicate = dp.replicate_group.group_name if dp.is_hybrid else None
+        by_key: dict[tuple, _Bucket] = {}
+        for p in group.params:
+            key = (p.param_dtype, p.reduce_dtype, p.orig_dtype)
+            if key not in by_key:
+                before, after = reduce._divisors(p.reduce_dtype)
+                reduction = _Reduction(
+                    dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype, before, after
+                )
+                by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
+            by_key[key].params.append(p)
+        return list(by_key.values())
+
+    # -- gradient accumulation without sync ------------------------------------------------------
+
+    def prepare_accumulation(self) -> None:
+        """Eager, from ``set_requires_gradient_sync(False)``: per bucket a leaf whose ``.grad``
+        autograd sums the unreduced gradients in (eager: the unsharded parameters' ``.grad``).
+        One element of storage: only its gradient is ever read."""
+        for bucket in self._buckets():
+            accumulator = self.accumulators.get(bucket.key)
+            if accumulator is None or accumulator.numel() != bucket.gathered_numel:
+                dtype = bucket.reduction.reduce_dtype
+                leaf = torch.empty_strided((bucket.gathered_numel,), (0,), dtype=dtype, device=self.group.dp.device)
+                self.accumulators[bucket.key] = leaf.requires_grad_()
+                # The sum as a plain attribute: dynamo cannot hand a ``.grad`` read to a Function.
+                leaf.register_post_accumulate_grad_hook(functools.partial(self._note_accumulated, bucket.key))
+        if self.group.params:
+            # The synced backward's first shard gradient: the sums were added in, drop them.
+            self.group.params[0].after_traced_grad = self.drop_accumulated
+
+    def _note_accumulated(self, key: tuple, leaf: torch.Tensor) -> None:
+        self.accumulated[key] = leaf.grad
+
+    def drop_accumulated(self) -> None:
+        if self.accumulated:
+            self.accumulated.clear()
+            for accumulator in self.accumulators.values():
+                accumulator.grad = None
+
+    # -- what the modules see -----------------------------------------------------------------
+
+    def hold(self, unsharded: list[torch.Tensor]) -> None:
+        self.held = unsharded
+        for p, tensor in zip(self.group.params, unsharded):
+            for slot in p.slots:
+                slot.module._parameters[slot.name] = tensor
+
+    def release(self) -> None:
+        self.held = None
+        self.modules_left = 0
+        for p in self.group.params:
+            for slot in p.slots:
+                slot.module._parameters[slot.name] = p.sharded_param
+
+    # -- the group's forward in a trace -------------------------------------------------------
+
+    def pre_forward(self, forward_prefetch: list["TracedGroup"]) -> None:
+        """Before one of the group's modules runs: gather the group (unless held), then prefetch."""
+        if self.held is not None:
+            return
+        is_root = _trace.root is None
+        if is_root:
+            _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
+        check_traceable(self.group)
+        self.hold(self.gather(self.recomputes(is_root)))
+        self.modules_left = len(self.modules)
+        _trace.touched.append(self)
+        targets = forward_prefetch or ([self.next] if self.next is not None else [])
+        for other in targets:
+            if other.held is None and other.prefetched is None:
+                check_traceable(other.group)
+                other.prefetched = other.gather(other.recomputes(is_root=False))
+                _trace.touched.append(other)
+
+    def post_forward(self) -> None:
+        """After one of the group's modules: the last one releases the group (the root: all)."""
+        if self.held is None:
+            return
+        self.modules_left -= 1
+        if self.modules_left > 0:
+            return
+        self.release()
+        if _trace.root is self:
+            # Nothing gathered outlives the trace: a prefetch no module used is dropped, a group
+            # some of whose modules never ran is released.
+            for other in _trace.touched:
+                other.prefetched = None
+                if other.held is not None:
+                    other.release()
+            _trace.touched.clear()
+            _trace.root = None
+
+    def recomputes(self, is_root: bool) -> bool:
+        """Whether backward gathers again (eager: the group reshards after forward)."""
+        if not torch.is_grad_enabled():
+            return False  # no backward: nothing is saved anyway
+        setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
+        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size) is schedule.AfterForward.FREE
+
+
+class _TraceScope:
+    """The forward being traced: its first group (the root) and the groups gathered in it."""
+
+    def __init__(self) -> None:
+        self.root: TracedGroup | None = None
+        self.touched: list[TracedGroup] = []
+
+
+_trace = _TraceScope()
+
+
+def link_forward_order(groups: list[TracedGroup]) -> None:
+    """Each group's implicit prefetch target: the next one in module (pre-)order."""
+    for first, second in zip(groups, groups[1:]):
+        first.next = second
+    if groups:
+        groups[-1].next = None
+
+
+def check_traceable(group: "ParamGroup") -> None:
+    """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
+    where = f"torch.compile over fully_shard({group.name})"
+    problem = None
+    if any(p.offload for p in group.params):
+        problem = "CPUOffloadPolicy"
+    elif any(p.tensor_parallel is not None for p in group.params):
+        problem = "tensor-parallel (DTensor) parameters"
+    elif any(not p.codec.plain for p in group.params) or group.all_gather_policy is not None:
+        problem = "an all-gather extension (fsdp_pre_all_gather) or set_all_gather_policy"
+    elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
+        problem = "set_custom_all_gather / set_custom_reduce_scatter"
+    elif group.reduce.all_reduce_hook is not None:
+        problem = "set_all_reduce_hook"
+    elif not group.reduce.requires_all_reduce:
+        problem = "set_requires_all_reduce(False)"
+    elif (
+        schedule.after_forward(group.reshard_after_forward.setting, is_root=False, shard_size=group.dp.shard_size)
+        is schedule.AfterForward.KEEP_SUBGROUP_SHARD
+    ):
+        problem = "reshard_after_forward=k with 1 < k < shard size (set_reshard_after_forward(True) frees all)"
+    elif group.reduce.include_unused:
+        problem = "set_reduce_scatter_unused_params(True)"
+    replaced = [p.fqn for p in group.params if p.slots[0].module._parameters[p.slots[0].name] is not p.sharded_param]
+    if problem is None and replaced:
+        # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
+        problem = (
+            f"parameter {replaced[0]} replaced by assignment after fully_shard (load_state_dict takes it over; "
+            "so does one eager forward)"
+        )
+    if problem is not None:
+        raise FSDPUsageError(
+            f"{where}: {problem} is not supported on the traced path (fullgraph). Remove it, or compile "
+            "each block instead (block.compile()), which keeps fsdp2's hooks eager."
+        )

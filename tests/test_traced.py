@@ -1,0 +1,342 @@
+"""torch.compile(model, fullgraph=True) over fully_shard: the traced path (fsdp2.runtime.traced).
+
+Compiled fsdp2 is checked against eager fsdp2 on the same gloo world: same losses and the same
+parameters after a few optimizer steps, one graph without breaks, one all-gather and one
+reduce-scatter per group, the next group's all-gather before this group's compute, backward
+gathering again what forward resharded, and clear errors for what cannot be traced.
+aot_eager (dynamo + AOTAutograd, no codegen) keeps most cases cheap; one case runs inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fsdp2.models import GPT, GPTConfig
+from fsdp2.models.llama import Llama, LlamaConfig
+
+GPT_CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
+LLAMA_CFG = LlamaConfig(vocab_size=61, seq_len=16, dim=32, n_layers=2, n_heads=4, hidden_dim=72, n_kv_heads=2)
+
+
+def _build(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(GPT_CFG), GPT_CFG
+    return Llama(LLAMA_CFG), LLAMA_CFG
+
+
+def _shard(model, mesh=None, **kwargs):
+    from fsdp2 import fully_shard
+
+    layers = model.blocks if hasattr(model, "blocks") else model.layers
+    for block in layers:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _batch(step, rank, world_size, cfg):
+    tokens = torch.randint(0, cfg.vocab_size, (2 * world_size, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step))
+    rows = slice(2 * rank, 2 * rank + 2)
+    return tokens[rows, :-1], tokens[rows, 1:]
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _train_side_by_side(
+    rank, world_size, kind, steps, backend, precision="fp32", mesh_shape=None, optimizer="adamw", freeze=False,
+    microbatches=1,
+):
+    """Losses and final parameters of eager fsdp2 and of compiled fsdp2, from the same init."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import MixedPrecisionPolicy
+
+    torch._dynamo.reset()
+    mesh = None
+    if mesh_shape is not None:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    shard_kwargs = {}
+    if precision == "bf16":
+        shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base, cfg = _build(kind)
+    eager = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
+    traced = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
+    if freeze:  # frozen after fully_shard, on the sharded parameter: the compiled graph does not see it
+        for model in (eager, traced):
+            model.blocks[0].mlp[0].weight.requires_grad_(False)
+    compiled = torch.compile(traced, backend=backend, fullgraph=True)
+    results = {}
+    for name, model, run in (("eager", eager, eager), ("compiled", traced, compiled)):
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            for micro in range(microbatches):  # all but the last without gradient sync
+                model.set_requires_gradient_sync(micro == microbatches - 1)
+                x, y = _batch(step * microbatches + micro, rank, world_size, cfg)
+                loss = _loss(run, x, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    return results
+
+
+def _assert_same(results, exact=True):
+    (eager_losses, eager_params), (losses, params) = results["eager"], results["compiled"]
+    if exact:
+        assert losses == eager_losses
+        for a, b in zip(eager_params, params):
+            assert torch.equal(a, b)
+    else:
+        for a, b in zip(eager_losses, losses):
+            assert abs(a - b) <= 1e-5 * abs(a)
+        for a, b in zip(eager_params, params):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "world_size, kind, steps, precision, mesh_shape",
+    [
+        (1, "gpt", 3, "fp32", None),  # eager skips one-rank collectives; the graph keeps them (identities)
+        (2, "gpt", 20, "fp32", None),
+        (2, "llama", 3, "fp32", None),
+        (2, "gpt", 3, "bf16", None),
+        (4, "llama", 3, "bf16", (2, 2)),  # HSDP: 2 replicas of 2 shards
+    ],
+)
+def test_compiled_matches_eager_bitwise(worlds, world_size, kind, steps, precision, mesh_shape):
+    """aot_eager runs the ops eager fsdp2 runs, on the same gathered layout: bitwise equal."""
+    results = worlds.run(world_size, _train_side_by_side, kind, steps, "aot_eager", precision, mesh_shape)[0]
+    _assert_same(results)
+
+
+def test_gradient_accumulation_without_sync(worlds):
+    """Two microbatches without gradient sync, then one with: one reduction of the sum, as eager
+    (bf16 compute, fp32 reduction: the sum is kept in the reduce dtype, as eager keeps it)."""
+    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "bf16", None, "adamw", False, 3)[0]
+    _assert_same(results)
+
+
+def test_parameter_frozen_after_fully_shard_stays_frozen(worlds):
+    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "fp32", None, "adamw", True)[0]
+    _assert_same(results)
+    base, _ = _build("gpt")
+    frozen_index = [name for name, _ in base.named_parameters()].index("blocks.0.mlp.0.weight")
+    assert torch.equal(results["compiled"][1][frozen_index], base.blocks[0].mlp[0].weight.detach())
+
+
+def test_inductor_matches_eager(worlds):
+    """Inductor's C++ kernels fuse and reorder fp32 reductions (layer norm, softmax, the loss):
+    equal within 1e-5 relative, not bitwise. SGD: Adam would amplify rounding noise in
+    near-zero gradients into full-size updates."""
+    results = worlds.run(2, _train_side_by_side, "gpt", 3, "inductor", "fp32", None, "sgd")[0]
+    _assert_same(results, exact=False)
+
+
+# -- the graph ---------------------------------------------------------------------------------------
+
+_LAYOUT_OPS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "split_with_sizes",
+    "getitem", "getitem_1", "alias", "clone", "contiguous", "detach", "wait_tensor",
+}
+
+
+def _op(node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _graphs_of_one_step(rank, world_size, kind, shard_kwargs=None, partition="min_cut"):
+    """Op lists of the forward and backward graphs AOTAutograd builds for one compiled step, the
+    number of dynamo graphs, and, per all-gather, the forward graph position of its first
+    compute consumer (an op other than views reading a parameter it gathered)."""
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    partition_fn = min_cut_rematerialization_partition if partition == "min_cut" else default_partition
+    backend = CompileCounterWithBackend(aot_autograd(fw_compiler=capture, bw_compiler=capture, partition_fn=partition_fn))
+    model, cfg = _build(kind)
+    model = _shard(model, **(shard_kwargs or {}))
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    _loss(compiled, x, y).backward()
+    forward, backward = graphs[0], graphs[1]
+    nodes = [n for n in forward.graph.nodes if n.op == "call_function"]
+    gathers = [n for n in nodes if _op(n) == "all_gather_into_tensor"]
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def source_gather(node, seen):
+        if node in seen or not hasattr(node, "op"):
+            return set()
+        seen.add(node)
+        if node.op == "call_function" and _op(node) == "all_gather_into_tensor":
+            return {node}
+        if node.op == "call_function" and _op(node) in _LAYOUT_OPS:
+            return set().union(*(source_gather(a, seen) for a in node.all_input_nodes)) if node.all_input_nodes else set()
+        return set()
+
+    first_use = {g: None for g in gathers}
+    for node in nodes:
+        if _op(node) in _LAYOUT_OPS or _op(node) == "all_gather_into_tensor":
+            continue
+        for arg in node.all_input_nodes:
+            for g in source_gather(arg, set()):
+                if first_use[g] is None:
+                    first_use[g] = position[node]
+    torch._dynamo.reset()
+    return {
+        "frames": backend.frame_count,
+        "forward": [_op(n) for n in nodes],
+        "backward": [_op(n) for n in backward.graph.nodes if n.op == "call_function"],
+        "gather_positions": [position[g] for g in gathers],
+        "first_uses": [first_use[g] for g in gathers],
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_one_graph_one_gather_and_one_reduce_per_group_with_prefetch(worlds, kind):
+    graphs = worlds.run(2, _graphs_of_one_step, kind)[0]
+    groups = 1 + 2  # the root, two blocks
+    assert graphs["frames"] == 1  # one graph, no break
+    assert graphs["forward"].count("all_gather_into_tensor") == groups
+    assert graphs["backward"].count("reduce_scatter_tensor") == groups
+    # Each group's parameters are first used after the next group's all-gather is issued.
+    positions, first_uses = graphs["gather_positions"], graphs["first_uses"]
+    assert all(use is not None for use in first_uses)
+    for this_group in range(groups - 1):
+        assert positions[this_group + 1] < first_uses[this_group]
+    # reshard_after_forward (default None: every group but the root) gathers again in backward.
+    assert graphs["backward"].count("all_gather_into_tensor") == groups - 1
+
+
+def test_no_reshard_after_forward_saves_the_gathered_parameters(worlds):
+    graphs = worlds.run(2, _graphs_of_one_step, "gpt", {"reshard_after_forward": False})[0]
+    assert graphs["backward"].count("all_gather_into_tensor") == 0
+    graphs = worlds.run(2, _graphs_of_one_step, "gpt", {"reshard_after_forward": True})[0]
+    assert graphs["backward"].count("all_gather_into_tensor") == 3
+
+
+# -- what the traced path refuses ------------------------------------------------------------------
+
+
+def _compile_with(rank, world_size, setup):
+    """The message of the error a compiled step raises after ``setup(model)`` (None: no error)."""
+    import torch._dynamo
+
+    from fsdp2 import CPUOffloadPolicy
+
+    torch._dynamo.reset()
+    model, cfg = _build("gpt")
+    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
+    model = _shard(model, **kwargs)
+    if setup == "replaced":
+        model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
+    elif setup == "all_reduce_hook":
+        model.blocks[1].set_all_reduce_hook(lambda grad: None)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    try:
+        _loss(compiled, x, y).backward()
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return f"{type(error).__name__}: {error}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+@pytest.mark.parametrize(
+    "setup, names",
+    [
+        ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
+        ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
+        ("replaced", ["fully_shard(Block)", "mlp.0.weight", "load_state_dict"]),
+    ],
+)
+def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):
+    message = worlds.run(2, _compile_with, setup)[0]
+    assert message is not None
+    for name in names:
+        assert name in message
+
+
+# -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
+
+
+def _steps_with_clip_and_checkpoint(rank, world_size, root_dir, activation_checkpointing=False):
+    """Eager and compiled fsdp2 through the same script: clipped steps, a checkpoint saved,
+    a step, the checkpoint loaded, the same step again; losses, norms and parameters of each."""
+    import os
+
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fsdp2.checkpoint import load, save
+
+    torch._dynamo.reset()
+    base, cfg = _build("gpt")
+    if activation_checkpointing:
+        base.blocks = torch.nn.ModuleList(checkpoint_wrapper(block) for block in base.blocks)
+    results = {}
+    for name in ("eager", "compiled"):
+        model = _shard(copy.deepcopy(base))
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        record = []
+
+        def step(batch):
+            x, y = _batch(batch, rank, world_size, cfg)
+            loss = _loss(run, x, y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            record.append((loss.item(), norm.full_tensor().item()))
+
+        step(0)
+        step(1)
+        path = os.path.join(root_dir, name)
+        save(path, model, opt)
+        state = {k: v.detach().full_tensor() for k, v in model.state_dict().items()}
+        step(2)
+        load(path, model, opt)
+        assert all(torch.equal(v.full_tensor(), state[k]) for k, v in model.state_dict().items())
+        step(2)  # the same step from the same state
+        dist.barrier()
+        results[name] = (record, [p.detach().full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_clipping_state_dict_and_checkpoints_between_compiled_steps(worlds, tmp_path, activation_checkpointing):
+    results = worlds.run(2, _steps_with_clip_and_checkpoint, str(tmp_path), activation_checkpointing)[0]
+    (eager_record, eager_params), (record, params) = results["eager"], results["compiled"]
+    assert record == eager_record
+    assert record[2] == record[3]  # the load restored the state of step 2
+    for a, b in zip(eager_params, params):
+        assert torch.equal(a, b)
