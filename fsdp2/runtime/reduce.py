@@ -238,9 +238,12 @@ class GroupReduce:
 
     @property
     def _output_seen_whole(self) -> bool:
-        """A user's hook or collective sees the reduced buffer, padding included: give it zeros
-        there, as PyTorch's FSDP2 does."""
-        return self.all_reduce_hook is not None or self.custom_reduce_scatter is not None
+        """Someone reads the padding: a user's hook or collective sees the reduced buffer whole
+        (give it zeros there, as PyTorch's FSDP2 does), or a GPU backend may check collective
+        inputs for NaN (NCCL's ``TORCH_NCCL_NAN_CHECK``; uninitialized padding could trip it, and
+        zeroing costs a GPU one kernel). Only CPU steps skip it, where it costs bytes per step."""
+        return (self.all_reduce_hook is not None or self.custom_reduce_scatter is not None
+                or self.dp.device.type != "cpu")
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.custom_reduce_scatter is not None:

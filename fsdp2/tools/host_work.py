@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
