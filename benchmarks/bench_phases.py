@@ -219,15 +219,7 @@ def main(argv=None) -> None:
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
     print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
           f"{ns.malloc} malloc, CPU ms per step (median of {ns.steps}; {how})")
-    print("| phase | " + " | ".join(IMPLS) + " |")
-    print("|---|" + "---:|" * len(IMPLS))
-    for phase in ("forward", "backward", "optimizer"):
-        print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in IMPLS) + " |")
-    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in IMPLS}
-    print(f"| total | " + " | ".join(f"{total[i]:.1f}" for i in IMPLS) + " |")
-    if ns.counts:
-        for name in results[IMPLS[0]]["counts"]:
-            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"][name]) for i in IMPLS) + " |")
+    total = _print_phase_table(results, IMPLS, ns.counts)
     print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with the optimizer on DTensors "
           f"{total['fsdp2-dtensor'] / total['torch']:.2f}x (optimizer phase {results['fsdp2']['optimizer']:.1f} "
           f"vs {results['fsdp2-dtensor']['optimizer']:.1f} ms)")
@@ -237,19 +229,26 @@ def main(argv=None) -> None:
           f"({over['fsdp2'] / over['torch']:.2f}x)" if over["torch"] > 0 else "")
 
 
+def _print_phase_table(results: dict, impls, counts: bool) -> dict[str, float]:
+    """The markdown table of CPU ms per phase (and counts) side by side; returns each impl's total."""
+    print("| phase | " + " | ".join(impls) + " |")
+    print("|---|" + "---:|" * len(impls))
+    for phase in ("forward", "backward", "optimizer"):
+        print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in impls) + " |")
+    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in impls}
+    print("| total | " + " | ".join(f"{total[i]:.1f}" for i in impls) + " |")
+    if counts:  # compiled columns lack some counts (ops): blank there
+        for name in dict.fromkeys(name for i in impls for name in results[i]["counts"]):
+            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"].get(name, "")) for i in impls) + " |")
+    return total
+
+
 def _report_compiled(results: dict, ns) -> None:
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
     print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, backend "
           f"{ns.backend}, CPU ms per step (median of {ns.steps} after {ns.warmup} warm-up steps; {how})")
-    print("| phase | " + " | ".join(COMPILED_IMPLS) + " |")
-    print("|---|" + "---:|" * len(COMPILED_IMPLS))
-    for phase in ("forward", "backward", "optimizer"):
-        print(f"| {phase} | " + " | ".join(f"{results[i][phase]:.1f}" for i in COMPILED_IMPLS) + " |")
-    total = {i: sum(results[i][phase] for phase in ("forward", "backward", "optimizer")) for i in COMPILED_IMPLS}
-    print("| total | " + " | ".join(f"{total[i]:.1f}" for i in COMPILED_IMPLS) + " |")
+    total = _print_phase_table(results, COMPILED_IMPLS, ns.counts)
     if ns.counts:
-        for name in results["fsdp2-compiled"]["counts"]:
-            print(f"| {name} per step | " + " | ".join(str(results[i]["counts"].get(name, "")) for i in COMPILED_IMPLS) + " |")
         for key in ("python calls", "python calls, forward + backward"):
             ours, unsharded = (results[i]["counts"][key] for i in ("fsdp2-compiled", "unsharded-compiled"))
             print(f"{key} per step, compiled fsdp2 / compiled unsharded: {ours / unsharded:.2f}x")
