@@ -124,3 +124,28 @@ class GatherBucket:
         if column.dtype == self.dtype:
             return piece
         return piece[..., : column.nbytes].view(column.dtype)
+
+
+class KeptBuffer:
+    """A bucket's communication buffer kept from step to step, so that views of it are built once.
+
+    Its storage exists only from ``allocate`` to ``release`` (freed and regrown: views survive
+    that), as a fresh buffer's would, so peak memory is unchanged. Subclasses build their views in
+    ``__init__`` while the storage is there, then call ``release()``.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        self.buffer = torch.empty(shape, dtype=dtype, device=device)
+        self._nbytes = self.buffer.untyped_storage().nbytes()
+        self.in_use = True
+
+    def allocate(self) -> torch.Tensor:
+        self.buffer.untyped_storage().resize_(self._nbytes)
+        self.in_use = True
+        return self.buffer
+
+    def release(self) -> None:
+        """Free the storage (the collective that read it is done, or abandoned)."""
+        if self.in_use:
+            self.buffer.untyped_storage().resize_(0)
+            self.in_use = False

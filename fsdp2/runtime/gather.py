@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives
-from fsdp2.runtime.buckets import GatherBucket
+from fsdp2.runtime.buckets import GatherBucket, KeptBuffer
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.sharded_param import (
     ShardedParam,
@@ -46,7 +46,7 @@ class Subgroup:
     size: int
 
 
-class KeptGatherOutput:
+class KeptGatherOutput(KeptBuffer):
     """A plain dim-0 bucket's all-gather output on CPU, kept from step to step with its views built once.
 
     Copy-out then writes only the rank slots that hold real rows (``ShardLayout.ranks_with_rows``),
@@ -55,33 +55,20 @@ class KeptGatherOutput:
     the small GPT's parameter bytes. CPU only (no side streams): there ``split_with_sizes_copy``
     is a copy per parameter anyway, while on an accelerator it is one kernel for the bucket and
     the padding bytes cost the device, not the host. The storage exists only from ``allocate`` to
-    ``release`` (freed and regrown: views survive that), as a fresh buffer's would, so peak
-    memory is unchanged.
+    ``release`` (see KeptBuffer).
     """
 
     def __init__(self, bucket: GatherBucket, world: int, rank: int, device):
         n = bucket.numel_per_rank
-        self.buffer = torch.empty(world * n, dtype=bucket.dtype, device=device)
-        self._nbytes = self.buffer.untyped_storage().nbytes()
+        super().__init__((world * n,), bucket.dtype, device)
         self.own_slot = self.buffer.narrow(0, rank * n, n)
         self.own_slots = torch.split_with_sizes(self.own_slot, bucket.widths)
         columns = torch.split_with_sizes(self.buffer.view(world, n), bucket.widths, dim=1)
         self._sources = [column[: p.layout.ranks_with_rows] for p, column in zip(bucket.params, columns)]
-        self.in_use = True
         self.release()
-
-    def allocate(self) -> torch.Tensor:
-        self.buffer.untyped_storage().resize_(self._nbytes)
-        self.in_use = True
-        return self.buffer
 
     def copy_out(self, params: list[ShardedParam]) -> None:
         torch._foreach_copy_(gather_real_row_targets(params), self._sources)
-
-    def release(self) -> None:
-        if self.in_use:
-            self.buffer.untyped_storage().resize_(0)
-            self.in_use = False
 
 
 @dataclass

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp2.runtime import collectives
-from fsdp2.runtime.buckets import FlatBucket, buckets_by_dtype
+from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
 from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
-class PaddedScatterInput:
+class PaddedScatterInput(KeptBuffer):
     """A padded bucket's reduce-scatter input, kept from step to step with its copy views built once.
 
     Padding takes a bucket off the one-``_chunk_cat`` path (on CPU that kernel pads every gradient
@@ -31,17 +31,14 @@ class PaddedScatterInput:
     parameter and per padded rank range costs ops that grow with the world size. Here the views
     of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_copy_``
     of the gradients at any world size (and one ``_foreach_zero_`` of the padding where a hook
-    reads it). The buffer's storage exists only from ``fill`` to ``release`` (freed and regrown:
-    views survive that), as a fresh buffer's would, so peak memory is unchanged.
+    reads it). The storage exists only from ``fill`` to ``release`` (see KeptBuffer).
     """
 
     def __init__(self, bucket: FlatBucket, world: int, device):
-        self.buffer = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
-        self._nbytes = self.buffer.untyped_storage().nbytes()
+        super().__init__((world, bucket.numel_per_rank), bucket.dtype, device)
         self._views = [p.layout.copy_in_views(block) for p, block in bucket.columns(self.buffer)]
         self._destinations = [d for views in self._views for d in views.destinations]
         self._padding = [z for views in self._views for z in views.padding]
-        self.in_use = True
         self.release()
 
     def fill(self, grads: list[torch.Tensor], zero_padding: bool) -> torch.Tensor:
@@ -52,8 +49,7 @@ class PaddedScatterInput:
         padding lands only in the output's padding, which no shard reads (at 1024 ranks the
         small GPT's padding is about half its reduce-scatter bytes).
         """
-        self.buffer.untyped_storage().resize_(self._nbytes)
-        self.in_use = True
+        self.allocate()
         if zero_padding and self._padding:
             torch._foreach_zero_(self._padding)
         sources = []
@@ -65,12 +61,6 @@ class PaddedScatterInput:
         if sources:
             torch._foreach_copy_(self._destinations, sources)
         return self.buffer
-
-    def release(self) -> None:
-        """Free the storage (the reduction that read it is done, or abandoned)."""
-        if self.in_use:
-            self.buffer.untyped_storage().resize_(0)
-            self.in_use = False
 
 
 @dataclass
