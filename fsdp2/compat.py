@@ -84,25 +84,20 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
     Unlike ``DTensor.from_local`` this neither moves ``local`` to the mesh's device type (a CPU
     offloaded shard must stay on the CPU while the mesh is on CUDA) nor builds an autograd node.
     The template's spec is shared when the dtype matches (cheap: gradients are made every step).
+    Built by ``DTensor.__new__`` alone, here and in ``dtensors_like`` / ``make_dtensor``: DTensor's
+    ``__init__`` has no body, only decorators for dynamo and export that cost Python calls.
     """
     if local.dtype == template.dtype:
-        return DTensor(local, template._spec, requires_grad=requires_grad)
+        return DTensor.__new__(DTensor, local, template._spec, requires_grad=requires_grad)
     return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
-
-
-def dtensor_like_uninitialized(template: DTensor, local: torch.Tensor) -> DTensor:
-    """``dtensor_like`` built by ``DTensor.__new__`` alone: DTensor's ``__init__`` has no body, only
-    decorators for dynamo and export that cost Python calls (the traced path's gradient hand-off
-    runs once per parameter and step)."""
-    if local.dtype == template.dtype:
-        return DTensor.__new__(DTensor, local, template._spec, requires_grad=False)
-    return dtensor_like(template, local)
 
 
 def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list[DTensor]:
     """``dtensor_like`` of each pair (one call for a whole group, not one per parameter)."""
     return [
-        DTensor(local, template._spec, requires_grad=False) if local.dtype == template.dtype else dtensor_like(template, local)
+        DTensor.__new__(DTensor, local, template._spec, requires_grad=False)
+        if local.dtype == template.dtype
+        else dtensor_like(template, local)
         for template, local in zip(templates, locals_)
     ]
 
@@ -117,7 +112,7 @@ def make_dtensor(
 ) -> DTensor:
     """A DTensor around ``local`` with the given global shape and stride, ``local`` left where it is."""
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=requires_grad)
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
 
 def outside_functorch() -> contextlib.AbstractContextManager:

@@ -233,7 +233,7 @@ class ShardedParam:
             return  # frozen: eager fsdp2 computes no gradient for it
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = compat.dtensor_like_uninitialized(self.sharded_param, grad)
+            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, grad)
         else:
             compat.local_tensor(existing).add_(grad)
 
