@@ -18,12 +18,10 @@ pieces of ``block_elems`` elements instead (every row edge is then a block edge)
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
-
-import importlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
