@@ -90,13 +90,14 @@ def checksum_blocks(nbytes: int):
         integrity.BLOCK_BYTES = old
 
 
-def load_outcome(path: str, model: nn.Module) -> tuple[str, bool]:
-    """("loaded" or the CheckpointError's message, whether the model is unchanged) of ``load``."""
+def load_outcome(path: str, model: nn.Module, load=None) -> tuple[str, bool]:
+    """("loaded" or the CheckpointError's message, whether the model is unchanged) of ``load``
+    (default ``fsdp2.checkpoint.load``; e.g. ``load_hf``)."""
     import fsdp2.checkpoint as ck
 
     before = full_state(model)
     try:
-        ck.load(path, model)
+        (load or ck.load)(path, model)
         outcome = "loaded"
     except ck.CheckpointError as e:
         outcome = str(e)
