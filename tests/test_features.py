@@ -817,3 +817,17 @@ def _padding_reads_as_nan(rank, ws, with_hook):
 @pytest.mark.parametrize("with_hook", [False, True])
 def test_padding_left_unwritten_reaches_no_gradient(worlds, with_hook):
     worlds.run(2, _padding_reads_as_nan, with_hook)
+
+
+@pytest.mark.parametrize("device,hook,zeroed", [("cpu", False, False), ("cpu", True, True), ("cuda", False, True)])
+def test_reduce_scatter_padding_is_zeroed_where_something_reads_it(device, hook, zeroed):
+    """Only CPU steps leave the padding as the allocator gave it: a user's hook sees the buffer
+    whole, and on a GPU NCCL's TORCH_NCCL_NAN_CHECK reads collective inputs (uninitialized padding
+    could trip it), so there it is zeroed (one kernel)."""
+    from types import SimpleNamespace
+
+    from fsdp2.runtime.reduce import GroupReduce
+
+    reduce = SimpleNamespace(all_reduce_hook=(lambda t: None) if hook else None, custom_reduce_scatter=None,
+                             dp=SimpleNamespace(device=torch.device(device)))
+    assert GroupReduce._output_seen_whole.fget(reduce) is zeroed
