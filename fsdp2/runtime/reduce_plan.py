@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp2 import compat
+
 
 @dataclass(frozen=True)
 class ReduceOp:
@@ -40,7 +42,7 @@ class ReduceOp:
             return dist.ReduceOp.SUM
         if self.name == "avg":
             return dist.ReduceOp.AVG
-        return dist.ReduceOp.PREMUL_SUM(self.scale)
+        return compat.premul_sum_op(self.scale)
 
     @property
     def functional_name(self) -> str | None:
