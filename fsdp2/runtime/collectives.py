@@ -62,7 +62,11 @@ _PREMUL_SUM_BACKENDS = {"nccl"}
 
 
 def supports_premul_sum(group) -> bool:
-    return dist.get_backend(group) in _PREMUL_SUM_BACKENDS
+    try:
+        backend = dist.get_backend(group)
+    except ValueError:  # a group c10d's registry does not hold: assume it sums only
+        return False
+    return backend in _PREMUL_SUM_BACKENDS
 
 
 def all_to_all(
