@@ -112,22 +112,22 @@ def _timed_step(loss_of, opt, tokens) -> tuple[float, float, float]:
     return c1 - c0, c2 - c1, c3 - c2
 
 
-def _counts(loss_of, opt, tokens, compiled: bool = False) -> dict[str, int | str]:
-    """Load-independent work of one step: the page faults of its memory (which depend on the
-    allocator, see --malloc), ops seen by a dispatch mode and the MB they write (collectives
-    excluded), Python calls, and how many of those are in DTensor's package (its dispatch) and in
-    the FSDP implementation's own code."""
+def _page_faults() -> int:
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _counts(loss_of, opt, tokens, compiled: bool = False) -> dict[str, int | str]:
+    """Load-independent work of one step: ops seen by a dispatch mode and the MB they write
+    (collectives excluded), Python calls, and how many of those are in DTensor's package (its
+    dispatch) and in the FSDP implementation's own code. (Page faults are counted over the timed
+    steps instead, see _run: one step's count depends on where glibc's heap happens to stand.)"""
     from fsdp2.tools.host_work import DTENSOR_CODE, FSDP_CODE, count_host_work
 
     # Dynamo does not run under the dispatch mode that counts ops: compiled steps count calls only.
     work = count_host_work(lambda: _timed_step(loss_of, opt, tokens), count_ops=not compiled)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    _timed_step(loss_of, opt, tokens)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     counts = {
-        "page faults": faults,
         "ops": work.ops if work.ops is not None else "n/a",
         "MB written": round(work.bytes_written / 1e6, 1) if work.ops is not None else "n/a",
         "python calls": work.python_calls,
@@ -156,16 +156,20 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
     init_simulated_world(pg, world_size)
     built = {impl: _build(impl, world_size, model_name, backend) for impl in impls}
     phases = {impl: {"forward": [], "backward": [], "optimizer": []} for impl in impls}
+    faults: dict[str, list[int]] = {impl: [] for impl in impls}
     for i in range(warmup + steps):
         for impl in impls if i % 2 == 0 else impls[::-1]:
+            before = _page_faults()
             seconds = _timed_step(*built[impl])
             if i >= warmup:
+                faults[impl].append(_page_faults() - before)
                 for name, value in zip(phases[impl], seconds):
                     phases[impl][name].append(value)
     result = {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
     if counts:
         for impl in impls:
-            result[impl]["counts"] = _counts(*built[impl], compiled="compiled" in impl)
+            result[impl]["counts"] = {"page faults (median)": round(statistics.median(faults[impl])),
+                                      **_counts(*built[impl], compiled="compiled" in impl)}
     if "torch-block-compiled" in impls:
         result["torch-fullgraph"] = torch_fsdp2_under_fullgraph(world_size, model_name, backend)
     dist.destroy_process_group()

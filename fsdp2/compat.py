@@ -155,3 +155,14 @@ def global_optimizer_step_hooks() -> list:
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> list:
     """Step pre- and post-hooks registered on one optimizer (``register_step_pre_hook``, ...)."""
     return [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]
+
+
+def premul_sum_op(scale: float) -> "torch.distributed.ReduceOp":
+    """c10d's PREMUL_SUM reduce op scaling each input by ``scale``: torch 2.13 builds it by calling
+    ``ReduceOp.PREMUL_SUM``; 2.11 only through the private ``_make_nccl_premul_sum``."""
+    import torch.distributed as dist
+
+    premul = dist.ReduceOp.PREMUL_SUM
+    if callable(premul):
+        return premul(scale)
+    return dist._make_nccl_premul_sum(scale)

@@ -239,12 +239,12 @@ def _frozen_after_fully_shard(rank, ws):
             sub.requires_grad_(False)
     frozen_before = {n: p.full_tensor() for n, p in model.named_parameters() if not p.requires_grad}
     reduced = []
-    real_reduce = collectives.reduce_scatter_sum
-    collectives.reduce_scatter_sum = lambda out, inp, group, async_op: reduced.append(inp.numel()) or real_reduce(out, inp, group, async_op)
+    real_reduce = collectives.reduce_scatter
+    collectives.reduce_scatter = lambda out, inp, group, async_op, op: reduced.append(inp.numel()) or real_reduce(out, inp, group, async_op, op)
     try:
         _train_parity(rank, ws, model, ref)
     finally:
-        collectives.reduce_scatter_sum = real_reduce
+        collectives.reduce_scatter = real_reduce
     for name, param in model.named_parameters():
         if name in frozen_before:
             assert param.grad is None, name

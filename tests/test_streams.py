@@ -100,7 +100,7 @@ def _recorded(log: StreamLog):
     """fsdp2 groups created inside use recording streams; collectives log issue and free."""
     streams = _recording_streams(log)
     log.streams = streams
-    originals = CommStreams.for_device, collectives.all_gather, collectives.reduce_scatter_sum
+    originals = CommStreams.for_device, collectives.all_gather, collectives.reduce_scatter
 
     def all_gather(output, input, group, async_op):
         assert log.current == "all_gather", "all-gather issued off the all-gather stream"
@@ -110,20 +110,20 @@ def _recorded(log: StreamLog):
         weakref.finalize(output, _gather_output_freed, log, index)
         return originals[1](output, input, group, async_op)
 
-    def reduce_scatter_sum(output, input, group, async_op):
+    def reduce_scatter(output, input, group, async_op, op):
         assert log.current == "reduce_scatter", "reduce-scatter issued off the reduce-scatter stream"
         index = log.add("reduce_scatter", id(output))
         for buffer in (output, input):
             # fsdp2 passes views; the buffer is their base (which views keep alive).
             weakref.finalize(buffer if buffer._base is None else buffer._base, _reduce_buffer_freed, log, index)
-        return originals[2](output, input, group, async_op)
+        return originals[2](output, input, group, async_op, op)
 
     CommStreams.for_device = staticmethod(lambda device: streams)
-    collectives.all_gather, collectives.reduce_scatter_sum = all_gather, reduce_scatter_sum
+    collectives.all_gather, collectives.reduce_scatter = all_gather, reduce_scatter
     try:
         yield
     finally:
-        CommStreams.for_device, collectives.all_gather, collectives.reduce_scatter_sum = originals
+        CommStreams.for_device, collectives.all_gather, collectives.reduce_scatter = originals
 
 
 def _first_after(log: StreamLog, index: int, kind: str, stream: str) -> int | None:

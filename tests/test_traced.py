@@ -212,6 +212,7 @@ def _graphs_of_one_step(rank, world_size, kind, shard_kwargs=None, partition="mi
         "frames": backend.frame_count,
         "forward": [_op(n) for n in nodes],
         "backward": [_op(n) for n in backward.graph.nodes if n.op == "call_function"],
+        "reduce_ops": [n.args[1] for n in backward.graph.nodes if n.op == "call_function" and _op(n) == "reduce_scatter_tensor"],
         "gather_positions": [position[g] for g in gathers],
         "first_uses": [first_use[g] for g in gathers],
     }
@@ -224,6 +225,7 @@ def test_one_graph_one_gather_and_one_reduce_per_group_with_prefetch(worlds, kin
     assert graphs["frames"] == 1  # one graph, no break
     assert graphs["forward"].count("all_gather_into_tensor") == groups
     assert graphs["backward"].count("reduce_scatter_tensor") == groups
+    assert graphs["reduce_ops"] == ["avg"] * groups  # PyTorch FSDP2's op for fp32 (eager fsdp2's too)
     # Each group's parameters are first used after the next group's all-gather is issued.
     positions, first_uses = graphs["gather_positions"], graphs["first_uses"]
     assert all(use is not None for use in first_uses)
@@ -257,13 +259,21 @@ def _compile_with(rank, world_size, setup):
         model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
     elif setup == "all_reduce_hook":
         model.blocks[1].set_all_reduce_hook(lambda grad: None)
+    elif setup == "premul_sum":
+        model.blocks[1].set_gradient_divide_factor(3.0)  # PREMUL_SUM(1/3) on NCCL
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
+    from fsdp2.runtime import collectives
+
+    supports_premul_sum = collectives.supports_premul_sum
+    if setup == "premul_sum":
+        collectives.supports_premul_sum = lambda group: True  # as NCCL
     try:
         _loss(compiled, x, y).backward()
     except Exception as error:  # noqa: BLE001 - the test reads the message
         return f"{type(error).__name__}: {error}"
     finally:
+        collectives.supports_premul_sum = supports_premul_sum
         torch._dynamo.reset()
     return None
 
@@ -274,6 +284,7 @@ def _compile_with(rank, world_size, setup):
         ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
         ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
         ("replaced", ["fully_shard(Block)", "mlp.0.weight", "load_state_dict"]),
+        ("premul_sum", ["FSDPUsageError", "fully_shard(Block)", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms"]),
     ],
 )
 def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):

@@ -36,17 +36,37 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool)
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    """Sum ``input`` across ranks and keep this rank's ``output.numel()`` slice of the result."""
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool, op: dist.ReduceOp):
+    """Reduce ``input`` across ranks with ``op`` and keep this rank's ``output.numel()`` slice of the result."""
     if active_counters:
         _record("reduce_scatter", input)
-    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group, async_op: bool, op: dist.ReduceOp):
+    if active_counters:
+        _record("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    return reduce_scatter(output, input, group, async_op, dist.ReduceOp.SUM)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
-    if active_counters:
-        _record("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return all_reduce(tensor, group, async_op, dist.ReduceOp.SUM)
+
+
+# Backends known to take ReduceOp.PREMUL_SUM (gloo raises on it).
+_PREMUL_SUM_BACKENDS = {"nccl"}
+
+
+def supports_premul_sum(group) -> bool:
+    try:
+        backend = dist.get_backend(group)
+    except ValueError:  # a group c10d's registry does not hold: assume it sums only
+        return False
+    return backend in _PREMUL_SUM_BACKENDS
 
 
 def all_to_all(

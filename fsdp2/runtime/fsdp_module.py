@@ -135,7 +135,7 @@ class FSDPModule(compat.TorchFSDPModule):
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """``hook(reduce_output)`` runs on each reduced gradient bucket of this module (after the
-        HSDP all-reduce and the division), before it is added to ``.grad``. ``stream`` is accepted
+        HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``. ``stream`` is accepted
         for compatibility: the hook runs where the reduction runs."""
         if not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
@@ -177,13 +177,17 @@ class FSDPModule(compat.TorchFSDPModule):
         self._fsdp_state.group.gather.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, async_op)``, summing)
-        for this module's reduce-scatters instead of c10d's."""
+        """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
+        reducing with the c10d ``op`` PyTorch's FSDP2 would pass) for this module's reduce-scatters
+        instead of c10d's."""
         _check_comm(comm, "set_custom_reduce_scatter")
         self._fsdp_state.group.reduce.custom_reduce_scatter = comm
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for compatibility: fsdp2 always reduces with SUM and divides separately."""
+        """True: this module's gradient collectives reduce with SUM only, and the division by the
+        data-parallel size (or the gradient divide factor) runs as separate ops; False (default):
+        AVG/PREMUL_SUM where PyTorch's FSDP2 uses them. Not recursive, as in PyTorch."""
+        self._fsdp_state.group.reduce.force_sum = bool(enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's

@@ -2,7 +2,8 @@
 
 A group's gradients are packed into a ``world x numel_per_rank`` buffer per reduce dtype, summed
 across shard ranks with one reduce-scatter, all-reduced across replicas (HSDP) and divided by
-the number of data-parallel ranks; this rank's rows are then added to the sharded ``.grad``s.
+the number of data-parallel ranks with the reduce ops and divisions PyTorch's FSDP2 would use
+(fsdp2.runtime.reduce_plan); this rank's rows are then added to the sharded ``.grad``s.
 Each issued reduction is a :class:`Reduction`; the root's :class:`ReduceWindow` bounds how many
 are in flight.
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.reduce_plan import ReducePlan
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
 from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads
 from fsdp2.runtime.streams import CommStreams, Completion
@@ -66,6 +68,7 @@ class PaddedScatterInput(KeptBuffer):
 @dataclass
 class PendingReduce:
     bucket: FlatBucket
+    plan: ReducePlan
     # Both allocated on the compute stream and kept until it waited for the reduction.
     input: torch.Tensor
     output: torch.Tensor
@@ -145,6 +148,7 @@ class GroupReduce:
         self.streams = streams
         self.local_only = local_only  # one-rank shard group: the reduce-scatter is the identity
         self.divide_factor: float | None = None  # None: average over data-parallel ranks
+        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM collectives, separate divisions
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: accumulate)
         self.include_unused = False  # reduce params without a gradient as zeros
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
@@ -154,25 +158,33 @@ class GroupReduce:
         self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # HSDP without all-reduce: reduce-scattered sums kept per parameter until the next all-reduce.
         self._partial: dict[int, torch.Tensor] = {}
+        self._plans: dict[tuple, ReducePlan] = {}  # by reduce dtype and the settings above
 
     def rebuild(self) -> None:
         self._buckets.clear()
         self._kept_inputs.clear()
 
     @property
-    def _factor(self) -> float:
-        return self.divide_factor or float(self.dp.data_parallel_size)
+    def _group(self) -> dist.ProcessGroup:
+        return self.reduce_scatter_group or self.dp.shard_group
 
-    def _divisors(self, dtype: torch.dtype) -> tuple[float, float]:
-        """(before, after) the sum, as PyTorch's FSDP2 splits the division: fp32 and bf16 after;
-        other dtypes (fp16's narrow range) by a power of two near sqrt(factor) before, the rest after."""
-        factor = self._factor
-        if dtype in (torch.float32, torch.bfloat16):
-            return 1.0, factor
-        before = 1
-        while factor % before == 0 and factor / before > before:
-            before *= 2
-        return float(before), factor / before
+    def plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
+        """The reduce ops and divisions for gradients reduced in ``reduce_dtype`` (PyTorch FSDP2's)."""
+        key = (reduce_dtype, self.divide_factor, self.force_sum, self._group, self.custom_reduce_scatter)
+        plan = self._plans.get(key)
+        if plan is None:
+            # A custom reduce-scatter takes the op PyTorch would give it, whatever the backend.
+            premul = self.custom_reduce_scatter is not None or collectives.supports_premul_sum(self._group)
+            plan = self._plans[key] = ReducePlan.choose(
+                shard_size=self.dp.shard_size,
+                replicate_size=self.dp.replicate_size,
+                reduce_dtype=reduce_dtype,
+                divide_factor=self.divide_factor,
+                force_sum=self.force_sum,
+                premul_sum_supported=premul,
+                device_type=self.dp.device.type,
+            )
+        return plan
 
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
@@ -192,21 +204,22 @@ class GroupReduce:
         pending = []
         for bucket in buckets:
             inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
-            before, _ = self._divisors(bucket.dtype)
-            if before != 1:
-                inp.div_(before)  # fp16 would overflow summing before dividing
+            plan = self.plan(bucket.dtype)
+            if plan.divide_before != 1:
+                inp.div_(plan.divide_before)  # fp16 would overflow summing before dividing
             if self.local_only:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
                 out = self._allocate(bucket.numel_per_rank, bucket.dtype)
-            pending.append(PendingReduce(bucket, inp, out, kept_input))
+            pending.append(PendingReduce(bucket, plan, inp, out, kept_input))
         grads.clear()  # copied in: the full gradients can go (same stream, so no hazard)
-        group = self.reduce_scatter_group or self.dp.shard_group
-        comm = self.custom_reduce_scatter or collectives.reduce_scatter_sum
+        group = self._group
+        comm = self.custom_reduce_scatter or collectives.reduce_scatter
         with self.streams.reduce_scatter.launch() as completion:
             for p in pending:
                 if not self.local_only:
-                    completion.collective(comm, p.output, p.input.view(-1), group)
+                    op = p.plan.reduce_scatter_op.c10d()
+                    completion.collective(comm, p.output, p.input.view(-1), group, op=op)
                 completion.then(lambda p=p: self._after_reduce_scatter(p))
         if not self.requires_all_reduce and self.dp.is_hybrid:
             completion.wait()  # the sums stay here: nothing reaches .grad yet
@@ -241,18 +254,18 @@ class GroupReduce:
         return torch.empty(numel, dtype=dtype, device=self.dp.device)
 
     def _after_reduce_scatter(self, pending: PendingReduce) -> None:
-        """Across replicas (HSDP), the average, the user's hook; runs once the sum is there."""
+        """Across replicas (HSDP), the user's hook, the division; runs once the reduce-scatter is done."""
+        plan = pending.plan
         if self.dp.is_hybrid:
             if not self.requires_all_reduce:
                 self._keep_partial(pending)
                 return
             self._add_partial(pending)
-            collectives.all_reduce_sum(pending.output, self.dp.replicate_group, async_op=False)
-        _, after = self._divisors(pending.bucket.dtype)
-        if after != 1:
-            pending.output.div_(after)
+            collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(pending.output)
+            self.all_reduce_hook(pending.output)  # before the division, as PyTorch's FSDP2
+        if plan.divide_after != 1:
+            pending.output.div_(plan.divide_after)
 
     def _keep_partial(self, pending: PendingReduce) -> None:
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):

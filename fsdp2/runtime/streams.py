@@ -45,9 +45,9 @@ class Completion:
     followups: list[Callable[[], None]] = field(default_factory=list)  # run at wait() (no streams)
     event: Any = None  # recorded on the side stream after everything launched (streams)
 
-    def collective(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Issue ``fn(*args, async_op=...)``, a c10d collective, ordered as this side requires."""
-        work = fn(*args, async_op=self.side.async_op)
+    def collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Issue ``fn(*args, **kwargs, async_op=...)``, a c10d collective, ordered as this side requires."""
+        work = fn(*args, **kwargs, async_op=self.side.async_op)
         if self.side.async_op:
             self.works.append(work)
 

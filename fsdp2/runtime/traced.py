@@ -12,8 +12,8 @@ and autograd builds the backward. How it maps to the eager path:
   of the shards between the group's pre- and post-forward hooks.
 - reduce (eager: ``GroupReduce``): the all-gather's backward. Autograd hands it the gradient of
   the gathered row, which is eager's reduce-scatter input (same layout, padding zeroed); it is
-  cast to ``reduce_dtype``, reduce-scattered (sum), all-reduced across replicas under HSDP and
-  divided as eager divides it (``GroupReduce._divisors``), then cast to the shard's dtype.
+  cast to ``reduce_dtype``, reduce-scattered, all-reduced across replicas under HSDP and divided
+  with eager's reduce ops and divisions (``GroupReduce.plan``), then cast to the shard's dtype.
   The graph's inputs are the shards as plain tensors (``ShardedParam.traced_leaf``, sharing the
   DTensor's storage), so no DTensor is wrapped or unwrapped per step; autograd accumulates their
   gradients and a hook hands each to the DTensor's ``.grad`` (added to one already there, as eager).
@@ -63,6 +63,8 @@ class _Reduction:
     grad_dtype: torch.dtype  # the shards' dtype
     divide_before: float
     divide_after: float
+    reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
+    all_reduce_op: str
 
 
 class _GatherReduce(torch.autograd.Function):
@@ -89,9 +91,9 @@ class _GatherReduce(torch.autograd.Function):
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
         if r.divide_before != 1:
             grad = grad / r.divide_before  # fp16 would overflow summing before dividing
-        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", r.world, r.shard_group))
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, r.reduce_scatter_op, r.world, r.shard_group))
         if r.replicate_group is not None:
-            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "sum", r.replicate_group))
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
         return reduced.to(r.grad_dtype), None, None, None, None, None
@@ -180,9 +182,11 @@ class TracedGroup:
         for p in group.params:
             key = (p.param_dtype, p.reduce_dtype, p.orig_dtype)
             if key not in by_key:
-                before, after = reduce._divisors(p.reduce_dtype)
+                plan = reduce.plan(p.reduce_dtype)
                 reduction = _Reduction(
-                    dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype, before, after
+                    dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype,
+                    plan.divide_before, plan.divide_after,
+                    plan.reduce_scatter_op.functional_name, plan.all_reduce_op.functional_name,
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
             by_key[key].params.append(p)
@@ -318,6 +322,11 @@ def check_traceable(group: "ParamGroup") -> None:
         problem = "reshard_after_forward=k with 1 < k < shard size (set_reshard_after_forward(True) frees all)"
     elif group.reduce.include_unused:
         problem = "set_reduce_scatter_unused_params(True)"
+    elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):
+        problem = (
+            "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
+            "set_force_sum_reduction_for_comms(True) divides in a separate op)"
+        )
     replaced = [p.fqn for p in group.params if p.slots[0].module._parameters[p.slots[0].name] is not p.sharded_param]
     if problem is None and replaced:
         # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
