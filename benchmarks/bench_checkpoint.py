@@ -27,7 +27,8 @@ Rows:
   that load from other jobs hits all three alike; prints medians and the medians of the per-round
   ratios verified / DCP and verification cost (verified - verify=False) / verify=False;
   --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
-  fsdp2's default implementation (``fastcrc`` when installed), to the rotation.
+  fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
+  adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``).
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -227,10 +228,11 @@ def _worker(rank, world, port, args, out):
 
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
 BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
+BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
 
 
 def _kinds(args) -> tuple[str, ...]:
-    return LOADS + (BASELINE_HASH,) if args.hash_baseline else LOADS
+    return LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
 
 
 def _with_checksum_implementation(name: str, fn):
@@ -244,6 +246,23 @@ def _with_checksum_implementation(name: str, fn):
             fn()
         finally:
             integrity._crc32c = kept
+    return run
+
+
+def _without_huge_pages(fn):
+    """``fn`` run with fsdp2's load buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``)."""
+    from fsdp2.checkpoint import fresh_memory
+
+    def run():
+        kept = os.environ.get(fresh_memory.ENV)
+        os.environ[fresh_memory.ENV] = "0"
+        try:
+            fn()
+        finally:
+            if kept is None:
+                del os.environ[fresh_memory.ENV]
+            else:
+                os.environ[fresh_memory.ENV] = kept
     return run
 
 
@@ -271,6 +290,7 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
             BASELINE_HASH: _with_checksum_implementation("crc32c", lambda: ck.load(ours, model, opt)),
+            BASELINE_PAGES: _without_huge_pages(lambda: ck.load(ours, model, opt)),
         }
         kinds = _kinds(args)
         evict = [ours, theirs] if args.cold else []
@@ -305,6 +325,7 @@ def _sweep_report(args, results) -> None:
           f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
           f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
     extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
+    extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
           f"{'verified / DCP':>16}{'verify cost':>13}{extra}")
 
@@ -322,6 +343,8 @@ def _sweep_report(args, results) -> None:
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
             line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
+        if args.page_baseline:
+            line += f"{med[BASELINE_PAGES]:>17.3f}{ratios(rounds, BASELINE_PAGES)[0]:>10.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
@@ -662,6 +685,8 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--hash-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "crc32c package's CRC32C (paired with fsdp2's default implementation)")
+    parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
+                        "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
