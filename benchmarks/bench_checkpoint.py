@@ -128,7 +128,8 @@ def _build(cfg, mesh, device):
 
 def _init_world(rank, world, port, args):
     """Process group and 1-D mesh for this rank; returns (device, mesh)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # As torchrun does: fsdp2 shares the host's cores among its ranks' reader threads by it.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     if args.device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings

@@ -178,3 +178,31 @@ def test_overlapping_chunks_are_refused_in_any_order(second):
     chunks.insert(100, Region(second, (4, 4)))  # overlaps a chunk it is not listed next to
     with pytest.raises(ck.CheckpointError, match=r"of 'model/w' overlap"):
         ckformat.check_tiling("model/w", (1024, 8), chunks)
+
+
+@pytest.mark.parametrize("cpus, local_world_size, threads", [
+    (2, None, 2), (16, None, 8), (1, None, 2), (2, "1", 2), (2, "2", 1), (2, "4", 1), (16, "4", 4), (64, "2", 8),
+    (2, "not a number", 2), (2, "0", 2)])
+def test_reader_threads_share_the_cores_among_local_ranks(monkeypatch, cpus, local_world_size, threads):
+    """2 ranks on 2 cores with 2 reader threads each loaded 1.6 GB ~1.5x slower than with one each."""
+    monkeypatch.setattr(tensor_reader.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert tensor_reader.read_threads() == threads
+
+
+def test_a_rank_with_one_core_of_its_own_reads_without_a_thread_pool(tmp_path, monkeypatch):
+    path = str(tmp_path / "c")
+    ck.save(path, _stack(4))
+    monkeypatch.setattr(tensor_reader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a thread pool was started")
+
+    monkeypatch.setattr(tensor_reader, "ThreadPoolExecutor", no_pool)
+    target = _stack(4, seed=1)
+    ck.load(path, target)
+    assert_same_state(full_state(target), full_state(_stack(4)))

@@ -3,7 +3,7 @@
 A request says: this stored chunk (a row-major box of a tensor at some offset of a file), the
 part of it I need (a box in global coordinates), and the tensor to put it in (shaped like the
 part, any dtype: a dtype conversion happens in the copy). :class:`ReadPass` turns requests
-into tasks of at most :data:`PIECE_BYTES`, runs them on :data:`READ_THREADS` threads and
+into tasks of at most :data:`PIECE_BYTES`, runs them on :func:`read_threads` threads and
 returns how many bytes it read and checked.
 
 What a task reads:
@@ -40,7 +40,7 @@ from .integrity import BlockGrid, checksum, checksum_function
 from .paths import open_checkpoint_file
 from .safetensors_io import SafetensorsHeader, read_header
 
-READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
 HOT_BYTES = 1 << 20  # verified reads go in windows this big: hashed while still in the CPU cache
 
@@ -131,12 +131,33 @@ class _Task:
         return (self.hi - self.lo) * self.chunk.row_bytes
 
 
+def read_threads() -> int:
+    """Reader threads per rank: this process's CPUs shared among the ranks of its host, 1 to 8.
+
+    Ranks on one host read at the same time; more threads than cores only add contention (2 ranks
+    with 2 threads each on 2 cores loaded 1.6 GB ~1.5x slower than with 1 thread each,
+    benchmarks/RESULTS.md). The ranks per host come from ``LOCAL_WORLD_SIZE``, which torchrun sets;
+    without it a rank counts as alone on its host (2 threads at least, as before).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        local_ranks = 0
+    if local_ranks < 1:
+        return max(2, min(MAX_READ_THREADS, cpus))
+    return max(1, min(MAX_READ_THREADS, cpus // local_ranks))
+
+
 @dataclass
 class ReadPass:
     """Collect requests with :meth:`add`, then :meth:`run` them; reusable scratch per thread."""
 
     verify: bool = True
-    threads: int = READ_THREADS
+    threads: int | None = None  # default: read_threads()
     tasks: list[_Task] = field(default_factory=list)
 
     def add(self, chunk: StoredChunk, part: Region, dest: torch.Tensor | None) -> None:
@@ -198,11 +219,12 @@ class ReadPass:
                 counts.bytes_verified += verified
             progress.advance(read)
 
-        if self.threads <= 1 or len(tasks) == 1:
+        threads = read_threads() if self.threads is None else self.threads
+        if threads <= 1 or len(tasks) == 1:
             for t in tasks:
                 work(t)
         else:
-            with ThreadPoolExecutor(max_workers=min(self.threads, len(tasks)),
+            with ThreadPoolExecutor(max_workers=min(threads, len(tasks)),
                                     thread_name_prefix="fsdp2-ckpt-read") as pool:
                 futures = [pool.submit(work, t) for t in tasks]
                 for f in futures:
