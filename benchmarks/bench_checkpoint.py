@@ -608,19 +608,26 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
+# MiB per load buffer of one of 2 ranks of the 125m preset: half the embedding, then per block the
+# MLP's two weights, the attention's qkv and output weights (x3 with AdamW's moments, in any order).
+LOAD_BUFFER_MIB = [46.875] + [4.5, 4.5, 3.375, 1.125] * 15
+
+
+def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, tuple[float, float]]:
     """Where a warm-page-cache load's time goes: read a ``mib`` MiB file (in the page cache) into a
     buffer in 16 MiB preads, into fresh memory (as every load's new buffers) or memory touched
     before, plain or hashed in ~1 MiB windows as a verified load does (fsdp2's CRC32C and the
-    crc32c package), and fresh memory advised as transparent huge pages. Median ms per case,
-    cases interleaved per round."""
+    crc32c package), fresh memory advised as transparent huge pages, and ~250 MiB into fresh
+    buffers sized like a 125m rank's (:data:`LOAD_BUFFER_MIB`) allocated as fsdp2's load allocates
+    them (``fresh_memory.empty``: whole huge pages advised) and with ``FSDP2_LOAD_HUGEPAGES=0``.
+    (median, max) ms per case, cases interleaved per round; the max shows stalls (compaction)."""
     import ctypes
     import mmap
 
     import numpy as np
     import torch
 
-    from fsdp2.checkpoint import integrity
+    from fsdp2.checkpoint import fresh_memory, integrity
 
     n, piece, window, block, huge = mib << 20, 16 << 20, 1 << 20, 128 << 10, 2 << 20
     path = os.path.join(tempfile.mkdtemp(prefix="bench_touch_"), "data")
@@ -647,6 +654,16 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
         libc.madvise(buf.data_ptr() + start, n, getattr(mmap, "MADV_HUGEPAGE", 14))
         read(buf[start:start + n])
 
+    def load_buffers(setting: str):
+        os.environ[fresh_memory.ENV] = setting
+        off = 0
+        for size in LOAD_BUFFER_MIB:
+            nbytes = int(size * (1 << 20)) // 4 * 4
+            view = memoryview(fresh_memory.empty((nbytes // 4,), torch.float32).view(torch.uint8).numpy())
+            for at in range(0, nbytes, piece):
+                os.preadv(fd, [view[at:at + piece]], off + at)
+            off += nbytes
+
     cases = {
         "fresh memory": lambda: read(torch.empty(n, dtype=torch.uint8)),
         f"fresh memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(torch.empty(n, dtype=torch.uint8),
@@ -656,6 +673,8 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
         f"touched memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(touched, fastest),
         "touched memory, hashed (crc32c pkg)": lambda: read(touched, package),
         "fresh memory, MADV_HUGEPAGE": fresh_huge,
+        "load buffers, fsdp2 (whole huge pages advised)": lambda: load_buffers("1"),
+        "load buffers, FSDP2_LOAD_HUGEPAGES=0": lambda: load_buffers("0"),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     try:
@@ -667,7 +686,7 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
     finally:
         os.close(fd)
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    return {name: (statistics.median(v) * 1e3, max(v) * 1e3) for name, v in times.items()}
 
 
 def main():
@@ -704,9 +723,10 @@ def main():
     if args.first_touch:
         mib = 256
         print(f"read {mib} MiB from the page cache, one thread, load average {os.getloadavg()[0]:.1f}; "
-              "medians of 9 interleaved rounds")
-        for name, ms in first_touch_table(mib).items():
-            print(f"{name:<44}{ms:>9.1f} ms{mib / 1024 / (ms / 1e3):>7.1f} GiB/s")
+              "medians (and maxima) of 9 interleaved rounds")
+        for name, (ms, worst) in first_touch_table(mib).items():
+            size = sum(LOAD_BUFFER_MIB) if name.startswith("load buffers") else mib
+            print(f"{name:<48}{ms:>9.1f} ms{size / 1024 / (ms / 1e3):>7.1f} GiB/s   max {worst:>7.1f} ms")
         return
     import socket
 
