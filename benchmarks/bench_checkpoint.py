@@ -28,7 +28,8 @@ Rows:
   ratios verified / DCP and verification cost (verified - verify=False) / verify=False;
   --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
   fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
-  adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``).
+  adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
+  --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads).
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -230,10 +231,12 @@ def _worker(rank, world, port, args, out):
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
 BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
 BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
+BASELINE_THREADS = "fsdp2 verified, 2+ threads"  # --thread-baseline: verified, reader threads not shared by rank
 
 
 def _kinds(args) -> tuple[str, ...]:
-    return LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
+    return (LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
+            + ((BASELINE_THREADS,) if args.thread_baseline else ()))
 
 
 def _with_checksum_implementation(name: str, fn):
@@ -250,20 +253,21 @@ def _with_checksum_implementation(name: str, fn):
     return run
 
 
-def _without_huge_pages(fn):
-    """``fn`` run with fsdp2's load buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``)."""
-    from fsdp2.checkpoint import fresh_memory
-
+def _with_env(name: str, value: str | None, fn):
+    """``fn`` run with environment variable ``name`` set to ``value`` (None: unset)."""
     def run():
-        kept = os.environ.get(fresh_memory.ENV)
-        os.environ[fresh_memory.ENV] = "0"
+        kept = os.environ.get(name)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
         try:
             fn()
         finally:
             if kept is None:
-                del os.environ[fresh_memory.ENV]
+                os.environ.pop(name, None)
             else:
-                os.environ[fresh_memory.ENV] = kept
+                os.environ[name] = kept
     return run
 
 
@@ -291,7 +295,10 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
             BASELINE_HASH: _with_checksum_implementation("crc32c", lambda: ck.load(ours, model, opt)),
-            BASELINE_PAGES: _without_huge_pages(lambda: ck.load(ours, model, opt)),
+            # fsdp2.checkpoint.fresh_memory.ENV: load buffers left to 4 KiB pages
+            BASELINE_PAGES: _with_env("FSDP2_LOAD_HUGEPAGES", "0", lambda: ck.load(ours, model, opt)),
+            # without LOCAL_WORLD_SIZE a rank reads with at least 2 threads, as before it was used
+            BASELINE_THREADS: _with_env("LOCAL_WORLD_SIZE", None, lambda: ck.load(ours, model, opt)),
         }
         kinds = _kinds(args)
         evict = [ours, theirs] if args.cold else []
@@ -327,6 +334,7 @@ def _sweep_report(args, results) -> None:
           f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
     extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
     extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
+    extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
           f"{'verified / DCP':>16}{'verify cost':>13}{extra}")
 
@@ -346,6 +354,8 @@ def _sweep_report(args, results) -> None:
             line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
         if args.page_baseline:
             line += f"{med[BASELINE_PAGES]:>17.3f}{ratios(rounds, BASELINE_PAGES)[0]:>10.2f}x"
+        if args.thread_baseline:
+            line += f"{med[BASELINE_THREADS]:>16.3f}{ratios(rounds, BASELINE_THREADS)[0]:>10.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
@@ -707,6 +717,8 @@ def main():
                         "crc32c package's CRC32C (paired with fsdp2's default implementation)")
     parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
+    parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
+                        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the default")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
