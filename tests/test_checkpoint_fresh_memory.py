@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import fresh_memory
-from fsdp2.checkpoint.fresh_memory import HUGE_PAGE, aligned_interior
+from fsdp2.checkpoint.fresh_memory import aligned_interior
 from tests.ckpt_helpers import assert_same_state, full_optim_state, full_state, load_outcome
 
 MiB = 1 << 20
@@ -27,6 +27,7 @@ MiB = 1 << 20
 def advice(monkeypatch) -> list[tuple[int, int]]:
     """The (start, length) of every madvise(MADV_HUGEPAGE) fsdp2 makes, with the kernel faked to want them."""
     calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(fresh_memory, "HUGE_PAGE", 2 * MiB)  # as on x86-64, whatever this kernel's size
     monkeypatch.setattr(fresh_memory, "_kernel_wants_advice", lambda: True)
     monkeypatch.setattr(fresh_memory, "_madvise_hugepage", lambda start, length: calls.append((start, length)))
     monkeypatch.delenv(fresh_memory.ENV, raising=False)
@@ -42,8 +43,8 @@ def _big_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def test_aligned_interior_is_the_whole_huge_pages_inside():
-    H = HUGE_PAGE
+def test_aligned_interior_is_the_whole_huge_pages_inside(advice):
+    H = fresh_memory.HUGE_PAGE
     assert aligned_interior(0, 2 * H) == (0, 2 * H)
     assert aligned_interior(64, 2 * H) == (H, H)  # the first partial page and the tail stay
     assert aligned_interior(H + 64, 3 * MiB) is None  # [2 MiB + 64, 5 MiB + 64) holds no whole page
@@ -52,16 +53,16 @@ def test_aligned_interior_is_the_whole_huge_pages_inside():
     assert aligned_interior(4096, 100) is None
 
 
-@pytest.mark.parametrize("nbytes", [1, 4096, MiB, HUGE_PAGE - 1, 3 * MiB, 16 * MiB, 40 * MiB + 123])
+@pytest.mark.parametrize("nbytes", [1, 4096, MiB, 2 * MiB - 1, 3 * MiB, 16 * MiB, 40 * MiB + 123])
 def test_only_whole_huge_pages_inside_a_buffer_are_advised(advice, nbytes):
     buffer = fresh_memory.empty((nbytes,), torch.uint8)
     start, end = buffer.data_ptr(), buffer.data_ptr() + nbytes
     interior = aligned_interior(start, nbytes)
     assert advice == ([] if interior is None else [interior])
     for a, n in advice:
-        assert a % HUGE_PAGE == 0 and n % HUGE_PAGE == 0 and start <= a and a + n <= end
+        assert a % (2 * MiB) == 0 and n % (2 * MiB) == 0 and start <= a and a + n <= end
     if nbytes >= 16 * MiB:  # large buffers: all but at most one partial page at each end
-        assert sum(n for _, n in advice) >= nbytes - 2 * HUGE_PAGE
+        assert sum(n for _, n in advice) >= nbytes - 4 * MiB
     assert buffer.shape == (nbytes,) and buffer.dtype == torch.uint8
 
 
@@ -110,6 +111,14 @@ def test_no_transparent_huge_pages_at_all(tmp_path, monkeypatch):
     assert not fresh_memory._kernel_wants_advice.__wrapped__()
 
 
+def test_huge_page_size_is_the_kernels(tmp_path, monkeypatch):
+    (tmp_path / "size").write_text("33554432\n")  # arm64 with 16 KiB base pages
+    monkeypatch.setattr(fresh_memory, "THP_PMD_SIZE", str(tmp_path / "size"))
+    assert fresh_memory._pmd_size() == 32 * MiB
+    monkeypatch.setattr(fresh_memory, "THP_PMD_SIZE", str(tmp_path / "absent"))
+    assert fresh_memory._pmd_size() == 2 * MiB
+
+
 def test_load_advises_its_large_buffers_and_values_are_bitwise_equal(tmp_path, monkeypatch, advice):
     source, source_opt = _big_model(0)
     ck.save(tmp_path / "c", source, source_opt)
@@ -121,7 +130,7 @@ def test_load_advises_its_large_buffers_and_values_are_bitwise_equal(tmp_path, m
         ck.load(tmp_path / "c", target, target_opt)
         loaded[setting] = (full_state(target), full_optim_state(target, target_opt), list(advice))
     weight, exp_avg, exp_avg_sq = 3 * [1280 * 1024 * 4]
-    assert len(loaded["1"][2]) == 3 and all(n >= weight - 2 * HUGE_PAGE for _, n in loaded["1"][2])
+    assert len(loaded["1"][2]) == 3 and all(n >= weight - 4 * MiB for _, n in loaded["1"][2])
     assert loaded["0"][2] == []
     for state, optim_state, _ in loaded.values():
         assert_same_state(state, full_state(source))
@@ -152,8 +161,9 @@ def _vm_flags(address: int) -> list[str]:
     return flags
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or fresh_memory.thp_mode() != "madvise",
-                    reason="needs Linux with transparent huge pages in madvise mode")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or fresh_memory.thp_mode() != "madvise"
+                    or fresh_memory.HUGE_PAGE > 2 * MiB,
+                    reason="needs Linux with 2 MiB transparent huge pages in madvise mode")
 def test_the_kernel_records_the_advice_on_the_interior_only(monkeypatch):
     monkeypatch.delenv(fresh_memory.ENV, raising=False)
     buffer = fresh_memory.empty((12 * MiB + 4096,), torch.uint8)

@@ -29,9 +29,21 @@ import torch
 from .errors import CheckpointError
 
 ENV = "FSDP2_LOAD_HUGEPAGES"
-HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 MADV_HUGEPAGE = 14  # Linux uapi value (mmap.MADV_HUGEPAGE where Python exposes it)
+
+
+def _pmd_size() -> int:
+    """The kernel's transparent huge page size: 2 MiB on x86-64 and 4 KiB-page arm64, more with larger base pages."""
+    try:
+        with open(THP_PMD_SIZE) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _pmd_size()
 
 
 def wanted() -> bool:
