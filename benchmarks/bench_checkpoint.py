@@ -718,7 +718,8 @@ def main():
     parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
     parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
-                        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the default")
+                        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the "
+                        "default")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()

@@ -67,7 +67,8 @@ def test_only_whole_huge_pages_inside_a_buffer_are_advised(advice, nbytes):
 
 
 def test_buffers_smaller_than_a_huge_page_are_never_advised(advice):
-    for shape, dtype in [((255, 1024), torch.float64), ((1,), torch.float32), ((), torch.int64), ((0, 4), torch.bfloat16)]:
+    for shape, dtype in [((255, 1024), torch.float64), ((1,), torch.float32), ((), torch.int64),
+                         ((0, 4), torch.bfloat16)]:
         fresh_memory.empty(shape, dtype)
     assert advice == []
 

@@ -84,7 +84,7 @@ def _blocks_of(path: str) -> int:
 
 def test_verified_reads_are_hashed_in_cache_sized_windows(tmp_path, monkeypatch):
     """A 4 MiB tensor (64 blocks of 64 KiB): read in windows of about HOT_BYTES, each block hashed
-    once, by the hash implementation itself (a Python wrapper frame per block was ~5% of a small
+    once, by the hash implementation itself (a Python wrapper frame per block was ~4% of a 13 MB
     verified load); without verification, one read."""
     path = str(tmp_path / "c")
     module = nn.Module()
@@ -184,7 +184,7 @@ def test_overlapping_chunks_are_refused_in_any_order(second):
     (2, None, 2), (16, None, 8), (1, None, 2), (2, "1", 2), (2, "2", 1), (2, "4", 1), (16, "4", 4), (64, "2", 8),
     (2, "not a number", 2), (2, "0", 2)])
 def test_reader_threads_share_the_cores_among_local_ranks(monkeypatch, cpus, local_world_size, threads):
-    """2 ranks on 2 cores with 2 reader threads each loaded 1.6 GB ~1.5x slower than with one each."""
+    """Ranks of one host share its cores: 2 ranks with 2 reader threads each oversubscribe 2 cores."""
     monkeypatch.setattr(tensor_reader.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     if local_world_size is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

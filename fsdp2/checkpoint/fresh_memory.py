@@ -6,15 +6,17 @@ new memory is a page fault that also zeroes the page; in a VM that costs more th
 the page cache itself (``bench_checkpoint.py --first-touch``: 2.3 GiB/s into fresh memory,
 17 GiB/s into touched memory, 12 GiB/s into fresh memory advised as huge pages). So on Linux,
 when transparent huge pages are in ``madvise`` mode, :func:`empty` asks for them on the part of
-each buffer that can hold them: the 2 MiB-aligned interior. Its ends share pages with other
-allocations, so they stay as they are; a buffer with no whole 2 MiB page inside is not advised.
+each buffer that can hold them: its interior aligned to huge pages (2 MiB on x86-64). Its ends
+share pages with other allocations, so they stay as they are; a buffer with no whole huge page
+inside is not advised.
 The memory is still allocated by torch (memory meters and estimates see it); only the kernel's
 choice of page size changes, never a value.
 
 Not advised: in THP mode ``always`` (the kernel already uses huge pages, and advice would add
 direct compaction under ``defrag=madvise``), ``never``, without THP, off Linux, or with
-``FSDP2_LOAD_HUGEPAGES=0``: the opt-out for hosts where memory is so fragmented that the
-kernel's direct compaction for advised memory stalls longer than the faults it saves.
+``FSDP2_LOAD_HUGEPAGES=0``: the opt-out for hosts where a huge page's first touch stalls longer
+than the faults it saves (direct compaction of fragmented memory; on VMs that hand free memory
+back to their host, the host's fault: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

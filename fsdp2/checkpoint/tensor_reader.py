@@ -134,10 +134,10 @@ class _Task:
 def read_threads() -> int:
     """Reader threads per rank: this process's CPUs shared among the ranks of its host, 1 to 8.
 
-    Ranks on one host read at the same time; more threads than cores only add contention (2 ranks
-    with 2 threads each on 2 cores loaded 1.6 GB ~1.5x slower than with 1 thread each,
-    benchmarks/RESULTS.md). The ranks per host come from ``LOCAL_WORLD_SIZE``, which torchrun sets;
-    without it a rank counts as alone on its host (2 threads at least, as before).
+    Ranks on one host read at the same time, so more threads than its cores oversubscribe them
+    (2 ranks on 2 cores: 13 MB and 329 MB loads took 0.30-0.50x DCP's time with one thread per rank,
+    0.32-0.63x with two; benchmarks/RESULTS.md). The ranks per host come from ``LOCAL_WORLD_SIZE``,
+    which torchrun sets; without it a rank counts as alone on its host (2 threads at least, as before).
     """
     try:
         cpus = len(os.sched_getaffinity(0))
