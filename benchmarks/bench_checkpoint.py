@@ -27,7 +27,9 @@ Rows:
   that load from other jobs hits all three alike; prints medians and the medians of the per-round
   ratios verified / DCP and verification cost (verified - verify=False) / verify=False;
   --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
-  fsdp2's default implementation (``fastcrc`` when installed), to the rotation.
+  fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
+  adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
+  --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads).
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -127,7 +129,8 @@ def _build(cfg, mesh, device):
 
 def _init_world(rank, world, port, args):
     """Process group and 1-D mesh for this rank; returns (device, mesh)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # As torchrun does: fsdp2 shares the host's cores among its ranks' reader threads by it.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     if args.device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
@@ -227,10 +230,13 @@ def _worker(rank, world, port, args, out):
 
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
 BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
+BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
+BASELINE_THREADS = "fsdp2 verified, 2+ threads"  # --thread-baseline: verified, reader threads not shared by rank
 
 
 def _kinds(args) -> tuple[str, ...]:
-    return LOADS + (BASELINE_HASH,) if args.hash_baseline else LOADS
+    return (LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
+            + ((BASELINE_THREADS,) if args.thread_baseline else ()))
 
 
 def _with_checksum_implementation(name: str, fn):
@@ -244,6 +250,24 @@ def _with_checksum_implementation(name: str, fn):
             fn()
         finally:
             integrity._crc32c = kept
+    return run
+
+
+def _with_env(name: str, value: str | None, fn):
+    """``fn`` run with environment variable ``name`` set to ``value`` (None: unset)."""
+    def run():
+        kept = os.environ.get(name)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        try:
+            fn()
+        finally:
+            if kept is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = kept
     return run
 
 
@@ -271,6 +295,10 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
             BASELINE_HASH: _with_checksum_implementation("crc32c", lambda: ck.load(ours, model, opt)),
+            # fsdp2.checkpoint.fresh_memory.ENV: load buffers left to 4 KiB pages
+            BASELINE_PAGES: _with_env("FSDP2_LOAD_HUGEPAGES", "0", lambda: ck.load(ours, model, opt)),
+            # without LOCAL_WORLD_SIZE a rank reads with at least 2 threads, as before it was used
+            BASELINE_THREADS: _with_env("LOCAL_WORLD_SIZE", None, lambda: ck.load(ours, model, opt)),
         }
         kinds = _kinds(args)
         evict = [ours, theirs] if args.cold else []
@@ -305,6 +333,8 @@ def _sweep_report(args, results) -> None:
           f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
           f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
     extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
+    extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
+    extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
           f"{'verified / DCP':>16}{'verify cost':>13}{extra}")
 
@@ -322,6 +352,10 @@ def _sweep_report(args, results) -> None:
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
             line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
+        if args.page_baseline:
+            line += f"{med[BASELINE_PAGES]:>17.3f}{ratios(rounds, BASELINE_PAGES)[0]:>10.2f}x"
+        if args.thread_baseline:
+            line += f"{med[BASELINE_THREADS]:>16.3f}{ratios(rounds, BASELINE_THREADS)[0]:>10.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
@@ -584,19 +618,26 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
+# MiB per load buffer of one of 2 ranks of the 125m preset: half the embedding, then per block the
+# MLP's two weights, the attention's qkv and output weights (x3 with AdamW's moments, in any order).
+LOAD_BUFFER_MIB = [46.875] + [4.5, 4.5, 3.375, 1.125] * 15
+
+
+def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, tuple[float, float]]:
     """Where a warm-page-cache load's time goes: read a ``mib`` MiB file (in the page cache) into a
     buffer in 16 MiB preads, into fresh memory (as every load's new buffers) or memory touched
     before, plain or hashed in ~1 MiB windows as a verified load does (fsdp2's CRC32C and the
-    crc32c package), and fresh memory advised as transparent huge pages. Median ms per case,
-    cases interleaved per round."""
+    crc32c package), fresh memory advised as transparent huge pages, and ~250 MiB into fresh
+    buffers sized like a 125m rank's (:data:`LOAD_BUFFER_MIB`) allocated as fsdp2's load allocates
+    them (``fresh_memory.empty``: whole huge pages advised) and with ``FSDP2_LOAD_HUGEPAGES=0``.
+    (median, max) ms per case, cases interleaved per round; the max shows stalls (compaction)."""
     import ctypes
     import mmap
 
     import numpy as np
     import torch
 
-    from fsdp2.checkpoint import integrity
+    from fsdp2.checkpoint import fresh_memory, integrity
 
     n, piece, window, block, huge = mib << 20, 16 << 20, 1 << 20, 128 << 10, 2 << 20
     path = os.path.join(tempfile.mkdtemp(prefix="bench_touch_"), "data")
@@ -623,6 +664,16 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
         libc.madvise(buf.data_ptr() + start, n, getattr(mmap, "MADV_HUGEPAGE", 14))
         read(buf[start:start + n])
 
+    def load_buffers(setting: str):
+        os.environ[fresh_memory.ENV] = setting
+        off = 0
+        for size in LOAD_BUFFER_MIB:
+            nbytes = int(size * (1 << 20)) // 4 * 4
+            view = memoryview(fresh_memory.empty((nbytes // 4,), torch.float32).view(torch.uint8).numpy())
+            for at in range(0, nbytes, piece):
+                os.preadv(fd, [view[at:at + piece]], off + at)
+            off += nbytes
+
     cases = {
         "fresh memory": lambda: read(torch.empty(n, dtype=torch.uint8)),
         f"fresh memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(torch.empty(n, dtype=torch.uint8),
@@ -632,6 +683,8 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
         f"touched memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(touched, fastest),
         "touched memory, hashed (crc32c pkg)": lambda: read(touched, package),
         "fresh memory, MADV_HUGEPAGE": fresh_huge,
+        "load buffers, fsdp2 (whole huge pages advised)": lambda: load_buffers("1"),
+        "load buffers, FSDP2_LOAD_HUGEPAGES=0": lambda: load_buffers("0"),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     try:
@@ -643,7 +696,7 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, float]:
     finally:
         os.close(fd)
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    return {name: (statistics.median(v) * 1e3, max(v) * 1e3) for name, v in times.items()}
 
 
 def main():
@@ -662,6 +715,11 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--hash-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "crc32c package's CRC32C (paired with fsdp2's default implementation)")
+    parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
+                        "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
+    parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
+                        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the "
+                        "default")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
@@ -678,9 +736,10 @@ def main():
     if args.first_touch:
         mib = 256
         print(f"read {mib} MiB from the page cache, one thread, load average {os.getloadavg()[0]:.1f}; "
-              "medians of 9 interleaved rounds")
-        for name, ms in first_touch_table(mib).items():
-            print(f"{name:<44}{ms:>9.1f} ms{mib / 1024 / (ms / 1e3):>7.1f} GiB/s")
+              "medians (and maxima) of 9 interleaved rounds")
+        for name, (ms, worst) in first_touch_table(mib).items():
+            size = sum(LOAD_BUFFER_MIB) if name.startswith("load buffers") else mib
+            print(f"{name:<48}{ms:>9.1f} ms{size / 1024 / (ms / 1e3):>7.1f} GiB/s   max {worst:>7.1f} ms")
         return
     import socket
 

@@ -35,7 +35,7 @@ from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 from fsdp2.tools.progress import ByteProgress
 
-from . import _dist
+from . import _dist, fresh_memory
 from .errors import CheckpointError
 from .paths import read_checkpoint_text
 from .reader import LoadStats
@@ -278,7 +278,7 @@ def _read(files: OpenFiles, targets: list[_Target], stats: LoadStats) -> None:
         if t.region is None:
             continue
         info = t.source.info
-        t.buffer = torch.empty(t.region.shape, dtype=t.value.dtype)
+        t.buffer = fresh_memory.empty(t.region.shape, t.value.dtype)
         fd, _ = files.open(t.source.file)
         chunk = StoredChunk(files.full_path(t.source.file), fd, info.begin, Region.whole(info.shape), info.dtype,
                             f"tensor {t.source.name!r}")

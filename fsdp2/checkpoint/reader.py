@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _dist
+from . import _dist, fresh_memory
 from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
@@ -113,7 +113,7 @@ class _Plan:
     def add(self, key: str, entry: TensorEntry, region: Region | None) -> None:
         if region is None:
             return
-        buffer = torch.empty(region.shape, dtype=entry.torch_dtype)
+        buffer = fresh_memory.empty(region.shape, entry.torch_dtype)
         self.targets[key] = _Target(key, entry, region, buffer)
 
     def needed_files(self) -> list[str]:

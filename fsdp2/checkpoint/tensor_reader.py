@@ -3,7 +3,7 @@
 A request says: this stored chunk (a row-major box of a tensor at some offset of a file), the
 part of it I need (a box in global coordinates), and the tensor to put it in (shaped like the
 part, any dtype: a dtype conversion happens in the copy). :class:`ReadPass` turns requests
-into tasks of at most :data:`PIECE_BYTES`, runs them on :data:`READ_THREADS` threads and
+into tasks of at most :data:`PIECE_BYTES`, runs them on :func:`read_threads` threads and
 returns how many bytes it read and checked.
 
 What a task reads:
@@ -36,11 +36,11 @@ from fsdp2.layout.regions import Region
 from fsdp2.tools.progress import SILENT, ByteProgress
 
 from .errors import CheckpointError
-from .integrity import BlockGrid, checksum
+from .integrity import BlockGrid, checksum, checksum_function
 from .paths import open_checkpoint_file
 from .safetensors_io import SafetensorsHeader, read_header
 
-READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
 HOT_BYTES = 1 << 20  # verified reads go in windows this big: hashed while still in the CPU cache
 
@@ -131,12 +131,33 @@ class _Task:
         return (self.hi - self.lo) * self.chunk.row_bytes
 
 
+def read_threads() -> int:
+    """Reader threads per rank: this process's CPUs shared among the ranks of its host, 1 to 8.
+
+    Ranks on one host read at the same time, so more threads than its cores oversubscribe them
+    (2 ranks on 2 cores: 13 MB and 329 MB loads took 0.30-0.50x DCP's time with one thread per rank,
+    0.32-0.63x with two; benchmarks/RESULTS.md). The ranks per host come from ``LOCAL_WORLD_SIZE``,
+    which torchrun sets; without it a rank counts as alone on its host (2 threads at least, as before).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        local_ranks = 0
+    if local_ranks < 1:
+        return max(2, min(MAX_READ_THREADS, cpus))
+    return max(1, min(MAX_READ_THREADS, cpus // local_ranks))
+
+
 @dataclass
 class ReadPass:
     """Collect requests with :meth:`add`, then :meth:`run` them; reusable scratch per thread."""
 
     verify: bool = True
-    threads: int = READ_THREADS
+    threads: int | None = None  # default: read_threads()
     tasks: list[_Task] = field(default_factory=list)
 
     def add(self, chunk: StoredChunk, part: Region, dest: torch.Tensor | None) -> None:
@@ -198,11 +219,12 @@ class ReadPass:
                 counts.bytes_verified += verified
             progress.advance(read)
 
-        if self.threads <= 1 or len(tasks) == 1:
+        threads = read_threads() if self.threads is None else self.threads
+        if threads <= 1 or len(tasks) == 1:
             for t in tasks:
                 work(t)
         else:
-            with ThreadPoolExecutor(max_workers=min(self.threads, len(tasks)),
+            with ThreadPoolExecutor(max_workers=min(threads, len(tasks)),
                                     thread_name_prefix="fsdp2-ckpt-read") as pool:
                 futures = [pool.submit(work, t) for t in tasks]
                 for f in futures:
@@ -289,11 +311,20 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
         edges = [e - base for e in edges]
     step = max(1, HOT_BYTES // (chunk.grid.block_elems * chunk.grid.itemsize))  # blocks per window
     cuts = [*range(0, len(edges) - 1, step), len(edges) - 1]
+    segments = [s for s in segments if len(s)]
     got: list[int] = []
-    for i, j in zip(cuts, cuts[1:]):
-        window = _window(segments, edges[i], edges[j])
-        _preadv(chunk, list(window), file_offset + edges[i])
-        got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
+    if len(segments) == 1:
+        # The usual case (a whole-row read into one buffer): each block hashed straight from it,
+        # one C call per block and no Python frame around it.
+        view, crc = segments[0], checksum_function()
+        for i, j in zip(cuts, cuts[1:]):
+            _preadv(chunk, [view[edges[i]:edges[j]]], file_offset + edges[i])
+            got += [crc(view[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1:j + 1])]
+    else:
+        for i, j in zip(cuts, cuts[1:]):
+            window = _window(segments, edges[i], edges[j])
+            _preadv(chunk, list(window), file_offset + edges[i])
+            got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
     expected = list(chunk.checksums[first:first + len(got)])
     if got != expected:
         i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
