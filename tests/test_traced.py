@@ -330,6 +330,8 @@ def _compile_with(rank, world_size, setup):
         model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
     elif setup == "all_reduce_hook":
         model.blocks[1].set_all_reduce_hook(lambda grad: None)
+    elif setup == "stale_grad_sink":  # as if its dtypes had changed without fsdp2 re-reading them
+        model.blocks[0].__dict__["_fsdp_state"].traced.grad_sinks.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
     try:
@@ -347,6 +349,7 @@ def _compile_with(rank, world_size, setup):
         ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
         ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
         ("replaced", ["fully_shard(Block)", "mlp.0.weight", "load_state_dict"]),
+        ("stale_grad_sink", ["fully_shard(Block)", "re-reading", "module.to()"]),  # not a dropped gradient
     ],
 )
 def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):

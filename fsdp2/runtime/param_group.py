@@ -21,8 +21,8 @@ The hooks (fsdp2.runtime.hooks) call the lifecycle verbs ``pre_forward``, ``post
 from __future__ import annotations
 
 import logging
-from typing import Callable
 from enum import Enum, auto
+from typing import Callable
 
 import torch
 

@@ -102,6 +102,10 @@ class _GatherReduce(torch.autograd.Function):
         return reduced.to(r.grad_dtype), None, None, None, None, None, None
 
 
+def _takes_grad(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -201,6 +205,13 @@ class TracedGroup:
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
             flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
+            stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
+            if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
+                # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
+                raise FSDPUsageError(
+                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                    "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
+                )
             accumulator = self.accumulators.get(bucket.key)
             if not sync and (accumulator is None or accumulator.numel() != bucket.gathered_numel):
                 raise FSDPUsageError(
@@ -241,8 +252,8 @@ class TracedGroup:
         sinks = {}
         for bucket in self._buckets():
             dtype = bucket.reduction.grad_dtype
-            if not (dtype.is_floating_point or dtype.is_complex):
-                continue  # no gradient
+            if not _takes_grad(dtype):
+                continue
             numel = bucket.gathered_numel // bucket.reduction.world
             sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
             sink.register_post_accumulate_grad_hook(_GradHandOff(tuple(bucket.params), self.drop_accumulated))
