@@ -21,7 +21,9 @@ not have. The allocator's own counts (``torch`` storage bytes) are the same eith
 ``--compiled`` measures compiled steps instead (``--backend``, default inductor): fsdp2 with the
 whole model under ``torch.compile(fullgraph=True)`` (fsdp2's traced path) against eager fsdp2,
 PyTorch FSDP2 eager and with each block compiled, and the unsharded model compiled whole; and
-reports what PyTorch FSDP2 does under ``torch.compile(model, fullgraph=True)``.
+reports what PyTorch FSDP2 does under ``torch.compile(model, fullgraph=True)``. For Python calls
+(``--counts``) use ``--pg fake``: PyTorch's fake process group is C++, as gloo and NCCL are, while
+the no-op group's collectives are Python (~8 calls each, counted in every column).
 """
 
 from __future__ import annotations

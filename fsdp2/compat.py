@@ -102,6 +102,13 @@ def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list
     ]
 
 
+# ``flat`` as consecutive views shaped like each of ``like`` (only their shapes are read: meta
+# tensors will do), in one call; torch's own gradient-bucket helper, private but stable since 1.x.
+unflatten_dense_tensors: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]] = (
+    torch._C._nn.unflatten_dense_tensors
+)
+
+
 def make_dtensor(
     local: torch.Tensor,
     mesh: DeviceMesh,

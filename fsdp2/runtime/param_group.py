@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum, auto
+from typing import Callable
 
 import torch
 
@@ -126,6 +127,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
+        self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
         self.all_gather_policy: AllGatherPolicy | None = None
         self._assign_codecs()
@@ -153,6 +155,8 @@ class ParamGroup:
         self._assign_codecs()
         self.gather.rebuild()
         self.reduce.rebuild()
+        if self.on_params_refreshed is not None:
+            self.on_params_refreshed()
 
     def set_all_gather_policy(self, policy: AllGatherPolicy | None, owner: str) -> None:
         """Gather the parameters ``policy`` picks quantized from now on (None: as they are)."""

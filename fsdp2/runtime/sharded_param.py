@@ -203,39 +203,19 @@ class ShardedParam:
 
     # -- the traced path's input ------------------------------------------------------------------
 
-    # The group's callback when this (its first) parameter gets its gradient on the traced path.
-    after_traced_grad: Callable[[], None] | None = None
-
     def _make_traced_leaf(self) -> None:
-        """``traced_leaf``: the local shard as a plain leaf tensor sharing its storage (and version
+        """``traced_leaf``: the local shard as a plain tensor sharing its storage (and version
         counter), which a compiled graph (fsdp2.runtime.traced) gathers from. A plain tensor, not
         the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
-        on every step. Its gradient is handed to the DTensor's ``.grad`` as autograd leaves it."""
+        on every step. It takes no gradient: the group's reduced gradient goes to one leaf per
+        bucket (``TracedGroup``'s grad sinks), which hands it to every DTensor ``.grad`` at once."""
         shard = self.local_shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
             real = shard.device.type != "meta" and not isinstance(shard, FakeTensor)  # fakes have no data_ptr
             if real and leaf.data_ptr() == shard.data_ptr():
                 return  # still the shard's memory (and no new tensor inside a functorch transform)
-        # Always requires a gradient (a float one): the DTensor may be frozen or unfrozen after
-        # fully_shard, which the compiled graph does not see; the hand-off honours it.
-        self.traced_leaf = shard.detach().requires_grad_(shard.is_floating_point() or shard.is_complex())
-        if self.traced_leaf.requires_grad:
-            self.traced_leaf.register_post_accumulate_grad_hook(self._take_traced_grad)
-
-    def _take_traced_grad(self, leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
-        if grad is None:
-            return  # a backward without gradient sync: the group's accumulator took it
-        if self.after_traced_grad is not None:
-            self.after_traced_grad()
-        if not self.sharded_param.requires_grad:
-            return  # frozen: eager fsdp2 computes no gradient for it
-        existing = self.sharded_param.grad
-        if existing is None:
-            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, grad)
-        else:
-            compat.local_tensor(existing).add_(grad)
+        self.traced_leaf = shard.detach()
 
     # -- all-gather -----------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ and autograd builds the backward. How it maps to the eager path:
   cast to ``reduce_dtype``, reduce-scattered, all-reduced across replicas under HSDP and divided
   with eager's reduce ops and divisions (``GroupReduce.plan``), then cast to the shard's dtype.
   The graph's inputs are the shards as plain tensors (``ShardedParam.traced_leaf``, sharing the
-  DTensor's storage), so no DTensor is wrapped or unwrapped per step; autograd accumulates their
-  gradients and a hook hands each to the DTensor's ``.grad`` (added to one already there, as eager).
+  DTensor's storage), so no DTensor is wrapped or unwrapped per step. They take no gradient: the
+  bucket's reduced flat shard goes to one leaf per bucket (its grad sink), whose hook writes every
+  parameter's DTensor ``.grad`` in one call (added to one already there, as eager), so the
+  compiled backward returns one tensor per bucket, not a view per parameter.
 - reshard after forward (eager: free, gather again in backward): the gather runs inside a
   selective activation-checkpoint region whose ops are all MUST_RECOMPUTE, so the gathered
   parameters are not saved for backward: backward gathers again. Partitioners that rematerialise
@@ -36,14 +38,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import schedule
+from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
     from fsdp2.runtime.param_group import ParamGroup
@@ -69,12 +73,13 @@ class _Reduction:
 
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
-    gradient of the gathered row as eager's post-backward reduces a group's gradients; without
+    gradient of the gathered row as eager's post-backward reduces a group's gradients, and hand
+    the reduced flat shard to ``grad_sink`` (a leaf; ``flat_shards`` takes no gradient); without
     gradient sync, hand it unreduced to ``accumulator`` (a leaf: autograd sums it over
     microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
 
     @staticmethod
-    def forward(ctx, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
+    def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
         gathered = _c10d.all_gather_into_tensor(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
@@ -85,7 +90,7 @@ class _GatherReduce(torch.autograd.Function):
         r: _Reduction = ctx.reduction
         grad = grad.to(r.reduce_dtype).contiguous()
         if not ctx.sync:
-            return None, grad, None, None, None, None
+            return None, None, grad, None, None, None, None
         (accumulated,) = ctx.saved_tensors
         if accumulated is not None:
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
@@ -96,7 +101,11 @@ class _GatherReduce(torch.autograd.Function):
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
-        return reduced.to(r.grad_dtype), None, None, None, None, None
+        return reduced.to(r.grad_dtype), None, None, None, None, None, None
+
+
+def _takes_grad(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -121,6 +130,37 @@ class _Bucket:
         return self.reduction.world * sum(p.layout.padded_shard_numel for p in self.params)
 
 
+class _GradHandOff:
+    """A bucket's reduced flat shard (``padded_shard_numel`` per parameter, parameter after
+    parameter) to its parameters' DTensor ``.grad``, as eager's post-backward writes them: one
+    call per bucket (autograd's hook on its grad sink), with no Python call per parameter in the
+    common case (no padding on this rank, first gradients, none frozen)."""
+
+    def __init__(self, params: tuple["ShardedParam", ...], before: Callable[[], None]):
+        self.params = params
+        self.before = before  # the group's: drop the sums of backwards without sync, added in now
+        self.widths = [p.layout.padded_shard_numel for p in params]
+        # No padding on this rank: the reduced flat shard is the local shards back to back.
+        self.packed = all(p.layout.local_rows == p.layout.chunk for p in params)
+        self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
+
+    def __call__(self, sink: torch.Tensor) -> None:
+        reduced, sink.grad = sink.grad, None
+        if reduced is None:
+            return  # a backward without gradient sync: the group's accumulator took it
+        self.before()
+        dtensors = [p.sharded_param for p in self.params]
+        if self.packed and all([d.grad is None and d.requires_grad for d in dtensors]):
+            grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
+            for dtensor, grad in zip(dtensors, grads):
+                dtensor.grad = grad
+            return
+        slots = torch.split_with_sizes(reduced, self.widths)
+        # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
+        trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
+        accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
+
+
 class TracedGroup:
     """The traced path of one ParamGroup: its gather as graph ops, and which modules see it.
 
@@ -137,6 +177,9 @@ class TracedGroup:
         self.modules_left = 0
         self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
         self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
+        self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
+        self.prepare_grad_sinks()
+        group.on_params_refreshed = self.prepare_grad_sinks  # dtypes may have changed: new buckets
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -148,17 +191,29 @@ class TracedGroup:
         params = self.group.params
         if not params:
             return []
-        shards = [p.traced_leaf for p in params]
+        buckets = self._buckets()
+        # Passed in (not read inside): the checkpoint region's inputs are its arguments.
+        sinks = [self.grad_sinks.get(bucket.key) for bucket in buckets]
+        tensors = [*sinks, *(p.traced_leaf for p in params)]
         if recompute_in_backward:
-            return list(checkpoint(self._gather, *shards, use_reentrant=False, context_fn=_recompute_in_backward))
-        return self._gather(*shards)
+            return list(checkpoint(self._gather, buckets, *tensors, use_reentrant=False, context_fn=_recompute_in_backward))
+        return self._gather(buckets, *tensors)
 
-    def _gather(self, *shards: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, buckets: list[_Bucket], *tensors: torch.Tensor | None) -> list[torch.Tensor]:
+        """``tensors``: each bucket's grad sink, then every parameter's shard."""
+        sinks, shards = tensors[: len(buckets)], tensors[len(buckets) :]
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
-        for bucket in self._buckets():
+        for bucket, sink in zip(buckets, sinks):
             flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
+            stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
+            if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
+                # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
+                raise FSDPUsageError(
+                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                    "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
+                )
             accumulator = self.accumulators.get(bucket.key)
             if not sync and (accumulator is None or accumulator.numel() != bucket.gathered_numel):
                 raise FSDPUsageError(
@@ -166,7 +221,7 @@ class TracedGroup:
                     "since set_requires_gradient_sync(False); call it again after the change."
                 )
             accumulated = self.accumulated.get(bucket.key)
-            gathered = _GatherReduce.apply(flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync)
+            gathered = _GatherReduce.apply(sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync)
             rows = gathered.view(bucket.reduction.world, -1)
             widths = [p.layout.padded_shard_numel for p in bucket.params]
             for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
@@ -192,6 +247,23 @@ class TracedGroup:
             by_key[key].params.append(p)
         return list(by_key.values())
 
+    # -- the gradient hand-off ----------------------------------------------------------------
+
+    def prepare_grad_sinks(self) -> None:
+        """Eager (at fully_shard and whenever the parameters are re-read): per bucket a leaf that
+        autograd hands the reduced flat shard, with a :class:`_GradHandOff` as its hook. One
+        element of storage: only its gradient is ever read."""
+        sinks = {}
+        for bucket in self._buckets():
+            dtype = bucket.reduction.grad_dtype
+            if not _takes_grad(dtype):
+                continue
+            numel = bucket.gathered_numel // bucket.reduction.world
+            sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
+            sink.register_post_accumulate_grad_hook(_GradHandOff(tuple(bucket.params), self.drop_accumulated))
+            sinks[bucket.key] = sink
+        self.grad_sinks = sinks
+
     # -- gradient accumulation without sync ------------------------------------------------------
 
     def prepare_accumulation(self) -> None:
@@ -206,9 +278,6 @@ class TracedGroup:
                 self.accumulators[bucket.key] = leaf.requires_grad_()
                 # The sum as a plain attribute: dynamo cannot hand a ``.grad`` read to a Function.
                 leaf.register_post_accumulate_grad_hook(functools.partial(self._note_accumulated, bucket.key))
-        if self.group.params:
-            # The synced backward's first shard gradient: the sums were added in, drop them.
-            self.group.params[0].after_traced_grad = self.drop_accumulated
 
     def _note_accumulated(self, key: tuple, leaf: torch.Tensor) -> None:
         self.accumulated[key] = leaf.grad
