@@ -178,6 +178,7 @@ class TracedGroup:
         self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
         self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
         self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
+        self._hand_offs: dict[tuple, _GradHandOff] = {}  # their hooks
         self.prepare_grad_sinks()
         group.on_params_refreshed = self.prepare_grad_sinks  # dtypes may have changed: new buckets
 
@@ -252,17 +253,23 @@ class TracedGroup:
     def prepare_grad_sinks(self) -> None:
         """Eager (at fully_shard and whenever the parameters are re-read): per bucket a leaf that
         autograd hands the reduced flat shard, with a :class:`_GradHandOff` as its hook. One
-        element of storage: only its gradient is ever read."""
-        sinks = {}
+        element of storage: only its gradient is ever read. A bucket whose parameters and size are
+        unchanged keeps its sink: re-reading parameters also happens inside functorch transforms
+        (``torch.func.jvp`` over the module), where no new leaf may be made."""
+        sinks, hand_offs = {}, {}
         for bucket in self._buckets():
             dtype = bucket.reduction.grad_dtype
             if not _takes_grad(dtype):
                 continue
+            params = tuple(bucket.params)
             numel = bucket.gathered_numel // bucket.reduction.world
-            sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
-            sink.register_post_accumulate_grad_hook(_GradHandOff(tuple(bucket.params), self.drop_accumulated))
-            sinks[bucket.key] = sink
-        self.grad_sinks = sinks
+            sink, hand_off = self.grad_sinks.get(bucket.key), self._hand_offs.get(bucket.key)
+            if sink is None or hand_off is None or hand_off.params != params or sink.numel() != numel:
+                hand_off = _GradHandOff(params, self.drop_accumulated)
+                sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
+                sink.register_post_accumulate_grad_hook(hand_off)
+            sinks[bucket.key], hand_offs[bucket.key] = sink, hand_off
+        self.grad_sinks, self._hand_offs = sinks, hand_offs
 
     # -- gradient accumulation without sync ------------------------------------------------------
 
