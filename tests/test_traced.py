@@ -370,6 +370,48 @@ def test_what_cannot_be_traced_is_refused_by_name(worlds, setup, names):
         assert name in message
 
 
+def _replaced_after_a_compiled_step(rank, world_size):
+    """A parameter replaced by assignment between compiled steps: the error of the next step,
+    then, after load_state_dict took it over, whether the step trains the new parameter."""
+    import torch._dynamo
+    from torch.distributed.tensor import DTensor
+
+    torch._dynamo.reset()
+    model, cfg = _build("gpt")
+    model = _shard(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    try:
+        _loss(compiled, x, y).backward()  # compiled: the graph no longer reads the DTensor parameters
+        model.zero_grad()
+        model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
+        try:
+            _loss(compiled, x, y).backward()
+            message = None
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            message = f"{type(error).__name__}: {error}"
+        model.load_state_dict(model.state_dict())  # takes the new parameter over (refresh_params)
+        _loss(compiled, x, y).backward()
+        weight = model.blocks[0].mlp[0].weight
+        return {
+            "message": message,
+            "taken_over": isinstance(weight, DTensor) and not weight.full_tensor().any().item(),
+            "trained": weight.grad is not None,
+        }
+    finally:
+        torch._dynamo.reset()
+
+
+def test_parameter_replaced_after_a_compiled_step_is_refused_not_ignored(worlds):
+    """The compiled step does not read the DTensor parameters, so only the registration hook
+    notices the assignment: without it the step would silently keep training the old shard."""
+    result = worlds.run(2, _replaced_after_a_compiled_step)[0]
+    assert result["message"] is not None
+    for name in ("FSDPUsageError", "fully_shard(Block)", "mlp.0.weight", "load_state_dict"):
+        assert name in result["message"]
+    assert result["taken_over"] and result["trained"]
+
+
 # -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
 
 
