@@ -393,11 +393,17 @@ def _replaced_after_a_compiled_step(rank, world_size):
         model.load_state_dict(model.state_dict())  # takes the new parameter over (refresh_params)
         _loss(compiled, x, y).backward()
         weight = model.blocks[0].mlp[0].weight
-        return {
+        result = {
             "message": message,
             "taken_over": isinstance(weight, DTensor) and not weight.full_tensor().any().item(),
             "trained": weight.grad is not None,
+            "check_off_again": not model.blocks[0].__dict__["_fsdp_state"].traced.param_replaced,
         }
+        model.zero_grad()
+        model.load_state_dict(model.state_dict(), assign=True)  # new Parameters, taken over too
+        _loss(compiled, x, y).backward()
+        result["trained_after_assign"] = model.blocks[0].mlp[0].weight.grad is not None
+        return result
     finally:
         torch._dynamo.reset()
 
@@ -409,7 +415,8 @@ def test_parameter_replaced_after_a_compiled_step_is_refused_not_ignored(worlds)
     assert result["message"] is not None
     for name in ("FSDPUsageError", "fully_shard(Block)", "mlp.0.weight", "load_state_dict"):
         assert name in result["message"]
-    assert result["taken_over"] and result["trained"]
+    assert result["taken_over"] and result["trained"] and result["check_off_again"]
+    assert result["trained_after_assign"]
 
 
 # -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
