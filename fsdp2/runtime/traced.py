@@ -37,6 +37,7 @@ Dynamo guards on the settings read here, so changing one between steps retraces.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -180,7 +181,18 @@ class TracedGroup:
         self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
         self._hand_offs: dict[tuple, _GradHandOff] = {}  # their hooks
         self.prepare_grad_sinks()
-        group.on_params_refreshed = self.prepare_grad_sinks  # dtypes may have changed: new buckets
+        # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
+        # the group's slots; a trace reads it (one guard), and only then compares each parameter.
+        self.param_replaced = False
+        self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
+        group.on_params_refreshed = self.params_refreshed
+        _registrations.watch(self)
+
+    def params_refreshed(self) -> None:
+        """fsdp2 re-read the parameters (ShardedParam.refresh): replacements are taken over, and
+        dtypes may have changed (new buckets)."""
+        self.param_replaced = False
+        self.prepare_grad_sinks()
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -298,17 +310,28 @@ class TracedGroup:
     # -- what the modules see -----------------------------------------------------------------
 
     def hold(self, unsharded: list[torch.Tensor]) -> None:
+        """The modules see the gathered parameters: each module's ``_parameters`` dict is swapped
+        for a new one (``release`` puts the original object back), so the trace never reads the
+        DTensor parameters, and dynamo installs no guard (a Python DTensor spec check) on them."""
         self.held = unsharded
+        by_module: dict[nn.Module, dict[str, torch.Tensor]] = {}
         for p, tensor in zip(self.group.params, unsharded):
             for slot in p.slots:
-                slot.module._parameters[slot.name] = tensor
+                by_module.setdefault(slot.module, {})[slot.name] = tensor
+        for module, gathered in by_module.items():
+            original = module.__dict__["_parameters"]
+            # Only the parameters fsdp2 does not manage (ignored ones) are read from the original.
+            module.__dict__["_parameters"] = {
+                name: gathered[name] if name in gathered else original[name] for name in original
+            }
+            self._held_dicts.append((module, original))
 
     def release(self) -> None:
         self.held = None
         self.modules_left = 0
-        for p in self.group.params:
-            for slot in p.slots:
-                slot.module._parameters[slot.name] = p.sharded_param
+        for module, original in self._held_dicts:
+            module.__dict__["_parameters"] = original
+        self._held_dicts = []
 
     # -- the group's forward in a trace -------------------------------------------------------
 
@@ -319,14 +342,14 @@ class TracedGroup:
         is_root = _trace.root is None
         if is_root:
             _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
-        check_traceable(self.group)
+        check_traceable(self)
         self.hold(self.gather(self.recomputes(is_root)))
         self.modules_left = len(self.modules)
         _trace.touched.append(self)
         targets = forward_prefetch or ([self.next] if self.next is not None else [])
         for other in targets:
             if other.held is None and other.prefetched is None:
-                check_traceable(other.group)
+                check_traceable(other)
                 other.prefetched = other.gather(other.recomputes(is_root=False))
                 _trace.touched.append(other)
 
@@ -367,6 +390,41 @@ class _TraceScope:
 _trace = _TraceScope()
 
 
+class _ParamRegistrations:
+    """Notices a parameter registered (``module.weight = nn.Parameter(...)``,
+    ``load_state_dict(assign=True)``) in a slot of a fully_shard'ed parameter, through nn.Module's
+    global registration hook (installed once, on the first fully_shard). The compiled step does
+    not read the DTensor parameters (see ``TracedGroup.hold``), so without this it would keep
+    training the old shard; instead the group's ``param_replaced`` flips, the guard on it fails,
+    and the retrace refuses the replacement by name (``check_traceable``)."""
+
+    def __init__(self) -> None:
+        # module -> {slot name: (its ShardedParam, its TracedGroup)}, both weakly: they refer to
+        # the module, which would otherwise never be freed.
+        self._slots: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[weakref.ref, weakref.ref]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._handle = None
+
+    def watch(self, traced: TracedGroup) -> None:
+        for p in traced.group.params:
+            for slot in p.slots:
+                self._slots.setdefault(slot.module, {})[slot.name] = (weakref.ref(p), weakref.ref(traced))
+        if self._handle is None:
+            self._handle = nn.modules.module.register_module_parameter_registration_hook(self._registered)
+
+    def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        watched = self._slots.get(module)
+        if watched is None or name not in watched:
+            return
+        sharded, traced = (ref() for ref in watched[name])
+        if sharded is not None and traced is not None and param is not sharded.sharded_param:
+            traced.param_replaced = True
+
+
+_registrations = _ParamRegistrations()
+
+
 def link_forward_order(groups: list[TracedGroup]) -> None:
     """Each group's implicit prefetch target: the next one in module (pre-)order."""
     for first, second in zip(groups, groups[1:]):
@@ -375,8 +433,9 @@ def link_forward_order(groups: list[TracedGroup]) -> None:
         groups[-1].next = None
 
 
-def check_traceable(group: "ParamGroup") -> None:
+def check_traceable(traced: TracedGroup) -> None:
     """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
+    group = traced.group
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
     if any(p.offload for p in group.params):
@@ -403,7 +462,9 @@ def check_traceable(group: "ParamGroup") -> None:
             "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
             "set_force_sum_reduction_for_comms(True) divides in a separate op)"
         )
-    replaced = [p.fqn for p in group.params if p.slots[0].module._parameters[p.slots[0].name] is not p.sharded_param]
+    replaced = []
+    if traced.param_replaced:  # read in every trace: dynamo guards on it, so a replacement retraces
+        replaced = [p.fqn for p in group.params if p.slots[0].current() is not p.sharded_param]
     if problem is None and replaced:
         # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
         problem = (
