@@ -36,7 +36,7 @@ from fsdp2.layout.regions import Region
 from fsdp2.tools.progress import SILENT, ByteProgress
 
 from .errors import CheckpointError
-from .integrity import BlockGrid, checksum, checksum_function
+from .integrity import BlockGrid, checksum_function
 from .paths import open_checkpoint_file
 from .safetensors_io import SafetensorsHeader, read_header
 
@@ -270,9 +270,11 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
     """CRC32C of each range ``[edges[i], edges[i + 1])`` of the concatenation of ``segments``.
 
-    Blocks inside one segment are hashed by one comprehension; only the (at most one per
-    segment boundary) block that straddles a boundary is hashed in parts.
+    Blocks inside one segment are hashed by one comprehension calling the CRC32C implementation
+    itself (no Python frame per block); only the (at most one per segment boundary) block that
+    straddles a boundary is hashed in parts.
     """
+    crc = checksum_function()
     out: list[int] = []
     pos = 0  # where the current segment starts in the concatenation
     j = 0  # next block
@@ -281,17 +283,17 @@ def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
         end = pos + len(view)
         if carry is not None:
             stop = min(edges[j + 1], end)
-            carry = checksum(view[:stop - pos], carry)
+            carry = crc(view[:stop - pos], carry)
             if edges[j + 1] > end:
                 pos = end
                 continue
             out.append(carry)
             carry, j = None, j + 1
         k = bisect.bisect_right(edges, end, lo=j) - 1  # blocks j .. k-1 end inside this segment
-        out.extend(checksum(view[a - pos:b - pos]) for a, b in zip(edges[j:k], edges[j + 1:k + 1]))
+        out += [crc(view[a - pos:b - pos], 0) for a, b in zip(edges[j:k], edges[j + 1:k + 1])]
         j = k
         if j + 1 < len(edges) and edges[j] < end:
-            carry = checksum(view[edges[j] - pos:])
+            carry = crc(view[edges[j] - pos:], 0)
         pos = end
     return out
 
@@ -311,20 +313,11 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
         edges = [e - base for e in edges]
     step = max(1, HOT_BYTES // (chunk.grid.block_elems * chunk.grid.itemsize))  # blocks per window
     cuts = [*range(0, len(edges) - 1, step), len(edges) - 1]
-    segments = [s for s in segments if len(s)]
     got: list[int] = []
-    if len(segments) == 1:
-        # The usual case (a whole-row read into one buffer): each block hashed straight from it,
-        # one C call per block and no Python frame around it.
-        view, crc = segments[0], checksum_function()
-        for i, j in zip(cuts, cuts[1:]):
-            _preadv(chunk, [view[edges[i]:edges[j]]], file_offset + edges[i])
-            got += [crc(view[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1:j + 1])]
-    else:
-        for i, j in zip(cuts, cuts[1:]):
-            window = _window(segments, edges[i], edges[j])
-            _preadv(chunk, list(window), file_offset + edges[i])
-            got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
+    for i, j in zip(cuts, cuts[1:]):
+        window = _window(segments, edges[i], edges[j])
+        _preadv(chunk, list(window), file_offset + edges[i])
+        got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
     expected = list(chunk.checksums[first:first + len(got)])
     if got != expected:
         i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
