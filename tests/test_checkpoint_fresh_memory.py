@@ -162,17 +162,33 @@ def _vm_flags(address: int) -> list[str]:
     return flags
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or fresh_memory.thp_mode() != "madvise"
-                    or fresh_memory.HUGE_PAGE > 2 * MiB,
-                    reason="needs Linux with 2 MiB transparent huge pages in madvise mode")
-def test_the_kernel_records_the_advice_on_the_interior_only(monkeypatch):
-    monkeypatch.delenv(fresh_memory.ENV, raising=False)
+def _kernel_records_the_advice_on_the_interior_only() -> None:
+    """Run in a fresh process (below): in this one, memory that earlier tests' loads advised and
+    freed may be handed out again with the advice still on its mapping."""
+    import os
+
+    os.environ.pop(fresh_memory.ENV, None)
     buffer = fresh_memory.empty((12 * MiB + 4096,), torch.uint8)
     start, length = aligned_interior(buffer.data_ptr(), buffer.numel())
     assert "hg" in _vm_flags(start) and "hg" in _vm_flags(start + length - 1)
     if buffer.data_ptr() < start:  # the partial page at the head shares its mapping with other memory
         assert "hg" not in _vm_flags(buffer.data_ptr())
-    monkeypatch.setenv(fresh_memory.ENV, "0")
+    os.environ[fresh_memory.ENV] = "0"
     plain = fresh_memory.empty((12 * MiB + 4096,), torch.uint8)
     start, _ = aligned_interior(plain.data_ptr(), plain.numel())
     assert "hg" not in _vm_flags(start)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or fresh_memory.thp_mode() != "madvise"
+                    or fresh_memory.HUGE_PAGE > 2 * MiB,
+                    reason="needs Linux with 2 MiB transparent huge pages in madvise mode")
+def test_the_kernel_records_the_advice_on_the_interior_only():
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from tests.test_checkpoint_fresh_memory import _kernel_records_the_advice_on_the_interior_only as check; "
+            "check()")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
