@@ -155,6 +155,11 @@ CASES = {
     "force_sum_hook": (2, {"force_sum": True, "hook": True}, ("avg",)),
     "force_sum_factor": (2, {"force_sum": True, "factor": 3.0}, ("avg",)),
     "fp16_factor": (2, {"reduce_dtype": torch.float16, "factor": 3.0}, ("sum",)),
+    # One rank: PyTorch's FSDP2 divides by the factor in place of the skipped reduce-scatter, on
+    # top of its planned divisions (twice in all with fp16 or force-sum); fsdp2 does the same.
+    "world1_factor": (1, {"factor": 3.0}, None),
+    "world1_fp16_factor": (1, {"reduce_dtype": torch.float16, "factor": 3.0}, None),
+    "world1_force_sum_factor": (1, {"force_sum": True, "factor": 3.0}, None),
 }
 
 
@@ -171,13 +176,13 @@ def test_gradient_collectives_use_pytorch_fsdp2s_reduce_ops_and_divisions(worlds
     [
         ({"reduce_dtype": torch.float32}, ReducePlan(AVG, AVG)),
         ({"reduce_dtype": torch.float32, "shard_size": 1, "replicate_size": 1}, ReducePlan(SUM, SUM)),
-        ({"reduce_dtype": torch.float16}, ReducePlan(SUM, SUM, 4.0, 2.0)),  # 8 ranks: 4 before, 2 after
-        ({"reduce_dtype": torch.float32, "force_sum": True}, ReducePlan(SUM, SUM, 1.0, 8.0)),
+        ({"reduce_dtype": torch.float16}, ReducePlan(SUM, SUM, (4.0,), 2.0)),  # 8 ranks: 4 before, 2 after
+        ({"reduce_dtype": torch.float32, "force_sum": True}, ReducePlan(SUM, SUM, (), 8.0)),
         ({"reduce_dtype": torch.float32, "divide_factor": 3.0}, ReducePlan(ReduceOp("premul_sum", 1 / 3), SUM)),
         ({"reduce_dtype": torch.float32, "divide_factor": 4.0}, ReducePlan(AVG, SUM)),  # the shard group's size
-        ({"reduce_dtype": torch.float32, "divide_factor": 3.0, "premul_sum_supported": False}, ReducePlan(SUM, SUM, 1.0, 3.0)),
-        ({"reduce_dtype": torch.float32, "divide_factor": 3.0, "shard_size": 1}, ReducePlan(SUM, SUM, 3.0, 1.0)),
-        ({"reduce_dtype": torch.bfloat16, "device_type": "mtia"}, ReducePlan(SUM, SUM, 1.0, 8.0)),
+        ({"reduce_dtype": torch.float32, "divide_factor": 3.0, "premul_sum_supported": False}, ReducePlan(SUM, SUM, (), 3.0)),
+        ({"reduce_dtype": torch.float32, "divide_factor": 3.0, "shard_size": 1}, ReducePlan(SUM, SUM, (3.0,))),
+        ({"reduce_dtype": torch.bfloat16, "device_type": "mtia"}, ReducePlan(SUM, SUM, (), 8.0)),
     ],
 )
 def test_reduce_plan_choices(kwargs, expected):

@@ -205,8 +205,8 @@ class GroupReduce:
         for bucket in buckets:
             inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
             plan = self.plan(bucket.dtype)
-            if plan.divide_before != 1:
-                inp.div_(plan.divide_before)  # fp16 would overflow summing before dividing
+            for divisor in plan.divide_before:
+                inp.div_(divisor)  # fp16 would overflow summing before dividing
             if self.local_only:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:

@@ -14,13 +14,16 @@ the two agree either way):
   one after.
 
 Two places where fsdp2 cannot pass PyTorch's op, each handled the same way every time:
-- one shard rank: no reduce-scatter runs; PREMUL_SUM(1/f) becomes a division of the input by
-  ``f``, as PyTorch's copy does;
+- one shard rank: no reduce-scatter runs; as PyTorch's FSDP2, the input is divided by ``f`` in
+  its place, *in addition to* the divisions above (so with fp16 or force-sum, PyTorch's FSDP2
+  divides by ``f`` twice at one shard rank: fsdp2 does the same, since a drop-in must not
+  change the numbers);
 - a backend without PREMUL_SUM (gloo, where PyTorch's FSDP2 raises): SUM, then a division by ``f``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +63,13 @@ _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
 @dataclass(frozen=True)
 class ReducePlan:
     """The reduce ops and divisions of one bucket's gradient reduction, in the order they run:
-    divide the reduce-scatter input by ``divide_before``, reduce-scatter with ``reduce_scatter_op``
-    (skipped at one shard rank), all-reduce across replicas (HSDP) with ``all_reduce_op``, run the
-    user's all-reduce hook, divide by ``divide_after``."""
+    divide the reduce-scatter input by each of ``divide_before`` in turn, reduce-scatter with
+    ``reduce_scatter_op`` (skipped at one shard rank), all-reduce across replicas (HSDP) with
+    ``all_reduce_op``, run the user's all-reduce hook, divide by ``divide_after``."""
 
     reduce_scatter_op: ReduceOp
     all_reduce_op: ReduceOp
-    divide_before: float = 1.0
+    divide_before: tuple[float, ...] = ()
     divide_after: float = 1.0
 
     @classmethod
@@ -84,6 +87,13 @@ class ReducePlan:
         """PyTorch FSDP2's choice for this configuration (see the module docstring).
         ``replicate_size``: 1 without HSDP. ``divide_factor``: None averages over all
         data-parallel ranks."""
+        plan = cls._choose_ops(shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type)
+        if shard_size == 1 and divide_factor is not None:  # PyTorch's single-rank copy divides, whatever the plan
+            plan = dataclasses.replace(plan, divide_before=plan.divide_before + (divide_factor,))
+        return plan
+
+    @classmethod
+    def _choose_ops(cls, shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type):
         force_sum = force_sum or device_type == "mtia"  # as PyTorch: MTIA only sums
         data_parallel_size = shard_size * replicate_size
         if reduce_dtype in _NO_OVERFLOW_RISK and not force_sum:
@@ -93,7 +103,7 @@ class ReducePlan:
             if divide_factor == shard_size:
                 return cls(AVG, SUM)
             if shard_size == 1:
-                return cls(SUM, SUM, divide_before=divide_factor)
+                return cls(SUM, SUM)  # the reduce-scatter is skipped; choose() adds the division
             if not premul_sum_supported:
                 return cls(SUM, SUM, divide_after=divide_factor)
             return cls(ReduceOp("premul_sum", 1 / divide_factor), SUM)
@@ -104,4 +114,4 @@ class ReducePlan:
         before = 1
         while factor % before == 0 and factor / before > before:
             before *= 2
-        return cls(SUM, SUM, divide_before=float(before), divide_after=factor / before)
+        return cls(SUM, SUM, divide_before=(float(before),) if before != 1 else (), divide_after=factor / before)

@@ -66,7 +66,7 @@ class _Reduction:
     replicate_group: str | None  # HSDP: all-reduce across replicas after the reduce-scatter
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype  # the shards' dtype
-    divide_before: float
+    divide_before: tuple[float, ...]
     divide_after: float
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
@@ -95,8 +95,8 @@ class _GatherReduce(torch.autograd.Function):
         (accumulated,) = ctx.saved_tensors
         if accumulated is not None:
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
-        if r.divide_before != 1:
-            grad = grad / r.divide_before  # fp16 would overflow summing before dividing
+        for divisor in r.divide_before:
+            grad = grad / divisor  # fp16 would overflow summing before dividing
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, r.reduce_scatter_op, r.world, r.shard_group))
         if r.replicate_group is not None:
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
