@@ -80,8 +80,12 @@ MODELS = {
     "small": dict(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),
     "medium": dict(vocab_size=8192, seq_len=256, dim=512, n_layers=8, n_heads=8),  # 33.8M params
     "1b": dict(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),
+    # small's and medium's structure (same modules, groups, parameters and ops) with tiny tensors:
+    # a step's CPU time is then its host work, as on a GPU, where the copies are kernels
+    "small-host": dict(vocab_size=64, seq_len=8, dim=32, n_layers=4, n_heads=4),
+    "medium-host": dict(vocab_size=64, seq_len=8, dim=32, n_layers=8, n_heads=8),
 }
-DEFAULT_BATCH = {"small": 4, "medium": 4, "1b": 4}  # sequences per rank
+DEFAULT_BATCH = {"small": 4, "medium": 4, "1b": 4, "small-host": 1, "medium-host": 1}  # sequences per rank
 
 
 def _rss_bytes() -> int:

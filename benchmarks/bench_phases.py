@@ -12,6 +12,11 @@ other load on a shared machine moves little) of each phase over --steps steps af
 With ``--paired`` they share one process and take turns step by step, so that load from other
 jobs, which inflates CPU time too (cache misses, spinning threads), hits each alike.
 
+``--model small-host`` / ``medium-host``: the small / medium GPT's structure with tiny tensors
+(the same ops, groups and Python calls; the copies and the math nearly free), so that a step's
+CPU time is its host work, the part a GPU cannot hide; ``small`` and ``medium`` add the CPU's
+copies, which a GPU runs as kernels.
+
 ``--malloc caching`` runs the children with glibc's heap keeping freed memory (no ``mmap`` per
 large buffer, no trimming), as CUDA's caching allocator keeps it: by default every buffer an FSDP
 implementation frees and regrows between uses (gathered parameters, communication buffers) is
