@@ -238,6 +238,11 @@ def estimate_memory(
     ``sample_input``, a recording of the same model's step from :func:`trace_step`.
     ``kernel_scratch``: a device (``"cpu"``, ``"cuda"``) on which to measure the scratch every op's
     real kernel allocates while it runs, and count it in ``peak`` (see :func:`trace_step`).
+
+    The step modelled is the eager one. A step compiled whole (``torch.compile(model,
+    fullgraph=True)``, fsdp2's traced path) is not modelled: the compiler reuses buffers, fuses
+    kernels and re-gathers in backward. On the benchmark GPT the compiled peak measured 2.8% below
+    this prediction (benchmarks/RESULTS.md, issue 22); other models are not measured.
     """
     if sample_input is not None and step_trace is not None:
         raise ValueError("estimate_memory: pass sample_input or step_trace, not both")
