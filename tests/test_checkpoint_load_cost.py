@@ -277,3 +277,21 @@ def test_a_failed_load_restores_automatic_garbage_collection(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_overlapping_pauses_resume_collection_when_the_last_one_ends():
+    """Loads in two threads overlap without nesting: the first to finish must not switch the
+    collector back on under the other."""
+    import gc
+
+    from fsdp2.checkpoint import gc_pause
+
+    first, second = gc_pause.paused(), gc_pause.paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    try:
+        assert not gc.isenabled()
+    finally:
+        second.__exit__(None, None, None)
+    assert gc.isenabled()
