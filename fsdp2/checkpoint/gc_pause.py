@@ -2,7 +2,7 @@
 
 A load allocates thousands of short-lived container objects (plan entries, read tasks, buffer
 views, decoded state) that die by reference counting when it returns. With automatic
-collection on, they cross the young generations' thresholds a dozen times per load, survivors
+collection on, they cross the young generations' thresholds dozens of times per load, survivors
 are promoted, and every few loads that tips a *full* collection, which walks every object of
 the process (~300k in a process that imported torch: 0.14-0.18 s on the 2-core CI machine,
 as long as the whole read of a 1.5 GB rank; benchmarks/RESULTS.md, issue 24). In a multi-rank
