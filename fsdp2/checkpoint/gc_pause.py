@@ -7,7 +7,8 @@ are promoted, and every few loads that tips a *full* collection, which walks eve
 the process (~300k in a process that imported torch: 0.14-0.18 s on the 2-core CI machine,
 as long as the whole read of a 1.5 GB rank; benchmarks/RESULTS.md, issue 24). In a multi-rank
 load the other ranks wait for it at the all-ranks agreement. Paused, the load's objects are
-freed before any collection sees them, so no collection is owed afterwards either.
+freed before any collection sees them: at most one young collection follows, as collection
+resumes, and it finds only what the load returned.
 
 Only automatic collection is paused, only if it was on, and it is switched back on however the
 load ends; ``gc.collect()`` still works. The switch is process-wide: a thread that allocates
