@@ -29,7 +29,11 @@ Rows:
   --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
   fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
   adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
-  --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads).
+  --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads),
+  --gc-baseline one with Python's automatic garbage collection left running during the load;
+  --trace prints every timed load: the phases inside fsdp2's ``load`` per rank (plan, read,
+  restore, agree = waiting for the other ranks, gc0-2 = garbage collections), page faults, bytes
+  read from storage, and the machine's /proc/vmstat deltas (huge pages, compaction, reclaim).
 - --reshard 3,4: load the last checkpoint as every rank of other world sizes (one process
   simulating each rank with PyTorch's fake process group) and report bytes read / owned with
   verification on.
@@ -232,11 +236,12 @@ LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
 BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
 BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
 BASELINE_THREADS = "fsdp2 verified, 2+ threads"  # --thread-baseline: verified, reader threads not shared by rank
+BASELINE_GC = "fsdp2 verified, GC on"  # --gc-baseline: verified, automatic garbage collection left running
 
 
 def _kinds(args) -> tuple[str, ...]:
     return (LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
-            + ((BASELINE_THREADS,) if args.thread_baseline else ()))
+            + ((BASELINE_THREADS,) if args.thread_baseline else ()) + ((BASELINE_GC,) if args.gc_baseline else ()))
 
 
 def _with_checksum_implementation(name: str, fn):
@@ -250,6 +255,22 @@ def _with_checksum_implementation(name: str, fn):
             fn()
         finally:
             integrity._crc32c = kept
+    return run
+
+
+def _with_gc_running(fn):
+    """``fn`` run with fsdp2's load leaving automatic garbage collection on (as before it paused it)."""
+    import contextlib
+
+    def run():
+        from fsdp2.checkpoint import gc_pause  # here: the bench also runs against commits without it
+
+        kept = gc_pause.paused
+        gc_pause.paused = contextlib.nullcontext
+        try:
+            fn()
+        finally:
+            gc_pause.paused = kept
     return run
 
 
@@ -299,15 +320,26 @@ def _sweep_worker(rank, world, port, args, out):
             BASELINE_PAGES: _with_env("FSDP2_LOAD_HUGEPAGES", "0", lambda: ck.load(ours, model, opt)),
             # without LOCAL_WORLD_SIZE a rank reads with at least 2 threads, as before it was used
             BASELINE_THREADS: _with_env("LOCAL_WORLD_SIZE", None, lambda: ck.load(ours, model, opt)),
+            BASELINE_GC: _with_gc_running(lambda: ck.load(ours, model, opt)),
         }
         kinds = _kinds(args)
         evict = [ours, theirs] if args.cold else []
         for kind in kinds:  # warm-up: first-touch costs of both libraries, and the page cache
             loads[kind]()
         rounds = []
+        tracer = _LoadTracer(rank, name) if args.trace else None
         for rep in range(args.repeats):
             order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
-            rounds.append({kind: b.timed(loads[kind], evict)[0] for kind in order})
+            times = {}
+            for kind in order:
+                if tracer is not None:
+                    tracer.begin()
+                times[kind] = b.timed(tracer.wrap(loads[kind]) if tracer else loads[kind], evict)[0]
+                if tracer is not None:
+                    tracer.end(rep, kind, times[kind])
+            rounds.append(times)
+        if tracer is not None:
+            tracer.close()
         results[name] = dict(total_bytes=total, rounds=rounds)
         dist.barrier()
         if rank == 0:
@@ -318,6 +350,113 @@ def _sweep_worker(rank, world, port, args, out):
         out.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+_VMSTAT_FIELDS = ("pgmajfault", "pgpgin", "thp_fault_alloc", "thp_fault_fallback", "compact_stall",
+                  "pgsteal_kswapd", "pgsteal_direct", "workingset_refault_file")
+
+
+def _vmstat() -> dict[str, int]:
+    with open("/proc/vmstat") as f:
+        values = dict(line.split() for line in f)
+    return {k: int(values.get(k, 0)) for k in _VMSTAT_FIELDS}
+
+
+def _io_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (page-cache misses), /proc/self/io."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+class _LoadTracer:
+    """--trace: for every timed load of the sweep, one line on rank 0: the time, where each rank's
+    time went inside ``fsdp2.checkpoint.load`` (phases), its page faults and storage reads, and the
+    machine's /proc/vmstat deltas (huge-page faults and fallbacks, compaction stalls, reclaim)."""
+
+    PHASES = {"plan": ("_plan_model", "_plan_optimizer"), "read": ("_read_targets",), "restore": ("_restore",)}
+
+    def __init__(self, rank: int, size: str):
+        import torch
+        import torch.distributed as dist
+
+        from fsdp2.checkpoint import reader
+
+        self.rank, self.size, self.dist = rank, size, dist
+        self.phase_s: dict[str, float] = {}
+        self._patched = []
+
+        def timed(phase, fn):
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t
+            return wrapper
+
+        for phase, names in self.PHASES.items():
+            for n in names:
+                self._patched.append((reader, n, getattr(reader, n)))
+                setattr(reader, n, timed(phase, getattr(reader, n)))
+        from fsdp2.checkpoint import _dist
+        self._patched.append((_dist, "first_failure", _dist.first_failure))
+        _dist.first_failure = timed("agree", _dist.first_failure)
+        import gc
+
+        def gc_timer(event, info):
+            if event == "start":
+                self._gc_start = time.perf_counter()
+            elif getattr(self, "_gc_start", None) is not None:
+                key = f"gc{info['generation']}"
+                self.phase_s[key] = self.phase_s.get(key, 0.0) + time.perf_counter() - self._gc_start
+                self._gc_start = None
+        gc.callbacks.append(gc_timer)
+        self._gc_timer = gc_timer
+        self._patched.append((torch.optim.Optimizer, "load_state_dict", torch.optim.Optimizer.load_state_dict))
+        torch.optim.Optimizer.load_state_dict = timed("optim.load_state_dict", torch.optim.Optimizer.load_state_dict)
+        if rank == 0:
+            print(f"{'size':<6}{'round':>6} {'load':<28}{'s':>7}  per rank: phases (s), minor/major faults, "
+                  "MB from storage | machine: vmstat deltas", flush=True)
+
+    def wrap(self, fn):
+        """``fn``, adding its whole time on this rank as the phase "rank total"."""
+        def run():
+            t = time.perf_counter()
+            fn()
+            self.phase_s["rank total"] = time.perf_counter() - t
+        return run
+
+    def begin(self) -> None:
+        import resource
+
+        self.phase_s = {}
+        self._ru = resource.getrusage(resource.RUSAGE_SELF)
+        self._io = _io_read_bytes()
+        self._vm = _vmstat()
+
+    def end(self, rep: int, kind: str, seconds: float) -> None:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        vm = _vmstat()
+        mine = dict(phases={k: round(v, 3) for k, v in self.phase_s.items()},
+                    faults=(ru.ru_minflt - self._ru.ru_minflt, ru.ru_majflt - self._ru.ru_majflt),
+                    storage_mb=round((_io_read_bytes() - self._io) / 1e6, 1))
+        every = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(every, mine)
+        if self.rank == 0:
+            moved = {k: vm[k] - self._vm[k] for k in vm if vm[k] != self._vm[k]}
+            ranks = " ; ".join(f"{r['phases']} flt {r['faults'][0]}/{r['faults'][1]} disk {r['storage_mb']}"
+                               for r in every)
+            print(f"{self.size:<6}{rep:>6} {kind:<28}{seconds:>7.3f}  {ranks} | {moved} "
+                  f"load avg {os.getloadavg()[0]:.1f}", flush=True)
+
+    def close(self) -> None:
+        import gc
+
+        gc.callbacks.remove(self._gc_timer)
+        for owner, n, fn in reversed(self._patched):
+            setattr(owner, n, fn)
 
 
 def _sweep_report(args, results) -> None:
@@ -335,6 +474,7 @@ def _sweep_report(args, results) -> None:
     extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
     extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
     extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
+    extra += f"{'GC on (s)':>11}{'its / DCP':>11}{'its cost':>10}" if args.gc_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
           f"{'verified / DCP':>16}{'verify cost':>13}{extra}")
 
@@ -356,6 +496,9 @@ def _sweep_report(args, results) -> None:
             line += f"{med[BASELINE_PAGES]:>17.3f}{ratios(rounds, BASELINE_PAGES)[0]:>10.2f}x"
         if args.thread_baseline:
             line += f"{med[BASELINE_THREADS]:>16.3f}{ratios(rounds, BASELINE_THREADS)[0]:>10.2f}x"
+        if args.gc_baseline:
+            gc_dcp, gc_cost = ratios(rounds, BASELINE_GC)
+            line += f"{med[BASELINE_GC]:>11.3f}{gc_dcp:>10.2f}x{gc_cost:>9.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
@@ -720,6 +863,11 @@ def main():
     parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
                         "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the "
                         "default")
+    parser.add_argument("--gc-baseline", action="store_true", help="with --sizes: also load verified with "
+                        "automatic garbage collection left running during the load (as before fsdp2 paused it), "
+                        "paired with the default")
+    parser.add_argument("--trace", action="store_true", help="with --sizes: print every timed load (phases inside "
+                        "fsdp2's load, page faults, bytes from storage, /proc/vmstat deltas)")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()

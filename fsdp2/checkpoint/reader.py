@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _dist, fresh_memory
+from . import _dist, fresh_memory, gc_pause
 from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
@@ -258,7 +258,7 @@ def _plan_rank_extra(plan: _Plan, rank: int, world: int) -> Any:
         raise _malformed(plan.path, "rank_extra")
     if plan.manifest.world_size != world:
         warnings.warn(f"{plan.path} was saved by {plan.manifest.world_size} ranks and is loaded by {world}: "
-                      "per-rank extras cannot be matched to ranks, so load returns None for them", stacklevel=3)
+                      "per-rank extras cannot be matched to ranks, so load returns None for them", stacklevel=4)
         return None
     return _plan_objects(plan, saved.get(str(rank)), f"rank_extra of rank {rank}")
 
@@ -356,7 +356,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     ``rank_extra`` from ``save``, or None when the world size changed (with a warning)
     or none was saved.
     """
-    path = os.fspath(path)
+    with gc_pause.paused():  # its objects die by refcount; a full collection would stall every rank
+        return _load(os.fspath(path), model, optimizer, verify, strict, stats, return_rank_extra)
+
+
+def _load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, verify: bool, strict: bool,
+          stats: LoadStats | None, return_rank_extra: bool) -> Any:
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
     rank, world = _dist.rank_and_world()
@@ -391,7 +396,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                               "nothing was changed")
     if stats.missing_keys:
         warnings.warn(f"load({path}, strict=False): the checkpoint has no value for {len(stats.missing_keys)} "
-                      f"model key(s), left as they were: {stats.missing_keys[:10]}", stacklevel=2)
+                      f"model key(s), left as they were: {stats.missing_keys[:10]}", stacklevel=3)
     if optimizer is not None:
         optimizer.load_state_dict(restored.optimizer_state)  # builds its new state, then swaps it in
     with torch.no_grad():

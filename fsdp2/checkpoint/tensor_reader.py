@@ -307,17 +307,23 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
     fetches every byte from memory a second time.
     """
     chunk = task.chunk
+    grid = chunk.grid
     base = task.lo * chunk.row_bytes
-    first, edges = chunk.grid.edges(task.lo, task.hi)
+    first, edges = grid.edges(task.lo, task.hi)
     if base:
-        edges = [e - base for e in edges]
-    step = max(1, HOT_BYTES // (chunk.grid.block_elems * chunk.grid.itemsize))  # blocks per window
-    cuts = [*range(0, len(edges) - 1, step), len(edges) - 1]
-    got: list[int] = []
-    for i, j in zip(cuts, cuts[1:]):
-        window = _window(segments, edges[i], edges[j])
-        _preadv(chunk, list(window), file_offset + edges[i])
-        got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
+        edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
+    segments = [view for view in segments if len(view)]  # side buffers are usually empty
+    step = max(1, HOT_BYTES // (grid.block_elems * grid.itemsize))  # blocks per window
+    if len(edges) - 1 <= step:  # one window, the whole task: most chunks of small tensors
+        _preadv(chunk, segments, file_offset)
+        got = _block_checksums(segments, edges)
+    else:
+        cuts = [*range(0, len(edges) - 1, step), len(edges) - 1]
+        got = []
+        for i, j in zip(cuts, cuts[1:]):
+            window = _window(segments, edges[i], edges[j])
+            _preadv(chunk, list(window), file_offset + edges[i])
+            got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
     expected = list(chunk.checksums[first:first + len(got)])
     if got != expected:
         i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
