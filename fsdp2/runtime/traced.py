@@ -47,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime import schedule
+from fsdp2.runtime import schedule, traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
@@ -72,6 +72,29 @@ class _Reduction:
     all_reduce_op: str
 
 
+# The compiled code calls each collective op through the dispatcher on every step. torch 2.13
+# registers the functional collectives' autograd in Python (7 Python calls per op call, even
+# without grad); their ``*_out`` variants have none, and inductor runs them in place into a buffer
+# it allocates. ``wait_tensor`` has no such variant.
+_OUT_COLLECTIVES = compat.out_collectives_traceable()
+
+
+def _all_gather(send: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    if not _OUT_COLLECTIVES:
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
+    gathered = send.new_empty(world * send.numel())
+    _c10d.all_gather_into_tensor_out(send, world, group, out=gathered)
+    return _c10d.wait_tensor(gathered)
+
+
+def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
+    if not _OUT_COLLECTIVES:
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
+    reduced = grad.new_empty(grad.numel() // world)
+    _c10d.reduce_scatter_tensor_out(grad, op, world, group, out=reduced)
+    return _c10d.wait_tensor(reduced)
+
+
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
     gradient of the gathered row as eager's post-backward reduces a group's gradients, and hand
@@ -83,8 +106,7 @@ class _GatherReduce(torch.autograd.Function):
     def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        gathered = _c10d.all_gather_into_tensor(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
-        return _c10d.wait_tensor(gathered)
+        return _all_gather(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -97,7 +119,7 @@ class _GatherReduce(torch.autograd.Function):
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
         for divisor in r.divide_before:
             grad = grad / divisor  # fp16 would overflow summing before dividing
-        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, r.reduce_scatter_op, r.world, r.shard_group))
+        reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group)
         if r.replicate_group is not None:
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
         if r.divide_after != 1:
@@ -169,6 +191,14 @@ class TracedGroup:
     only within one trace: the root's post-forward clears them before the trace ends.
     """
 
+    # Slots, not an instance dict: dynamo replays a trace's attribute writes on a slotted object
+    # with plain STORE_ATTRs after the graph runs, and a dict-backed object's through a Python
+    # call per attribute (``held``, ``prefetched``, ... are written in every trace).
+    __slots__ = (
+        "group", "modules", "next", "prefetched", "held", "modules_left", "accumulators", "accumulated",
+        "grad_sinks", "_hand_offs", "param_replaced", "_held_dicts", "__weakref__",
+    )
+
     def __init__(self, group: "ParamGroup", modules: tuple[nn.Module, ...]):
         self.group = group
         self.modules = modules
@@ -219,7 +249,11 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
+            # One op, not torch.cat: see traced_ops. A shard with rows to pad goes in padded.
+            flat = traced_ops.flat_cat([
+                shard if p.layout.local_rows == p.layout.chunk else p.layout.padded_slot(shard)
+                for p, shard in ((p, shards[index[id(p)]]) for p in bucket.params)
+            ])
             stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
@@ -381,6 +415,8 @@ class TracedGroup:
 
 class _TraceScope:
     """The forward being traced: its first group (the root) and the groups gathered in it."""
+
+    __slots__ = ("root", "touched")  # see TracedGroup's
 
     def __init__(self) -> None:
         self.root: TracedGroup | None = None
