@@ -171,8 +171,11 @@ class _GradHandOff:
         reduced, sink.grad = sink.grad, None
         if reduced is None:
             return  # a backward without gradient sync: the group's accumulator took it
-        self.before()
         dtensors = [p.sharded_param for p in self.params]
+        shards = compat.local_tensors(dtensors)
+        if [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]:
+            self.refuse_swapped(shards)
+        self.before()
         if self.packed and all([d.grad is None and d.requires_grad for d in dtensors]):
             grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
             for dtensor, grad in zip(dtensors, grads):
@@ -182,6 +185,21 @@ class _GradHandOff:
         # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
         trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
+
+    def refuse_swapped(self, shards: list[torch.Tensor]) -> None:
+        """A DTensor's local shard is no longer the one its graph input (``ShardedParam.traced_leaf``)
+        was made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not
+        fully_shard'ed swaps DTensor parameters), so the step gathered the old values. Eager reads
+        the new ones; writing gradients of the old would train them silently."""
+        swapped = [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]
+        if swapped:
+            raise FSDPUsageError(
+                f"torch.compile over fully_shard({swapped[0].owner}): the local shard of parameter {swapped[0].fqn} "
+                "was replaced from outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is "
+                "not fully_shard'ed) after this step was compiled, so it computed with the old values; no gradient "
+                "was written. Convert the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its "
+                "parameters with model.load_state_dict(model.state_dict())."
+            )
 
 
 class TracedGroup:
