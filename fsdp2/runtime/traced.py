@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -70,6 +71,7 @@ class _Reduction:
     divide_after: float
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
+    out_collectives: bool  # see _OUT_COLLECTIVES
 
 
 # The compiled code calls each collective op through the dispatcher on every step. torch 2.13
@@ -79,16 +81,32 @@ class _Reduction:
 _OUT_COLLECTIVES = compat.out_collectives_traceable()
 
 
-def _all_gather(send: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    if not _OUT_COLLECTIVES:
+# By group name, noted eagerly (fully_shard, refresh_params): a trace cannot ask a group its class.
+_groups_taking_out_collectives: dict[str, bool] = {}
+
+
+def _takes_out_collectives(group: dist.ProcessGroup) -> bool:
+    """Whether the graph may run ``group``'s all-gather and reduce-scatter as ``*_out`` ops. Not
+    for a process group implemented in Python (a subclass, e.g. ``fsdp2.tools.noop_pg``): the
+    ``*_out`` ops go to its C++ backend directly, past the methods it overrides. A group not seen
+    eagerly gets the functional ops (same results, a few more Python calls)."""
+    if torch.compiler.is_compiling():
+        return _groups_taking_out_collectives.get(group.group_name, False)
+    takes = _OUT_COLLECTIVES and type(group) is dist.ProcessGroup
+    _groups_taking_out_collectives[group.group_name] = takes
+    return takes
+
+
+def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool) -> torch.Tensor:
+    if not out_op:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
     gathered = send.new_empty(world * send.numel())
     _c10d.all_gather_into_tensor_out(send, world, group, out=gathered)
     return _c10d.wait_tensor(gathered)
 
 
-def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str) -> torch.Tensor:
-    if not _OUT_COLLECTIVES:
+def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op: bool) -> torch.Tensor:
+    if not out_op:
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
     reduced = grad.new_empty(grad.numel() // world)
     _c10d.reduce_scatter_tensor_out(grad, op, world, group, out=reduced)
@@ -106,7 +124,7 @@ class _GatherReduce(torch.autograd.Function):
     def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        return _all_gather(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
+        return _all_gather(flat_shards.to(param_dtype), reduction.world, reduction.shard_group, reduction.out_collectives)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -119,7 +137,7 @@ class _GatherReduce(torch.autograd.Function):
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
         for divisor in r.divide_before:
             grad = grad / divisor  # fp16 would overflow summing before dividing
-        reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group)
+        reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
         if r.replicate_group is not None:
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
         if r.divide_after != 1:
@@ -307,6 +325,7 @@ class TracedGroup:
                     dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype,
                     plan.divide_before, plan.divide_after,
                     plan.reduce_scatter_op.functional_name, plan.all_reduce_op.functional_name,
+                    _takes_out_collectives(shard_group),
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
             by_key[key].params.append(p)
