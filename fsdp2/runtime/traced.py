@@ -6,8 +6,9 @@ Nothing here keeps eager state: each step's collectives are functional collectiv
 and autograd builds the backward. How it maps to the eager path:
 
 - gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
-  side in one flat row (the layout of ``GatherBucket``: parameter after parameter), ONE
-  ``all_gather_into_tensor`` per group and dtype, and the unsharded parameters as the rows of its
+  side in one flat row (the layout of ``GatherBucket``: parameter after parameter; one
+  ``traced_ops.flat_cat``), ONE ``all_gather_into_tensor`` per group and dtype (its ``*_out``
+  variant where torch traces it), and the unsharded parameters as the rows of its
   output (``ShardLayout.full_from_rank_rows``, eager's copy-out). The modules see them in place
   of the shards between the group's pre- and post-forward hooks.
 - reduce (eager: ``GroupReduce``): the all-gather's backward. Autograd hands it the gradient of
@@ -145,6 +146,12 @@ class _GatherReduce(torch.autograd.Function):
         return reduced.to(r.grad_dtype), None, None, None, None, None, None
 
 
+def _send_slot(p: "ShardedParam", shard: torch.Tensor) -> torch.Tensor:
+    """What ``p`` sends in its bucket's all-gather: its shard, padded (and flat) where this rank
+    has fewer rows than a chunk."""
+    return shard if p.layout.local_rows == p.layout.chunk else p.layout.padded_slot(shard)
+
+
 def _takes_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
@@ -191,8 +198,9 @@ class _GradHandOff:
             return  # a backward without gradient sync: the group's accumulator took it
         dtensors = [p.sharded_param for p in self.params]
         shards = compat.local_tensors(dtensors)
-        if [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]:
-            self.refuse_swapped(shards)
+        swapped = [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]
+        if swapped:
+            raise _swapped_shard_error(swapped[0])
         self.before()
         if self.packed and all([d.grad is None and d.requires_grad for d in dtensors]):
             grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
@@ -204,20 +212,19 @@ class _GradHandOff:
         trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
 
-    def refuse_swapped(self, shards: list[torch.Tensor]) -> None:
-        """A DTensor's local shard is no longer the one its graph input (``ShardedParam.traced_leaf``)
-        was made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not
-        fully_shard'ed swaps DTensor parameters), so the step gathered the old values. Eager reads
-        the new ones; writing gradients of the old would train them silently."""
-        swapped = [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]
-        if swapped:
-            raise FSDPUsageError(
-                f"torch.compile over fully_shard({swapped[0].owner}): the local shard of parameter {swapped[0].fqn} "
-                "was replaced from outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is "
-                "not fully_shard'ed) after this step was compiled, so it computed with the old values; no gradient "
-                "was written. Convert the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its "
-                "parameters with model.load_state_dict(model.state_dict())."
-            )
+
+def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
+    """``p``'s DTensor holds a local shard other than the one its graph input (``traced_leaf``) was
+    made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not fully_shard'ed
+    swaps DTensor parameters), so the step gathered the old values. Eager reads the new ones;
+    writing gradients of the old would train them silently."""
+    return FSDPUsageError(
+        f"torch.compile over fully_shard({p.owner}): the local shard of parameter {p.fqn} was replaced from "
+        "outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is not fully_shard'ed) "
+        "after this step was compiled, so it computed with the old values; no gradient was written. Convert "
+        "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
+        "model.load_state_dict(model.state_dict())."
+    )
 
 
 class TracedGroup:
@@ -285,11 +292,8 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            # One op, not torch.cat: see traced_ops. A shard with rows to pad goes in padded.
-            flat = traced_ops.flat_cat([
-                shard if p.layout.local_rows == p.layout.chunk else p.layout.padded_slot(shard)
-                for p, shard in ((p, shards[index[id(p)]]) for p in bucket.params)
-            ])
+            # One op, not torch.cat: see traced_ops.
+            flat = traced_ops.flat_cat([_send_slot(p, shards[index[id(p)]]) for p in bucket.params])
             stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
