@@ -102,6 +102,9 @@ def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list
     ]
 
 
+# ``tensors`` flattened and concatenated into a new 1-D tensor, in one call (no Python per tensor).
+flatten_dense_tensors: Callable[[list[torch.Tensor]], torch.Tensor] = torch._C._nn.flatten_dense_tensors
+
 # ``flat`` as consecutive views shaped like each of ``like`` (only their shapes are read: meta
 # tensors will do), in one call; torch's own gradient-bucket helper, private but stable since 1.x.
 unflatten_dense_tensors: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]] = (
@@ -120,6 +123,18 @@ def make_dtensor(
     """A DTensor around ``local`` with the given global shape and stride, ``local`` left where it is."""
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
+def out_collectives_traceable() -> bool:
+    """Whether torch.compile traces ``_c10d_functional``'s ``*_out`` collectives (functionalized by
+    ``auto_functionalized``): torch 2.13 does; 2.11 refuses ops whose result aliases an argument."""
+    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+
+    ops = torch.ops._c10d_functional
+    try:
+        return all(can_auto_functionalize(op.default) for op in (ops.all_gather_into_tensor_out, ops.reduce_scatter_tensor_out))
+    except (AttributeError, RuntimeError):  # a build without distributed or without these ops
+        return False
 
 
 def outside_functorch() -> contextlib.AbstractContextManager:

@@ -96,3 +96,34 @@ def test_fsdp2_training_step_at_world_64_issues_exactly_its_collectives(noop_wor
         assert issued.calls["all_gather"] == 2 * cfg.n_layers + 1
         assert pg.calls - before == {"all_gather": 2 * cfg.n_layers + 1, "reduce_scatter": cfg.n_layers + 1}
     assert all(p.to_local().shape[0] <= 2 for p in model.parameters())  # 1/64 of every dim-0
+
+
+def test_compiled_fsdp2_step_reaches_the_noop_groups(noop_world):
+    """torch.compile(fullgraph=True) over fully_shard (the traced path): its graph's collectives
+    reach the no-op group's Python methods too. The ``*_out`` collectives the traced path uses on
+    C++ process groups would go to the fake backend underneath (which refuses), so it keeps the
+    functional ones for a process group implemented in Python."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import fully_shard
+    from fsdp2.models import GPT, GPTConfig
+
+    pg = noop_world(4)
+    cfg = GPTConfig(vocab_size=67, seq_len=16, dim=32, n_layers=2, n_heads=2)
+    mesh = init_device_mesh("cpu", (4,))
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+    try:
+        before = pg.calls.copy()
+        logits = compiled(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    finally:
+        torch._dynamo.reset()
+    assert pg.calls - before == {"all_gather": 2 * cfg.n_layers + 1, "reduce_scatter": cfg.n_layers + 1}
+    assert all(p.grad is not None for p in model.parameters())

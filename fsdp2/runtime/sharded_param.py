@@ -210,6 +210,9 @@ class ShardedParam:
         on every step. It takes no gradient: the group's reduced gradient goes to one leaf per
         bucket (``TracedGroup``'s grad sinks), which hands it to every DTensor ``.grad`` at once."""
         shard = self.local_shard
+        # The tensor object it was made from: one swapped into the DTensor from outside fsdp2 (a
+        # submodule's _apply) is not seen by a compiled step, which refuses it (traced._GradHandOff).
+        self.traced_source = shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
             real = shard.device.type != "meta" and not isinstance(shard, FakeTensor)  # fakes have no data_ptr

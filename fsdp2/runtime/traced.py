@@ -6,8 +6,9 @@ Nothing here keeps eager state: each step's collectives are functional collectiv
 and autograd builds the backward. How it maps to the eager path:
 
 - gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
-  side in one flat row (the layout of ``GatherBucket``: parameter after parameter), ONE
-  ``all_gather_into_tensor`` per group and dtype, and the unsharded parameters as the rows of its
+  side in one flat row (the layout of ``GatherBucket``: parameter after parameter; one
+  ``traced_ops.flat_cat``), ONE ``all_gather_into_tensor`` per group and dtype (its ``*_out``
+  variant where torch traces it), and the unsharded parameters as the rows of its
   output (``ShardLayout.full_from_rank_rows``, eager's copy-out). The modules see them in place
   of the shards between the group's pre- and post-forward hooks.
 - reduce (eager: ``GroupReduce``): the all-gather's backward. Autograd hands it the gradient of
@@ -42,12 +43,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime import schedule
+from fsdp2.runtime import schedule, traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
@@ -70,6 +72,46 @@ class _Reduction:
     divide_after: float
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
+    out_collectives: bool  # see _OUT_COLLECTIVES
+
+
+# The compiled code calls each collective op through the dispatcher on every step. torch 2.13
+# registers the functional collectives' autograd in Python (7 Python calls per op call, even
+# without grad); their ``*_out`` variants have none, and inductor runs them in place into a buffer
+# it allocates. ``wait_tensor`` has no such variant.
+_OUT_COLLECTIVES = compat.out_collectives_traceable()
+
+
+# By group name, noted eagerly (fully_shard, refresh_params): a trace cannot ask a group its class.
+_groups_taking_out_collectives: dict[str, bool] = {}
+
+
+def _takes_out_collectives(group: dist.ProcessGroup) -> bool:
+    """Whether the graph may run ``group``'s all-gather and reduce-scatter as ``*_out`` ops. Not
+    for a process group implemented in Python (a subclass, e.g. ``fsdp2.tools.noop_pg``): the
+    ``*_out`` ops go to its C++ backend directly, past the methods it overrides. A group not seen
+    eagerly gets the functional ops (same results, a few more Python calls)."""
+    if torch.compiler.is_compiling():
+        return _groups_taking_out_collectives.get(group.group_name, False)
+    takes = _OUT_COLLECTIVES and type(group) is dist.ProcessGroup
+    _groups_taking_out_collectives[group.group_name] = takes
+    return takes
+
+
+def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool) -> torch.Tensor:
+    if not out_op:
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
+    gathered = send.new_empty(world * send.numel())
+    _c10d.all_gather_into_tensor_out(send, world, group, out=gathered)
+    return _c10d.wait_tensor(gathered)
+
+
+def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op: bool) -> torch.Tensor:
+    if not out_op:
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
+    reduced = grad.new_empty(grad.numel() // world)
+    _c10d.reduce_scatter_tensor_out(grad, op, world, group, out=reduced)
+    return _c10d.wait_tensor(reduced)
 
 
 class _GatherReduce(torch.autograd.Function):
@@ -83,8 +125,7 @@ class _GatherReduce(torch.autograd.Function):
     def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        gathered = _c10d.all_gather_into_tensor(flat_shards.to(param_dtype), reduction.world, reduction.shard_group)
-        return _c10d.wait_tensor(gathered)
+        return _all_gather(flat_shards.to(param_dtype), reduction.world, reduction.shard_group, reduction.out_collectives)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -97,12 +138,18 @@ class _GatherReduce(torch.autograd.Function):
             grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
         for divisor in r.divide_before:
             grad = grad / divisor  # fp16 would overflow summing before dividing
-        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, r.reduce_scatter_op, r.world, r.shard_group))
+        reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
         if r.replicate_group is not None:
             reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
         return reduced.to(r.grad_dtype), None, None, None, None, None, None
+
+
+def _send_slot(p: "ShardedParam", shard: torch.Tensor) -> torch.Tensor:
+    """What ``p`` sends in its bucket's all-gather: its shard, padded (and flat) where this rank
+    has fewer rows than a chunk."""
+    return shard if p.layout.local_rows == p.layout.chunk else p.layout.padded_slot(shard)
 
 
 def _takes_grad(dtype: torch.dtype) -> bool:
@@ -149,8 +196,12 @@ class _GradHandOff:
         reduced, sink.grad = sink.grad, None
         if reduced is None:
             return  # a backward without gradient sync: the group's accumulator took it
-        self.before()
         dtensors = [p.sharded_param for p in self.params]
+        shards = compat.local_tensors(dtensors)
+        swapped = [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]
+        if swapped:
+            raise _swapped_shard_error(swapped[0])
+        self.before()
         if self.packed and all([d.grad is None and d.requires_grad for d in dtensors]):
             grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
             for dtensor, grad in zip(dtensors, grads):
@@ -162,12 +213,34 @@ class _GradHandOff:
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
 
 
+def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
+    """``p``'s DTensor holds a local shard other than the one its graph input (``traced_leaf``) was
+    made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not fully_shard'ed
+    swaps DTensor parameters), so the step gathered the old values. Eager reads the new ones;
+    writing gradients of the old would train them silently."""
+    return FSDPUsageError(
+        f"torch.compile over fully_shard({p.owner}): the local shard of parameter {p.fqn} was replaced from "
+        "outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is not fully_shard'ed) "
+        "after this step was compiled, so it computed with the old values; no gradient was written. Convert "
+        "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
+        "model.load_state_dict(model.state_dict())."
+    )
+
+
 class TracedGroup:
     """The traced path of one ParamGroup: its gather as graph ops, and which modules see it.
 
     ``held`` (the gathered parameters while the group's forward runs) and ``prefetched`` live
     only within one trace: the root's post-forward clears them before the trace ends.
     """
+
+    # Slots, not an instance dict: dynamo replays a trace's attribute writes on a slotted object
+    # with plain STORE_ATTRs after the graph runs, and a dict-backed object's through a Python
+    # call per attribute (``held``, ``prefetched``, ... are written in every trace).
+    __slots__ = (
+        "group", "modules", "next", "prefetched", "held", "modules_left", "accumulators", "accumulated",
+        "grad_sinks", "_hand_offs", "param_replaced", "_held_dicts", "__weakref__",
+    )
 
     def __init__(self, group: "ParamGroup", modules: tuple[nn.Module, ...]):
         self.group = group
@@ -219,7 +292,8 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            flat = torch.cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
+            # One op, not torch.cat: see traced_ops.
+            flat = traced_ops.flat_cat([_send_slot(p, shards[index[id(p)]]) for p in bucket.params])
             stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
@@ -255,6 +329,7 @@ class TracedGroup:
                     dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype,
                     plan.divide_before, plan.divide_after,
                     plan.reduce_scatter_op.functional_name, plan.all_reduce_op.functional_name,
+                    _takes_out_collectives(shard_group),
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
             by_key[key].params.append(p)
@@ -381,6 +456,8 @@ class TracedGroup:
 
 class _TraceScope:
     """The forward being traced: its first group (the root) and the groups gathered in it."""
+
+    __slots__ = ("root", "touched")  # see TracedGroup's
 
     def __init__(self) -> None:
         self.root: TracedGroup | None = None
