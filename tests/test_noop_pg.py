@@ -70,20 +70,27 @@ def _train_step(model, opt, tokens):
     opt.zero_grad(set_to_none=True)
 
 
-def test_fsdp2_training_step_at_world_64_issues_exactly_its_collectives(noop_world):
+def _sharded_gpt(world_size: int):
+    """A 2-block GPT, each block and the root fully_shard'ed over the whole (simulated) world."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2 import fully_shard
-    from fsdp2.tools.comm_stats import count_comm
     from fsdp2.models import GPT, GPTConfig
 
-    pg = noop_world(64)
     cfg = GPTConfig(vocab_size=67, seq_len=16, dim=32, n_layers=2, n_heads=2)
-    mesh = init_device_mesh("cpu", (64,))
+    mesh = init_device_mesh("cpu", (world_size,))
     model = GPT(cfg)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model, cfg
+
+
+def test_fsdp2_training_step_at_world_64_issues_exactly_its_collectives(noop_world):
+    from fsdp2.tools.comm_stats import count_comm
+
+    pg = noop_world(64)
+    model, cfg = _sharded_gpt(64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
     _train_step(model, opt, tokens)
@@ -104,18 +111,9 @@ def test_compiled_fsdp2_step_reaches_the_noop_groups(noop_world):
     C++ process groups would go to the fake backend underneath (which refuses), so it keeps the
     functional ones for a process group implemented in Python."""
     import torch._dynamo
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdp2 import fully_shard
-    from fsdp2.models import GPT, GPTConfig
 
     pg = noop_world(4)
-    cfg = GPTConfig(vocab_size=67, seq_len=16, dim=32, n_layers=2, n_heads=2)
-    mesh = init_device_mesh("cpu", (4,))
-    model = GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, cfg = _sharded_gpt(4)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
