@@ -263,6 +263,22 @@ def test_no_garbage_collection_runs_inside_a_load(tmp_path, verify):
     assert gc.isenabled()
 
 
+def test_no_garbage_collection_runs_inside_a_load_hf(tmp_path):
+    """``load_hf`` pauses automatic collection as ``load`` does (its multi-rank reads stall alike)."""
+    import gc
+
+    from safetensors.torch import save_file
+
+    source = _stack(64)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    target = _stack(64, seed=1)
+    ck.load_hf(tmp_path, target)  # first load: creates nothing that later ones would not
+    gc.collect()
+    assert _collections_during(lambda: ck.load_hf(tmp_path, target)) in ([], [0])
+    assert gc.isenabled()
+    assert_same_state(full_state(target), full_state(source))
+
+
 def test_a_failed_load_restores_automatic_garbage_collection(tmp_path):
     import gc
 

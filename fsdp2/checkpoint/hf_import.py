@@ -35,7 +35,7 @@ from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 from fsdp2.tools.progress import ByteProgress
 
-from . import _dist, fresh_memory
+from . import _dist, fresh_memory, gc_pause
 from .errors import CheckpointError
 from .paths import read_checkpoint_text
 from .reader import LoadStats
@@ -221,7 +221,11 @@ def load_hf(path: str | os.PathLike, model: nn.Module, *, key_map: KeyMap | None
     names). Collective when torch.distributed is initialized. On ``CheckpointError`` nothing
     was modified. Returns the keys left out (all empty when ``strict``).
     """
-    path = os.fspath(path)
+    with gc_pause.paused():  # as load's: its objects die by refcount; a full collection would stall every rank
+        return _load_hf(os.fspath(path), model, key_map, strict, stats)
+
+
+def _load_hf(path: str, model: nn.Module, key_map: KeyMap | None, strict: bool, stats: LoadStats | None) -> HFKeys:
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
     targets: list[_Target] = []
