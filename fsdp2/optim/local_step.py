@@ -127,6 +127,13 @@ class LocalShardStep:
 
     Lifecycle: active from construction until ``remove()``; a removed one passes ``step()``
     straight through (an lr scheduler may have wrapped it since, so it stays in the chain).
+
+    What a step presents (the aliases, the translated state) is a :class:`_Presentation`, kept
+    from step to step while the parameters, their local shards and the optimizer's state entries
+    are the objects it was built from: a step then re-checks them by identity and hands over the
+    new gradients, with no dict keyed by a tensor (each such lookup is a Python ``__hash__`` call)
+    and no Python call per parameter. Anything else (new state, a replaced entry, a new param
+    group, ``load_state_dict``) builds it again, as every step did before.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, by_default: bool = False):
@@ -134,7 +141,7 @@ class LocalShardStep:
         self.active = True
         self.by_default = by_default  # installed by the default, not by step_on_local_shards
         self._inner_step = optimizer.step  # bound method, or an lr scheduler's wrapper of it
-        self._aliases: dict[DTensor, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (its local tensor, our alias)
+        self._presentation: _Presentation | None = None
         self.local_steps = 0  # steps taken on local shards (the rest fell back to DTensors)
         setattr(optimizer, _HANDLE_ATTR, self)
         # A method bound to the optimizer, as lr schedulers expect (they rebind step.__func__ to it).
@@ -142,7 +149,12 @@ class LocalShardStep:
 
     def remove(self) -> None:
         self.active = False
-        self._aliases.clear()
+        self._presentation = None
+
+    @property
+    def aliases(self) -> list[tuple[DTensor, torch.Tensor]]:
+        """(DTensor parameter, the plain tensor presented in its place) of the last local step."""
+        return [] if self._presentation is None else [(p, alias) for p, _, alias, _ in self._presentation.dtensors]
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -154,28 +166,17 @@ class LocalShardStep:
             # Hooks see the parameters during step(): on PyTorch's FSDP2 they are DTensors, so the
             # default, which must change nothing anyone can observe, steps on DTensors here.
             return self._inner_step(*args, **kwargs)
-        aliases = self._present()
-        if aliases is None:
-            return self._inner_step(*args, **kwargs)
         opt = self.optimizer
+        presentation = self._presentation
+        if presentation is None or not presentation.still_fits(opt):
+            presentation = self._presentation = _Presentation.build(opt, self._presentation)
+        if presentation is None or not presentation.hand_over_grads(opt):
+            return self._inner_step(*args, **kwargs)
         held_params = [group["params"] for group in opt.param_groups]
         held_state = opt.state
-        local_state = defaultdict(dict)
-        # The state's DTensor entries as their local tensors, fetched in one batch.
-        dtensor_entries = []  # (alias, key, DTensor)
-        for param, alias in aliases.items():
-            entries = held_state.get(param)
-            if entries:
-                translated = local_state[alias]
-                for key, value in entries.items():
-                    translated[key] = value  # a DTensor is replaced below, keeping the entries' order
-                    if isinstance(value, DTensor):
-                        dtensor_entries.append((alias, key, value))
-        for (alias, key, _), local in zip(dtensor_entries, compat.local_tensors([v for *_, v in dtensor_entries])):
-            local_state[alias][key] = local
-        for group in opt.param_groups:
-            group["params"] = [aliases[p] for p in group["params"]]
-        opt.state = local_state
+        for group, aliases in zip(opt.param_groups, presentation.group_aliases):
+            group["params"] = aliases
+        opt.state = presentation.local_state
         try:
             result = self._inner_step(*args, **kwargs)
             self.local_steps += 1
@@ -184,64 +185,177 @@ class LocalShardStep:
             for group, params in zip(opt.param_groups, held_params):
                 group["params"] = params
             opt.state = held_state
-            self._fold_back(aliases, local_state)
-            for param, alias in aliases.items():
-                if alias is not param:
-                    alias.grad = None  # the gradient's storage belongs to the DTensor grad, which zero_grad frees
+            if not presentation.fold_back_unchanged():
+                _fold_back(held_state, presentation)
+                presentation.retire()  # the state changed shape: the next step builds anew
+            presentation.drop_grads()  # their storage belongs to the DTensor grads, which zero_grad frees
 
-    def _present(self) -> dict | None:
-        """Parameter -> what the optimizer sees in its place this step; None: this step must use DTensors."""
-        opt = self.optimizer
+
+class _Presentation:
+    """What the optimizer sees during a local step, and the objects it was made from.
+
+    ``dtensors``: per DTensor parameter (param, its local shard, the alias presented, whether it
+    is 0-dim); ``group_aliases``: each param group's list as presented; ``local_state``: the
+    optimizer state keyed by what is presented, a DTensor entry replaced by its local tensor;
+    ``entries``: per state entry (the held entries dict, the presented one, key, the held value,
+    the presented value), what :meth:`still_fits` and :meth:`fold_back_unchanged` compare by identity.
+    """
+
+    __slots__ = ("params", "dtensors", "group_aliases", "held_state", "state_items", "entry_dicts",
+                 "entry_lens", "local_state", "local_dicts", "local_lens", "entries", "grad_specs")
+
+    @classmethod
+    def build(cls, opt: torch.optim.Optimizer, previous: "_Presentation | None") -> "_Presentation | None":
+        """A presentation of ``opt``'s current parameters and state; None: this step must use DTensors.
+        Aliases of ``previous`` whose local shard is unchanged are kept (the optimizer's own caches may
+        refer to them)."""
+        self = cls()
         params = [param for group in opt.param_groups for param in group["params"]]
-        dtensors = [param for param in params if isinstance(param, DTensor)]
-        for param in dtensors:
+        held_state = opt.state
+        for param in params:
+            if not isinstance(param, DTensor):
+                continue
             grad = param.grad
-            if grad is not None and (
-                not isinstance(grad, DTensor)
-                or grad.placements != param.placements
-                or (grad.device_mesh is not param.device_mesh and grad.device_mesh != param.device_mesh)
-            ):
+            if grad is not None and not _grad_matches(param, grad):
                 return None
-            if param.dim() == 0 and grad is not None and not opt.state.get(param):
+            if param.dim() == 0 and grad is not None and not held_state.get(param):
                 return None  # its new state entries cannot be told apart from the scalar 'step'
-        # Only now that the whole step is known to go local: the aliases, made once per local tensor.
-        previous, aliases = self._aliases, {param: param for param in params}
-        locals_ = compat.local_tensors(dtensors)
-        for param, local in zip(dtensors, locals_):
-            cached = previous.get(param)
-            aliases[param] = cached[1] if cached is not None and cached[0] is local else local.detach().requires_grad_(param.requires_grad)
-        with_grads = [param for param in dtensors if param.grad is not None]
-        for param in dtensors:
-            aliases[param].grad = None
-        for param, grad in zip(with_grads, compat.local_tensors([param.grad for param in with_grads])):
-            aliases[param].grad = grad
-        self._aliases = {param: (local, aliases[param]) for param, local in zip(dtensors, locals_)}
-        return aliases
-
-    def _fold_back(self, aliases: dict, local_state: dict) -> None:
-        """Write the state the optimizer left on the aliases back onto the DTensor parameters."""
-        state = self.optimizer.state
-        held_dtensors = []  # (held entries, key, the DTensor held before, the value after)
-        for param, alias in aliases.items():
-            entries = local_state.get(alias)
-            if entries is None:
+        known = {} if previous is None else {id(p): (p, local, alias) for p, local, alias, _ in previous.dtensors}
+        aliases: dict[int, torch.Tensor] = {}  # by id(param): no Python __hash__ call per lookup
+        self.dtensors = []
+        for param in params:
+            if not isinstance(param, DTensor) or id(param) in aliases:
                 continue
-            if alias is param:  # a plain parameter: its entries were never translated
-                state[param] = entries
+            local = param._local_tensor
+            p, cached_local, alias = known.get(id(param), (None, None, None))
+            if p is not param or cached_local is not local or alias.requires_grad != param.requires_grad:
+                alias = local.detach().requires_grad_(param.requires_grad)
+            aliases[id(param)] = alias
+            self.dtensors.append((param, local, alias, param.dim() == 0))
+        self.grad_specs = [None] * len(self.dtensors)  # per DTensor parameter: a gradient spec found to match
+        self.params = params
+        self.group_aliases = [[aliases.get(id(p), p) for p in group["params"]] for group in opt.param_groups]
+        # The state, translated: a plain parameter shares its entries dict; a DTensor parameter's
+        # gets a dict of its own whose DTensor values are their local tensors.
+        self.held_state = held_state
+        self.state_items = list(held_state.items())
+        self.entry_dicts = [entries for _, entries in self.state_items]
+        self.entry_lens = [len(entries) for entries in self.entry_dicts]
+        self.local_state = defaultdict(dict)
+        self.entries = []
+        for param, entries in self.state_items:
+            alias = aliases.get(id(param))
+            if alias is None:
+                self.local_state[param] = entries
                 continue
-            held = state[param]
+            translated = self.local_state[alias]
             for key, value in entries.items():
-                before = held.get(key)
-                if isinstance(before, DTensor):
-                    held_dtensors.append((held, key, before, value))
-                elif before is None and _is_shard_shaped(value, alias):
-                    held[key] = _like(value, param)  # new per-element state: a DTensor, as on the DTensor path
-                else:
-                    held[key] = value
-        befores = compat.local_tensors([before for _, _, before, _ in held_dtensors])
-        for (held, key, before, value), local_before in zip(held_dtensors, befores):
-            if value is not local_before:  # replaced, not updated in place
-                held[key] = _like(value, before)
+                shown = value._local_tensor if isinstance(value, DTensor) else value
+                translated[key] = shown
+                self.entries.append((entries, translated, key, value, shown))
+        self.local_dicts = list(self.local_state.values())
+        self.local_lens = [len(entries) for entries in self.local_dicts]
+        return self
+
+    def still_fits(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether the parameters, their local shards, requires_grad and every state entry are the
+        objects this was built from (compared by identity: a few Python calls, none per parameter)."""
+        groups = opt.param_groups
+        params = [param for group in groups for param in group["params"]]
+        if (
+            len(params) != len(self.params) or opt.state is not self.held_state or len(opt.state) != len(self.state_items)
+            or [len(group["params"]) for group in groups] != list(map(len, self.group_aliases))
+        ):
+            return False
+        for a, b in zip(params, self.params):
+            if a is not b:
+                return False
+        for param, local, alias, _ in self.dtensors:
+            if param._local_tensor is not local or alias.requires_grad != param.requires_grad:
+                return False
+        for (param, entries), (held_param, held_entries) in zip(opt.state.items(), self.state_items):
+            if param is not held_param or entries is not held_entries:
+                return False
+        if list(map(len, self.entry_dicts)) != self.entry_lens or list(map(len, self.local_dicts)) != self.local_lens:
+            return False
+        try:
+            for entries, translated, key, value, shown in self.entries:
+                if entries[key] is not value or translated[key] is not shown or (
+                    shown is not value and value._local_tensor is not shown
+                ):
+                    return False
+        except KeyError:
+            return False
+        return True
+
+    def hand_over_grads(self, opt: torch.optim.Optimizer) -> bool:
+        """Each alias's ``.grad``: its parameter's local gradient. False (nothing handed over): a
+        gradient this step cannot take on local shards."""
+        matched = self.grad_specs
+        for i, (param, _, alias, scalar) in enumerate(self.dtensors):
+            grad = param.grad
+            if grad is None:
+                alias.grad = None
+                continue
+            spec = grad._spec if type(grad) is DTensor else None
+            if spec is not param._spec and spec is not matched[i]:
+                if not _grad_matches(param, grad):
+                    self.drop_grads()
+                    return False
+                matched[i] = spec  # a gradient op's output spec is usually the same object every step
+            if scalar and not opt.state.get(param):
+                self.drop_grads()
+                return False
+            alias.grad = grad._local_tensor
+        return True
+
+    def fold_back_unchanged(self) -> bool:
+        """Whether the step left the presented state as it was presented (updated in place): then
+        the DTensor state already holds it. False: :func:`_fold_back` writes it back."""
+        if len(self.local_state) != len(self.local_dicts) or list(map(len, self.local_dicts)) != self.local_lens:
+            return False
+        for _, translated, key, _, shown in self.entries:
+            if translated[key] is not shown:
+                return False
+        return True
+
+    def retire(self) -> None:
+        """Never fit again (the state it was made from has changed); its aliases stay reusable."""
+        self.held_state = None
+
+    def drop_grads(self) -> None:
+        for _, _, alias, _ in self.dtensors:
+            alias.grad = None
+
+
+def _grad_matches(param: DTensor, grad) -> bool:
+    return isinstance(grad, DTensor) and grad.placements == param.placements and (
+        grad.device_mesh is param.device_mesh or grad.device_mesh == param.device_mesh
+    )
+
+
+def _fold_back(state, presentation: _Presentation) -> None:
+    """Write the state the optimizer left on the aliases back onto the DTensor parameters."""
+    by_alias = {id(alias): param for param, _, alias, _ in presentation.dtensors}
+    held_dtensors = []  # (held entries, key, the DTensor held before, the value after)
+    for alias, entries in presentation.local_state.items():
+        param = by_alias.get(id(alias))
+        if param is None:  # a plain parameter: its entries were never translated
+            state[alias] = entries
+            continue
+        held = state[param]
+        for key, value in entries.items():
+            before = held.get(key)
+            if isinstance(before, DTensor):
+                held_dtensors.append((held, key, before, value))
+            elif before is None and _is_shard_shaped(value, alias):
+                held[key] = _like(value, param)  # new per-element state: a DTensor, as on the DTensor path
+            else:
+                held[key] = value
+    befores = compat.local_tensors([before for _, _, before, _ in held_dtensors])
+    for (held, key, before, value), local_before in zip(held_dtensors, befores):
+        if value is not local_before:  # replaced, not updated in place
+            held[key] = _like(value, before)
 
 
 def _step(optimizer: torch.optim.Optimizer, *args, **kwargs):

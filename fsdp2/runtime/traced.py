@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -182,11 +182,12 @@ class _GradHandOff:
     """A bucket's reduced flat shard (``padded_shard_numel`` per parameter, parameter after
     parameter) to its parameters' DTensor ``.grad``, as eager's post-backward writes them: one
     call per bucket (autograd's hook on its grad sink), with no Python call per parameter in the
-    common case (no padding on this rank, first gradients, none frozen)."""
+    common case (no padding on this rank, first gradients, none frozen) beyond constructing each
+    gradient DTensor: the checks run as plain loops, which make no calls."""
 
-    def __init__(self, params: tuple["ShardedParam", ...], before: Callable[[], None]):
+    def __init__(self, params: tuple["ShardedParam", ...], group: "TracedGroup"):
         self.params = params
-        self.before = before  # the group's: drop the sums of backwards without sync, added in now
+        self.group = group  # its sums of backwards without sync are added in now
         self.widths = [p.layout.padded_shard_numel for p in params]
         # No padding on this rank: the reduced flat shard is the local shards back to back.
         self.packed = all(p.layout.local_rows == p.layout.chunk for p in params)
@@ -197,12 +198,15 @@ class _GradHandOff:
         if reduced is None:
             return  # a backward without gradient sync: the group's accumulator took it
         dtensors = [p.sharded_param for p in self.params]
-        shards = compat.local_tensors(dtensors)
-        swapped = [p for p, shard in zip(self.params, shards) if shard is not p.traced_source]
-        if swapped:
-            raise _swapped_shard_error(swapped[0])
-        self.before()
-        if self.packed and all([d.grad is None and d.requires_grad for d in dtensors]):
+        fresh = self.packed
+        for p, dtensor in zip(self.params, dtensors):
+            if dtensor._local_tensor is not p.traced_source:
+                raise _swapped_shard_error(p)
+            if dtensor.grad is not None or not dtensor.requires_grad:
+                fresh = False
+        if self.group.accumulated:
+            self.group.drop_accumulated()
+        if fresh:
             grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
             for dtensor, grad in zip(dtensors, grads):
                 dtensor.grad = grad
@@ -352,7 +356,7 @@ class TracedGroup:
             numel = bucket.gathered_numel // bucket.reduction.world
             sink, hand_off = self.grad_sinks.get(bucket.key), self._hand_offs.get(bucket.key)
             if sink is None or hand_off is None or hand_off.params != params or sink.numel() != numel:
-                hand_off = _GradHandOff(params, self.drop_accumulated)
+                hand_off = _GradHandOff(params, self)
                 sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
                 sink.register_post_accumulate_grad_hook(hand_off)
             sinks[bucket.key], hand_offs[bucket.key] = sink, hand_off
