@@ -442,6 +442,47 @@ def test_parameter_replaced_after_a_compiled_step_is_refused_not_ignored(worlds)
     assert result["trained_after_assign"]
 
 
+def _count_comm_around_compiled_steps(rank, world_size):
+    """count_comm() around a compiled step: the error under fullgraph; without fullgraph the
+    counts (dynamo runs the hooks eagerly) against eager fsdp2's; a compiled step after it."""
+    import torch._dynamo
+
+    from fsdp2.tools.comm_stats import count_comm
+
+    torch._dynamo.reset()
+    base, cfg = _build("gpt")
+    x, y = _batch(0, rank, world_size, cfg)
+    counted = {}
+    try:
+        for name in ("eager", "fullgraph", "graph breaks"):
+            model = _shard(copy.deepcopy(base))
+            run = model if name == "eager" else torch.compile(model, backend="aot_eager", fullgraph=name == "fullgraph")
+            _loss(run, x, y).backward()  # compiled (or eager) once, outside any counter
+            try:
+                with count_comm() as stats:
+                    _loss(run, x, y).backward()
+                counted[name] = (dict(stats.calls), dict(stats.bytes))
+            except Exception as error:  # noqa: BLE001 - the test reads the message
+                counted[name] = f"{type(error).__name__}: {error}"
+            _loss(run, x, y).backward()  # and after the counter: compiled again, no error
+        return counted
+    finally:
+        torch._dynamo.reset()
+
+
+def test_count_comm_around_a_compiled_step_is_refused_or_counts_eagerly(worlds):
+    """A compiled step's collectives are graph ops count_comm cannot see: under fullgraph the step
+    is refused by name (zeros before the fix); without it dynamo falls back to the eager hooks,
+    whose collectives are counted exactly as eager fsdp2's."""
+    counted = worlds.run(2, _count_comm_around_compiled_steps)[0]
+    assert isinstance(counted["fullgraph"], str), counted["fullgraph"]
+    for name in ("FSDPUsageError", "count_comm", "block.compile()"):
+        assert name in counted["fullgraph"]
+    calls, _ = counted["eager"]
+    assert calls["all_gather"] > 0 and calls["reduce_scatter"] > 0
+    assert counted["graph breaks"] == counted["eager"]
+
+
 # -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
 
 

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime import schedule, traced_ops
+from fsdp2.runtime import collectives, schedule, traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
@@ -519,7 +519,10 @@ def check_traceable(traced: TracedGroup) -> None:
     group = traced.group
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
-    if any(p.offload for p in group.params):
+    if collectives.active_counters:  # read in every trace: dynamo guards on it, so entering count_comm retraces
+        # Its counters see the collectives fsdp2 issues eagerly; a compiled step's are graph ops.
+        problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step (it would count nothing)"
+    elif any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
     elif any(p.tensor_parallel is not None for p in group.params):
         problem = "tensor-parallel (DTensor) parameters"
