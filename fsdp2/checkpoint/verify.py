@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fsdp2.tools.progress import SILENT, ByteProgress
 
+from . import gc_pause
 from .errors import CheckpointError
 from .format import Chunk, Manifest, TensorEntry, safetensors_dtype
 from .integrity import checksum
@@ -20,6 +21,11 @@ from .tensor_reader import OpenFiles, ReadPass, StoredChunk
 
 def verify_checkpoint(path: str) -> list[str]:
     """Every problem found in the checkpoint at ``path`` (empty list: all good)."""
+    with gc_pause.paused():  # as load's: thousands of short-lived objects, none kept
+        return _problems(path)
+
+
+def _problems(path: str) -> list[str]:
     try:
         m = read_manifest(path)
     except CheckpointError as e:

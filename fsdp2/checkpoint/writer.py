@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _dist
+from . import _dist, gc_pause
 from .errors import CheckpointError
 from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
@@ -339,7 +339,8 @@ class AsyncSave:
         if job.stage == _Stage.FAILED:
             raise CheckpointError(f"the async save to {job.path} failed: {job.error}") from job.error
         self.finish_writing()
-        job.commit()
+        with gc_pause.paused():  # the commit agrees across ranks: see save
+            job.commit()
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -364,19 +365,22 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             f"an async save to {path} is still pending: call wait() on its handle (every rank) before "
             "saving there again; fsdp2.checkpoint.pending_save(path) returns the handle if it was dropped. "
             "Nothing was changed")
-    job = _prepare(path, model, optimizer, extra, rank_extra)
-    if async_save:
-        # Copies: training may keep updating parameters while the thread writes.
-        job.snapshot = process_staging()
-        for s, copy in zip(job.shards, job.snapshot.stage([s.data for s in job.shards])):
-            s.data = copy
-        handle = AsyncSave(job)
-        _pending[_pending_key(path)] = handle
-        return handle
-    # Async saves show no progress: their thread writes while training prints its own lines.
-    with ByteProgress("save", path, sum(s.nbytes for s in job.shards)) as progress:
-        job.write(progress)
-    job.commit()
+    # As load's: the save's objects die by refcount; a full collection on one rank would stall the
+    # others at the commit. Not over an async save's background write: that runs beside training.
+    with gc_pause.paused():
+        job = _prepare(path, model, optimizer, extra, rank_extra)
+        if async_save:
+            # Copies: training may keep updating parameters while the thread writes.
+            job.snapshot = process_staging()
+            for s, copy in zip(job.shards, job.snapshot.stage([s.data for s in job.shards])):
+                s.data = copy
+            handle = AsyncSave(job)
+            _pending[_pending_key(path)] = handle
+            return handle
+        # Async saves show no progress: their thread writes while training prints its own lines.
+        with ByteProgress("save", path, sum(s.nbytes for s in job.shards)) as progress:
+            job.write(progress)
+        job.commit()
     return None
 
 
