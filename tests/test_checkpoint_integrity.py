@@ -216,6 +216,40 @@ def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
     assert "failed on another rank" in results[0][0]  # rank 0 never read that block
 
 
+@pytest.mark.parametrize("window", [None, 1 << 20])
+def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window):
+    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in one window (the default) or in
+    windows of 16 blocks, each window with one hash call checked against its blocks' checksums
+    combined: a byte flipped in block 37 (in the third window of 16) is reported with that block
+    and its byte range, and nothing is loaded."""
+    from fsdp2.checkpoint import tensor_reader
+
+    if window is not None:
+        monkeypatch.setattr(tensor_reader, "WINDOW_BYTES", window)
+    path = str(tmp_path / "c")
+    source = nn.Module()
+    torch.manual_seed(0)
+    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))  # 4 KiB rows: 16 rows a block
+    ck.save(path, source)
+    data, start = _byte_of(path, "model/w", 37 * 16)
+    _flip(data, start + 1000)
+    target = nn.Module()
+    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    with pytest.raises(ck.CheckpointError) as error:
+        ck.load(path, target)
+    message = str(error.value)
+    assert f"bytes [{start}, {start + (64 << 10)}) of key 'model/w', block 37)" in message, message
+    assert not target.w.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.randoms(use_true_random=False))
+def test_combined_block_checksums_equal_the_checksum_of_their_concatenation(lengths, rng):
+    blocks = [bytes(rng.getrandbits(8) for _ in range(n)) for n in lengths]
+    crcs = [integrity.checksum(b) for b in blocks]
+    assert integrity.combined(crcs, lengths) == integrity.checksum(b"".join(blocks))
+
+
 def test_corruption_outside_what_is_read_is_not_read(tmp_path):
     """A flipped byte in optimizer state: a model-only load neither reads nor trips on it."""
     model = make_model(0)

@@ -96,10 +96,15 @@ def _blocks_of(path: str) -> int:
     return sum(c.grid(t.torch_dtype.itemsize).count for t in manifest.tensors.values() for c in t.chunks)
 
 
-def test_verified_reads_are_hashed_in_cache_sized_windows(tmp_path, monkeypatch):
-    """A 4 MiB tensor (64 blocks of 64 KiB): read in windows of about HOT_BYTES, each block hashed
-    once, by the hash implementation itself (a Python wrapper frame per block was ~4% of a 13 MB
-    verified load); without verification, one read."""
+@pytest.mark.parametrize("window", [None, 1 << 20])
+def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, window):
+    """A 4 MiB tensor (64 blocks of 64 KiB): read in windows of about WINDOW_BYTES (by default the
+    whole read task: one window here), each hashed by ONE call of the hash implementation itself (no
+    Python wrapper frame), checked against its blocks' checksums combined: a call per block (64 here,
+    fails before) made several reader threads wait on each other's GIL hand-offs; without
+    verification, one read."""
+    if window is not None:
+        monkeypatch.setattr(tensor_reader, "WINDOW_BYTES", window)
     path = str(tmp_path / "c")
     module = nn.Module()
     torch.manual_seed(0)
@@ -116,10 +121,11 @@ def test_verified_reads_are_hashed_in_cache_sized_windows(tmp_path, monkeypatch)
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
     assert torch.equal(target.w, module.w)
-    # 64 blocks + the file header, which alone goes through the ``checksum`` wrapper.
-    assert _blocks_of(path) == 64 and len(hash_callers) == 64 + 1 and hash_callers.count("checksum") == 1
+    windows = -(-(4 << 20) // tensor_reader.WINDOW_BYTES)
+    # The windows + the file header, which alone goes through the ``checksum`` wrapper.
+    assert _blocks_of(path) == 64 and len(hash_callers) == windows + 1 and hash_callers.count("checksum") == 1
     assert sum(reads) == stats.bytes_read == stats.bytes_verified == 4 << 20
-    assert max(reads) <= tensor_reader.HOT_BYTES and len(reads) == (4 << 20) // tensor_reader.HOT_BYTES
+    assert len(reads) == windows and max(reads) <= tensor_reader.WINDOW_BYTES
     reads.clear()
     ck.load(path, target, verify=False)
     assert reads == [4 << 20]

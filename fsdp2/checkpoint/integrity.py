@@ -78,6 +78,77 @@ def checksum_function() -> Callable[[object, int], int]:
     return _crc32c
 
 
+# -- combining block checksums ------------------------------------------------------------------
+#
+# CRC32C(A + B) = shift(CRC32C(A), len(B)) ^ CRC32C(B), where shift multiplies by x^(8 len(B))
+# modulo the polynomial (zlib's crc32_combine; the initial and final XORs cancel out). It lets a
+# reader hash a whole window of blocks with ONE call and check it against the manifest's block
+# checksums folded together: each call of a hash that releases the GIL is a GIL hand-off, and with
+# several reader threads per rank those hand-offs, not the hashing, capped a verified read
+# (benchmarks/RESULTS.md, issue 24 on a 16-core host).
+
+_POLY_REFLECTED = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected: x^0 is bit 31
+
+
+def _multiply_mod_p(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC32C polynomial, both bit-reflected."""
+    m, product = 1 << 31, 0
+    while True:
+        if a & m:
+            product ^= b
+            if a & (m - 1) == 0:
+                return product
+        m >>= 1
+        b = (b >> 1) ^ _POLY_REFLECTED if b & 1 else b >> 1
+
+
+_X_POW_2N = [1 << 30]  # x^(2^n) modulo the polynomial
+for _ in range(31):
+    _X_POW_2N.append(_multiply_mod_p(_X_POW_2N[-1], _X_POW_2N[-1]))
+
+
+def _x_pow_8n(nbytes: int) -> int:
+    """x^(8 nbytes) modulo the polynomial."""
+    product, k = 1 << 31, 3
+    while nbytes:
+        if nbytes & 1:
+            product = _multiply_mod_p(_X_POW_2N[k & 31], product)
+        nbytes >>= 1
+        k += 1
+    return product
+
+
+_shift_tables: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+
+
+def shift_tables(nbytes: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Four 256-entry tables, one per byte of a checksum ``c``, whose entries XORed give
+    ``shift(c, nbytes)`` (the map is linear in ``c``): ``combined = t0[c & 255] ^ t1[c >> 8 & 255]
+    ^ t2[c >> 16 & 255] ^ t3[c >> 24] ^ crc_of_next``. Cached per length (a checkpoint has few)."""
+    tables = _shift_tables.get(nbytes)
+    if tables is None:
+        op = _x_pow_8n(nbytes)
+        tables = []
+        for k in range(4):
+            bits = [_multiply_mod_p(op, 1 << (8 * k + i)) for i in range(8)]
+            table = [0] * 256
+            for b in range(1, 256):
+                low = b & -b
+                table[b] = table[b ^ low] ^ bits[low.bit_length() - 1]
+            tables.append(table)
+        tables = _shift_tables[nbytes] = tuple(tables)
+    return tables
+
+
+def combined(checksums: Sequence[int], lengths: Sequence[int]) -> int:
+    """CRC32C of the concatenation of blocks whose CRC32Cs are ``checksums`` and byte lengths ``lengths``."""
+    total = checksums[0]
+    for value, nbytes in zip(checksums[1:], lengths[1:]):
+        t0, t1, t2, t3 = shift_tables(nbytes)
+        total = t0[total & 255] ^ t1[total >> 8 & 255] ^ t2[total >> 16 & 255] ^ t3[total >> 24] ^ value
+    return total
+
+
 def to_hex(values: Sequence[int]) -> str:
     return "".join(f"{v & 0xFFFFFFFF:08x}" for v in values)
 

@@ -16,8 +16,17 @@ Where it lands: straight in the destination when the dtype matches and the rows 
 contiguous there (the edge bytes outside the owned rows go to small side buffers, one
 ``preadv`` call scatters them), else in a per-thread scratch buffer that is checked and then
 copied out. With checksums, a task reads in windows of whole blocks of about
-:data:`HOT_BYTES` and hashes each window as soon as it lands, while it is still in the CPU cache;
-a mismatch raises :class:`CheckpointError` naming the file, key and byte range.
+:data:`WINDOW_BYTES` and hashes each window with one call as soon as it lands, checked against
+its blocks' manifest checksums combined (``integrity.combined``); only a window that does not
+match is hashed block by block, and the mismatch raises :class:`CheckpointError` naming the file,
+key and byte range.
+
+Why whole windows of a task's size, not a call per block in cache-sized windows: the hash releases
+the GIL for each call, and with several reader threads per rank every release and re-acquire is a
+hand-off between threads. On a 16-core host (2 ranks, 8 threads each) the hand-offs, not the
+hashing, capped verified reads: a call per 128 KiB block cost 0.7-0.8x of the unverified load,
+one call per 1 MiB window 0.23-0.32x, one per 16 MiB task 0.17-0.19x; on the 2-core CI machine (one
+thread per rank) the window size made no difference beyond noise (benchmarks/RESULTS.md, issue 24).
 """
 
 from __future__ import annotations
@@ -36,13 +45,13 @@ from fsdp2.layout.regions import Region
 from fsdp2.tools.progress import SILENT, ByteProgress
 
 from .errors import CheckpointError
-from .integrity import BlockGrid, checksum_function
+from .integrity import BlockGrid, checksum_function, combined
 from .paths import open_checkpoint_file
 from .safetensors_io import SafetensorsHeader, read_header
 
 MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
-HOT_BYTES = 1 << 20  # verified reads go in windows this big: hashed while still in the CPU cache
+WINDOW_BYTES = PIECE_BYTES  # verified reads are hashed in windows this big, one call each (see above)
 
 
 class OpenFiles:
@@ -302,9 +311,10 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
     """Fill ``segments`` (rows [lo, hi) of the chunk, concatenated) from ``file_offset`` on and verify
     every block; bytes checked.
 
-    Reads go in windows of whole blocks of about :data:`HOT_BYTES`, each hashed right after it
-    lands, while it is still in the CPU cache: hashing a whole 16 MiB piece after reading it
-    fetches every byte from memory a second time.
+    Reads go in windows of whole blocks of about :data:`WINDOW_BYTES` (usually the whole task),
+    each hashed by ONE call right after it lands and checked against the manifest's checksums of
+    its blocks combined (``integrity.combined``). Only a window that does not match is hashed
+    block by block, to name the bad block.
     """
     chunk = task.chunk
     grid = chunk.grid
@@ -313,26 +323,41 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
     if base:
         edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
-    step = max(1, HOT_BYTES // (grid.block_elems * grid.itemsize))  # blocks per window
-    if len(edges) - 1 <= step:  # one window, the whole task: most chunks of small tensors
+    expected = chunk.checksums[first:first + len(edges) - 1]
+    lengths = [b - a for a, b in zip(edges, edges[1:])]
+    step = max(1, WINDOW_BYTES // (grid.block_elems * grid.itemsize))  # blocks per window
+    if len(lengths) <= step:  # one window, the whole task: most chunks of small tensors
         _preadv(chunk, segments, file_offset)
-        got = _block_checksums(segments, edges)
+        _check_window(task, segments, edges, expected, lengths, first, file_offset)
     else:
-        cuts = [*range(0, len(edges) - 1, step), len(edges) - 1]
-        got = []
-        for i, j in zip(cuts, cuts[1:]):
+        for i in range(0, len(lengths), step):
+            j = min(len(lengths), i + step)
             window = _window(segments, edges[i], edges[j])
             _preadv(chunk, list(window), file_offset + edges[i])
-            got += _block_checksums(window, [e - edges[i] for e in edges[i:j + 1]])
-    expected = list(chunk.checksums[first:first + len(got)])
-    if got != expected:
-        i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
-        start = chunk.offset + base + edges[i]
-        raise CheckpointError(
-            f"{chunk.path} is corrupted (crc32c {got[i]:08x}, manifest says {expected[i]:08x} for "
-            f"bytes [{start}, {start + edges[i + 1] - edges[i]}) of {chunk.label}, block {first + i}); "
-            "restore the file or load an earlier checkpoint")
+            _check_window(task, window, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], lengths[i:j], first + i,
+                          file_offset + edges[i])
     return edges[-1] - edges[0]
+
+
+def _check_window(task: _Task, views: list[memoryview], edges: list[int], expected: Sequence[int],
+                  lengths: list[int], first: int, file_offset: int) -> None:
+    """Blocks ``first ..`` of ``task``'s chunk (the bytes of ``views``, cut at ``edges`` from 0, read
+    from ``file_offset``) against their manifest checksums ``expected``: one hash of the whole
+    window against them combined; block by block only to name a bad one."""
+    crc = checksum_function()
+    value = 0
+    for view in views:
+        value = crc(view, value)
+    if value == combined(expected, lengths):
+        return
+    got = _block_checksums(views, edges)
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
+    chunk = task.chunk
+    start = file_offset + edges[i]
+    raise CheckpointError(
+        f"{chunk.path} is corrupted (crc32c {got[i]:08x}, manifest says {expected[i]:08x} for bytes "
+        f"[{start}, {start + lengths[i]}) of {chunk.label}, block {first + i}); restore the file or load "
+        "an earlier checkpoint")
 
 
 def _window(segments: list[memoryview], lo: int, hi: int) -> list[memoryview]:
