@@ -216,16 +216,15 @@ def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
     assert "failed on another rank" in results[0][0]  # rank 0 never read that block
 
 
-@pytest.mark.parametrize("window", [None, 1 << 20])
-def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window):
-    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in one window (the default) or in
-    windows of 16 blocks, each window with one hash call checked against its blocks' checksums
-    combined: a byte flipped in block 37 (in the third window of 16) is reported with that block
-    and its byte range, and nothing is loaded."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, threads):
+    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in windows of 16 blocks (one reader
+    thread) or in one (several), each window with one hash call checked against its blocks'
+    checksums combined: a byte flipped in block 37 (in the third window of 16) is reported with
+    that block and its byte range, and nothing is loaded."""
     from fsdp2.checkpoint import tensor_reader
 
-    if window is not None:
-        monkeypatch.setattr(tensor_reader, "WINDOW_BYTES", window)
+    monkeypatch.setattr(tensor_reader, "window_bytes", lambda _: 1 << 20 if threads == 1 else 16 << 20)
     path = str(tmp_path / "c")
     source = nn.Module()
     torch.manual_seed(0)
@@ -243,9 +242,12 @@ def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.randoms(use_true_random=False))
-def test_combined_block_checksums_equal_the_checksum_of_their_concatenation(lengths, rng):
-    blocks = [bytes(rng.getrandbits(8) for _ in range(n)) for n in lengths]
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.integers(0, 2**32 - 1))
+def test_combined_block_checksums_equal_the_checksum_of_their_concatenation(lengths, seed):
+    import random
+
+    rng = random.Random(seed)
+    blocks = [rng.randbytes(n) for n in lengths]
     crcs = [integrity.checksum(b) for b in blocks]
     assert integrity.combined(crcs, lengths) == integrity.checksum(b"".join(blocks))
 

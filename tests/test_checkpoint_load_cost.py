@@ -96,19 +96,20 @@ def _blocks_of(path: str) -> int:
     return sum(c.grid(t.torch_dtype.itemsize).count for t in manifest.tensors.values() for c in t.chunks)
 
 
-@pytest.mark.parametrize("window", [None, 1 << 20])
-def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, window):
-    """A 4 MiB tensor (64 blocks of 64 KiB): read in windows of about WINDOW_BYTES (by default the
-    whole read task: one window here), each hashed by ONE call of the hash implementation itself (no
-    Python wrapper frame), checked against its blocks' checksums combined: a call per block (64 here,
-    fails before) made several reader threads wait on each other's GIL hand-offs; without
-    verification, one read."""
-    if window is not None:
-        monkeypatch.setattr(tensor_reader, "WINDOW_BYTES", window)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, threads):
+    """Two 4 MiB tensors (64 blocks of 64 KiB each), one read task each: every window is hashed by
+    ONE call of the hash implementation itself (no Python wrapper frame) and checked against its
+    blocks' checksums combined; a call per block (128 here, fails before) made several reader
+    threads wait on each other's GIL hand-offs. One reader thread hashes 1 MiB windows (still in
+    the CPU cache), several hash whole tasks (fewer hand-offs). Without verification, one read
+    per task."""
+    monkeypatch.setattr(tensor_reader, "read_threads", lambda: threads)
     path = str(tmp_path / "c")
     module = nn.Module()
     torch.manual_seed(0)
-    module.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    for name in ("a", "b"):
+        module.register_parameter(name, nn.Parameter(torch.randn(1024, 1024)))
     ck.save(path, module)
     hash_callers = _callers(monkeypatch, integrity, "_crc32c")
     reads = []
@@ -117,18 +118,21 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, wi
                         lambda fd, views, offset: reads.append(sum(len(v) for v in views)) or real_preadv(fd, views,
                                                                                                          offset))
     target = nn.Module()
-    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    for name in ("a", "b"):
+        target.register_parameter(name, nn.Parameter(torch.zeros(1024, 1024)))
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
-    assert torch.equal(target.w, module.w)
-    windows = -(-(4 << 20) // tensor_reader.WINDOW_BYTES)
+    assert torch.equal(target.a, module.a) and torch.equal(target.b, module.b)
+    window = tensor_reader.window_bytes(threads)
+    assert window == (1 << 20 if threads == 1 else tensor_reader.PIECE_BYTES)
+    windows = 2 * -(-(4 << 20) // window)
     # The windows + the file header, which alone goes through the ``checksum`` wrapper.
-    assert _blocks_of(path) == 64 and len(hash_callers) == windows + 1 and hash_callers.count("checksum") == 1
-    assert sum(reads) == stats.bytes_read == stats.bytes_verified == 4 << 20
-    assert len(reads) == windows and max(reads) <= tensor_reader.WINDOW_BYTES
+    assert _blocks_of(path) == 128 and len(hash_callers) == windows + 1 and hash_callers.count("checksum") == 1
+    assert sum(reads) == stats.bytes_read == stats.bytes_verified == 8 << 20
+    assert len(reads) == windows and max(reads) <= window
     reads.clear()
     ck.load(path, target, verify=False)
-    assert reads == [4 << 20]
+    assert reads == [4 << 20, 4 << 20]
 
 
 def _tall_module(ws, seed):

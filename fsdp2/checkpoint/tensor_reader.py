@@ -16,17 +16,19 @@ Where it lands: straight in the destination when the dtype matches and the rows 
 contiguous there (the edge bytes outside the owned rows go to small side buffers, one
 ``preadv`` call scatters them), else in a per-thread scratch buffer that is checked and then
 copied out. With checksums, a task reads in windows of whole blocks of about
-:data:`WINDOW_BYTES` and hashes each window with one call as soon as it lands, checked against
+:func:`window_bytes` and hashes each window with one call as soon as it lands, checked against
 its blocks' manifest checksums combined (``integrity.combined``); only a window that does not
 match is hashed block by block, and the mismatch raises :class:`CheckpointError` naming the file,
 key and byte range.
 
-Why whole windows of a task's size, not a call per block in cache-sized windows: the hash releases
-the GIL for each call, and with several reader threads per rank every release and re-acquire is a
-hand-off between threads. On a 16-core host (2 ranks, 8 threads each) the hand-offs, not the
-hashing, capped verified reads: a call per 128 KiB block cost 0.7-0.8x of the unverified load,
-one call per 1 MiB window 0.23-0.32x, one per 16 MiB task 0.17-0.19x; on the 2-core CI machine (one
-thread per rank) the window size made no difference beyond noise (benchmarks/RESULTS.md, issue 24).
+Why one call per window, and why the window depends on the reader threads: the hash releases the
+GIL for each call, and with several reader threads per rank every release and re-acquire is a
+hand-off between them. On a 16-core host (2 ranks, 8 threads each) the hand-offs, not the hashing,
+capped verified reads: a call per 128 KiB block cost 0.7-0.8x of the unverified load, one call per
+1 MiB window 0.23-0.32x, one per 16 MiB task 0.17-0.25x. With one reader thread there are no
+hand-offs to save, and a window still in the CPU cache hashes faster: on the 2-core CI machine,
+1 MiB windows cost 0.11-0.14x at 1.6-2.9 GB against 0.22x for whole tasks (benchmarks/RESULTS.md,
+issue 24).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from .safetensors_io import SafetensorsHeader, read_header
 
 MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
-WINDOW_BYTES = PIECE_BYTES  # verified reads are hashed in windows this big, one call each (see above)
+CACHE_WINDOW_BYTES = 1 << 20  # one reader thread: hashed while still in the CPU cache (see above)
 
 
 class OpenFiles:
@@ -161,6 +163,12 @@ def read_threads() -> int:
     return max(1, min(MAX_READ_THREADS, cpus // local_ranks))
 
 
+def window_bytes(threads: int) -> int:
+    """Bytes a verified read hashes per call when ``threads`` reader threads run at once: one
+    cache-sized window alone, a whole task (fewer GIL hand-offs) with several (see above)."""
+    return CACHE_WINDOW_BYTES if threads <= 1 else PIECE_BYTES
+
+
 @dataclass
 class ReadPass:
     """Collect requests with :meth:`add`, then :meth:`run` them; reusable scratch per thread."""
@@ -212,11 +220,15 @@ class ReadPass:
         lock = threading.Lock()
         stop = threading.Event()
 
+        threads = read_threads() if self.threads is None else self.threads
+        threads = max(1, min(threads, len(tasks)))
+        window = window_bytes(threads)
+
         def work(task: _Task) -> None:
             if stop.is_set():
                 return
             try:
-                read, verified = _run_task(task, local)
+                read, verified = _run_task(task, local, window)
             except OSError as e:
                 stop.set()
                 raise CheckpointError(f"{task.chunk.path}: reading {task.chunk.label} failed ({e})") from e
@@ -228,12 +240,11 @@ class ReadPass:
                 counts.bytes_verified += verified
             progress.advance(read)
 
-        threads = read_threads() if self.threads is None else self.threads
-        if threads <= 1 or len(tasks) == 1:
+        if threads == 1:
             for t in tasks:
                 work(t)
         else:
-            with ThreadPoolExecutor(max_workers=min(threads, len(tasks)),
+            with ThreadPoolExecutor(max_workers=threads,
                                     thread_name_prefix="fsdp2-ckpt-read") as pool:
                 futures = [pool.submit(work, t) for t in tasks]
                 for f in futures:
@@ -307,12 +318,12 @@ def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
     return out
 
 
-def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> int:
+def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, window: int) -> int:
     """Fill ``segments`` (rows [lo, hi) of the chunk, concatenated) from ``file_offset`` on and verify
     every block; bytes checked.
 
-    Reads go in windows of whole blocks of about :data:`WINDOW_BYTES` (usually the whole task),
-    each hashed by ONE call right after it lands and checked against the manifest's checksums of
+    Reads go in windows of whole blocks of about ``window`` bytes (:func:`window_bytes`), each
+    hashed by ONE call right after it lands and checked against the manifest's checksums of
     its blocks combined (``integrity.combined``). Only a window that does not match is hashed
     block by block, to name the bad block.
     """
@@ -325,16 +336,16 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int) -> 
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
     expected = chunk.checksums[first:first + len(edges) - 1]
     lengths = [b - a for a, b in zip(edges, edges[1:])]
-    step = max(1, WINDOW_BYTES // (grid.block_elems * grid.itemsize))  # blocks per window
+    step = max(1, window // (grid.block_elems * grid.itemsize))  # blocks per window
     if len(lengths) <= step:  # one window, the whole task: most chunks of small tensors
         _preadv(chunk, segments, file_offset)
         _check_window(task, segments, edges, expected, lengths, first, file_offset)
     else:
         for i in range(0, len(lengths), step):
             j = min(len(lengths), i + step)
-            window = _window(segments, edges[i], edges[j])
-            _preadv(chunk, list(window), file_offset + edges[i])
-            _check_window(task, window, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], lengths[i:j], first + i,
+            views = _window(segments, edges[i], edges[j])
+            _preadv(chunk, list(views), file_offset + edges[i])
+            _check_window(task, views, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], lengths[i:j], first + i,
                           file_offset + edges[i])
     return edges[-1] - edges[0]
 
@@ -371,7 +382,7 @@ def _window(segments: list[memoryview], lo: int, hi: int) -> list[memoryview]:
     return out
 
 
-def _run_task(task: _Task, local: threading.local) -> tuple[int, int]:
+def _run_task(task: _Task, local: threading.local, window: int) -> tuple[int, int]:
     """Read one piece; returns (bytes read, bytes checked)."""
     chunk = task.chunk
     rb = chunk.row_bytes
@@ -386,7 +397,7 @@ def _run_task(task: _Task, local: threading.local) -> tuple[int, int]:
         buf = _scratch(local, task.nbytes)
         segments = [memoryview(buf.numpy())]
     if task.verify:
-        checked = _read_checked(task, segments, file_offset)
+        checked = _read_checked(task, segments, file_offset, window)
     else:
         _preadv(chunk, list(segments), file_offset)
         checked = 0
