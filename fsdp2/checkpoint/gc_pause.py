@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector kept from running inside a load.
+"""Python's cyclic garbage collector kept from running inside a load (and a save, an async save's
+call and ``wait()``, a verify: the same kind of work, measured below for the load).
 
 A load allocates thousands of short-lived container objects (plan entries, read tasks, buffer
 views, decoded state) that die by reference counting when it returns. With automatic
