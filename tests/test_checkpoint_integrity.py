@@ -216,15 +216,15 @@ def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
     assert "failed on another rank" in results[0][0]  # rank 0 never read that block
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, threads):
-    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in windows of 16 blocks (one reader
-    thread) or in one (several), each window with one hash call checked against its blocks'
-    checksums combined: a byte flipped in block 37 (in the third window of 16) is reported with
-    that block and its byte range, and nothing is loaded."""
+@pytest.mark.parametrize("combine", [False, True])
+def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, combine):
+    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in windows of 16 blocks, block by
+    block or with one hash call per window checked against its blocks' checksums combined: a byte
+    flipped in block 37 (in the third window) is reported with that block and its byte range, and
+    nothing is loaded."""
     from fsdp2.checkpoint import tensor_reader
 
-    monkeypatch.setattr(tensor_reader, "window_bytes", lambda _: 1 << 20 if threads == 1 else 16 << 20)
+    monkeypatch.setattr(tensor_reader, "hashing_for", lambda _: tensor_reader.Hashing(1 << 20, combine=combine))
     path = str(tmp_path / "c")
     source = nn.Module()
     torch.manual_seed(0)

@@ -98,12 +98,12 @@ def _blocks_of(path: str) -> int:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, threads):
-    """Two 4 MiB tensors (64 blocks of 64 KiB each), one read task each: every window is hashed by
-    ONE call of the hash implementation itself (no Python wrapper frame) and checked against its
-    blocks' checksums combined; a call per block (128 here, fails before) made several reader
-    threads wait on each other's GIL hand-offs. One reader thread hashes 1 MiB windows (still in
-    the CPU cache), several hash whole tasks (fewer hand-offs). Without verification, one read
-    per task."""
+    """Two 4 MiB tensors (64 blocks of 64 KiB each), one read task each, hashed by the hash
+    implementation itself (no Python wrapper frame). Several reader threads hash each whole task
+    with ONE call, checked against its blocks' checksums combined: a call per block (128 here,
+    fails before) made them wait on each other's GIL hand-offs. One reader thread hands the GIL to
+    nobody: it hashes block by block in 1 MiB windows, still in the CPU cache. Without
+    verification, one read per task."""
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: threads)
     path = str(tmp_path / "c")
     module = nn.Module()
@@ -123,11 +123,13 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
     assert torch.equal(target.a, module.a) and torch.equal(target.b, module.b)
-    window = tensor_reader.window_bytes(threads)
-    assert window == (1 << 20 if threads == 1 else tensor_reader.PIECE_BYTES)
+    hashing = tensor_reader.hashing_for(threads)
+    window = hashing.window_bytes
+    assert (window, hashing.combine) == ((1 << 20, False) if threads == 1 else (tensor_reader.PIECE_BYTES, True))
     windows = 2 * -(-(4 << 20) // window)
-    # The windows + the file header, which alone goes through the ``checksum`` wrapper.
-    assert _blocks_of(path) == 128 and len(hash_callers) == windows + 1 and hash_callers.count("checksum") == 1
+    calls = windows if hashing.combine else 128
+    # The windows or blocks + the file header, which alone goes through the ``checksum`` wrapper.
+    assert _blocks_of(path) == 128 and len(hash_callers) == calls + 1 and hash_callers.count("checksum") == 1
     assert sum(reads) == stats.bytes_read == stats.bytes_verified == 8 << 20
     assert len(reads) == windows and max(reads) <= window
     reads.clear()

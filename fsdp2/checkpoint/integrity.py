@@ -145,9 +145,12 @@ def shift_tables(nbytes: int) -> tuple[list[int], list[int], list[int], list[int
 def combined(checksums: Sequence[int], lengths: Sequence[int]) -> int:
     """CRC32C of the concatenation of blocks whose CRC32Cs are ``checksums`` and byte lengths ``lengths``."""
     total = checksums[0]
-    for value, nbytes in zip(checksums[1:], lengths[1:]):
-        t0, t1, t2, t3 = shift_tables(nbytes)
-        total = t0[total & 255] ^ t1[total >> 8 & 255] ^ t2[total >> 16 & 255] ^ t3[total >> 24] ^ value
+    tables_for = -1  # the length the tables in hand shift by: blocks of a window are mostly one length
+    for i in range(1, len(checksums)):
+        if lengths[i] != tables_for:
+            tables_for = lengths[i]
+            t0, t1, t2, t3 = shift_tables(tables_for)
+        total = t0[total & 255] ^ t1[total >> 8 & 255] ^ t2[total >> 16 & 255] ^ t3[total >> 24] ^ checksums[i]
     return total
 
 

@@ -16,19 +16,19 @@ Where it lands: straight in the destination when the dtype matches and the rows 
 contiguous there (the edge bytes outside the owned rows go to small side buffers, one
 ``preadv`` call scatters them), else in a per-thread scratch buffer that is checked and then
 copied out. With checksums, a task reads in windows of whole blocks of about
-:func:`window_bytes` and hashes each window with one call as soon as it lands, checked against
-its blocks' manifest checksums combined (``integrity.combined``); only a window that does not
-match is hashed block by block, and the mismatch raises :class:`CheckpointError` naming the file,
-key and byte range.
+``Hashing.window_bytes`` and hashes each window as soon as it lands, as :func:`hashing_for` the
+number of reader threads says: block by block, or with one call checked against the blocks'
+manifest checksums combined (``integrity.combined``). A mismatch raises :class:`CheckpointError`
+naming the file, key, block and byte range.
 
-Why one call per window, and why the window depends on the reader threads: the hash releases the
-GIL for each call, and with several reader threads per rank every release and re-acquire is a
-hand-off between them. On a 16-core host (2 ranks, 8 threads each) the hand-offs, not the hashing,
-capped verified reads: a call per 128 KiB block cost 0.7-0.8x of the unverified load, one call per
-1 MiB window 0.23-0.32x, one per 16 MiB task 0.17-0.25x. With one reader thread there are no
-hand-offs to save, and a window still in the CPU cache hashes faster: on the 2-core CI machine,
-1 MiB windows cost 0.11-0.14x at 1.6-2.9 GB against 0.22x for whole tasks (benchmarks/RESULTS.md,
-issue 24).
+Why it depends on the reader threads: the hash releases the GIL for each call, and with several
+reader threads per rank every release and re-acquire is a hand-off between them. On a 16-core
+host (2 ranks, 8 threads each) the hand-offs, not the hashing, capped verified reads: a call per
+128 KiB block cost 0.7-0.8x of the unverified load, one call per 1 MiB window 0.23-0.32x, one per
+16 MiB task 0.17-0.25x. With one reader thread there is no one to hand the GIL to: a call per block
+costs less than combining checksums in Python, and a window still in the CPU cache hashes faster
+(on the 2-core CI machine, 1 MiB windows cost 0.11-0.14x at 1.6-2.9 GB against 0.22x for whole
+tasks; benchmarks/RESULTS.md, issue 24).
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ from .safetensors_io import SafetensorsHeader, read_header
 MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
 CACHE_WINDOW_BYTES = 1 << 20  # one reader thread: hashed while still in the CPU cache (see above)
+
+
+@dataclass(frozen=True)
+class Hashing:
+    """How a verified read hashes: in windows of about ``window_bytes``, with one call per window
+    checked against the blocks' checksums combined (``combine``) or one call per block."""
+
+    window_bytes: int
+    combine: bool
 
 
 class OpenFiles:
@@ -163,10 +172,10 @@ def read_threads() -> int:
     return max(1, min(MAX_READ_THREADS, cpus // local_ranks))
 
 
-def window_bytes(threads: int) -> int:
-    """Bytes a verified read hashes per call when ``threads`` reader threads run at once: one
-    cache-sized window alone, a whole task (fewer GIL hand-offs) with several (see above)."""
-    return CACHE_WINDOW_BYTES if threads <= 1 else PIECE_BYTES
+def hashing_for(threads: int) -> Hashing:
+    """How verified reads hash when ``threads`` reader threads run at once: one thread, block by
+    block in cache-sized windows; several, whole tasks with one call each (see above)."""
+    return Hashing(CACHE_WINDOW_BYTES, combine=False) if threads <= 1 else Hashing(PIECE_BYTES, combine=True)
 
 
 @dataclass
@@ -222,13 +231,13 @@ class ReadPass:
 
         threads = read_threads() if self.threads is None else self.threads
         threads = max(1, min(threads, len(tasks)))
-        window = window_bytes(threads)
+        hashing = hashing_for(threads)
 
         def work(task: _Task) -> None:
             if stop.is_set():
                 return
             try:
-                read, verified = _run_task(task, local, window)
+                read, verified = _run_task(task, local, hashing)
             except OSError as e:
                 stop.set()
                 raise CheckpointError(f"{task.chunk.path}: reading {task.chunk.label} failed ({e})") from e
@@ -318,14 +327,12 @@ def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
     return out
 
 
-def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, window: int) -> int:
+def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, hashing: Hashing) -> int:
     """Fill ``segments`` (rows [lo, hi) of the chunk, concatenated) from ``file_offset`` on and verify
     every block; bytes checked.
 
-    Reads go in windows of whole blocks of about ``window`` bytes (:func:`window_bytes`), each
-    hashed by ONE call right after it lands and checked against the manifest's checksums of
-    its blocks combined (``integrity.combined``). Only a window that does not match is hashed
-    block by block, to name the bad block.
+    Reads go in windows of whole blocks of about ``hashing.window_bytes``, each hashed right after
+    it lands (see :class:`Hashing`).
     """
     chunk = task.chunk
     grid = chunk.grid
@@ -334,34 +341,37 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, win
     if base:
         edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
-    expected = chunk.checksums[first:first + len(edges) - 1]
+    expected = list(chunk.checksums[first:first + len(edges) - 1])
     lengths = [b - a for a, b in zip(edges, edges[1:])]
-    step = max(1, window // (grid.block_elems * grid.itemsize))  # blocks per window
+    step = max(1, hashing.window_bytes // (grid.block_elems * grid.itemsize))  # blocks per window
     if len(lengths) <= step:  # one window, the whole task: most chunks of small tensors
         _preadv(chunk, segments, file_offset)
-        _check_window(task, segments, edges, expected, lengths, first, file_offset)
+        _check_window(task, segments, edges, expected, lengths, first, file_offset, hashing.combine)
     else:
         for i in range(0, len(lengths), step):
             j = min(len(lengths), i + step)
             views = _window(segments, edges[i], edges[j])
             _preadv(chunk, list(views), file_offset + edges[i])
             _check_window(task, views, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], lengths[i:j], first + i,
-                          file_offset + edges[i])
+                          file_offset + edges[i], hashing.combine)
     return edges[-1] - edges[0]
 
 
 def _check_window(task: _Task, views: list[memoryview], edges: list[int], expected: Sequence[int],
-                  lengths: list[int], first: int, file_offset: int) -> None:
+                  lengths: list[int], first: int, file_offset: int, combine: bool) -> None:
     """Blocks ``first ..`` of ``task``'s chunk (the bytes of ``views``, cut at ``edges`` from 0, read
-    from ``file_offset``) against their manifest checksums ``expected``: one hash of the whole
-    window against them combined; block by block only to name a bad one."""
-    crc = checksum_function()
-    value = 0
-    for view in views:
-        value = crc(view, value)
-    if value == combined(expected, lengths):
-        return
+    from ``file_offset``) against their manifest checksums ``expected``: with ``combine``, one hash
+    of the whole window against them combined (block by block only to name a bad one)."""
+    if combine:
+        crc = checksum_function()
+        value = 0
+        for view in views:
+            value = crc(view, value)
+        if value == combined(expected, lengths):
+            return
     got = _block_checksums(views, edges)
+    if got == expected:
+        return
     i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)  # counts: Manifest.validate
     chunk = task.chunk
     start = file_offset + edges[i]
@@ -382,7 +392,7 @@ def _window(segments: list[memoryview], lo: int, hi: int) -> list[memoryview]:
     return out
 
 
-def _run_task(task: _Task, local: threading.local, window: int) -> tuple[int, int]:
+def _run_task(task: _Task, local: threading.local, hashing: Hashing) -> tuple[int, int]:
     """Read one piece; returns (bytes read, bytes checked)."""
     chunk = task.chunk
     rb = chunk.row_bytes
@@ -397,7 +407,7 @@ def _run_task(task: _Task, local: threading.local, window: int) -> tuple[int, in
         buf = _scratch(local, task.nbytes)
         segments = [memoryview(buf.numpy())]
     if task.verify:
-        checked = _read_checked(task, segments, file_offset, window)
+        checked = _read_checked(task, segments, file_offset, hashing)
     else:
         _preadv(chunk, list(segments), file_offset)
         checked = 0
