@@ -7,8 +7,8 @@ up to 32 bits and any odd number of flipped bits. Two implementations compute th
 folds 64-byte lanes with carry-less multiplies, ~2x the ``crc32c`` package on 1 MiB windows here)
 when it is installed, else the ``crc32c`` package. Both release the GIL while they hash, so
 reader threads hash in parallel; since each release and re-acquire is a hand-off between a rank's
-reader threads, readers hash a whole window per call and check it against the blocks' checksums
-combined (:func:`combined`). Before use, each is checked against the standard CRC32C check
+reader threads, several readers hash a whole window per call and check it against the blocks'
+checksums combined (:func:`combined`). Before use, each is checked against the standard CRC32C check
 value, so a broken build falls back instead of writing or accepting wrong checksums.
 
 Blocks (:class:`BlockGrid`): a chunk (one stored box of a tensor, row-major) is cut into runs
