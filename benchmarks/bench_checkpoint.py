@@ -9,6 +9,7 @@ barriers. Each time is the slowest rank's; tables show the median over --repeats
     python benchmarks/bench_checkpoint.py --sizes mini,small,125m,350m --repeats 7   # loads only, by size
     python benchmarks/bench_checkpoint.py --hashes                                    # checksum speeds
     python benchmarks/bench_checkpoint.py --first-touch                               # fresh vs touched memory
+    python benchmarks/bench_checkpoint.py --hash-threads 1,2,8,16                     # GIL hand-offs of hashing threads
 
 Rows:
 - save: write + fsync + commit (fsdp2: rank files + manifest; DCP: its files + .metadata).
@@ -842,6 +843,76 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, tuple[float,
     return {name: (statistics.median(v) * 1e3, max(v) * 1e3) for name, v in times.items()}
 
 
+def hash_threads_table(thread_counts: list[int], mib: int = 2048, rounds: int = 5):
+    """What a rank's reader threads pay to hash, by thread count: (1) CRC32C of 256 KiB buffers
+    already in cache, each thread its own, no I/O (GB/s in all); (2) a warm file of ``mib`` MiB
+    read into touched memory by that many threads in 1 MiB windows, plain, with a hash call per
+    128 KiB block, and with one call per window (GB/s, medians of ``rounds``). Each call releases
+    the GIL; with several threads each release and re-acquire is a hand-off between them."""
+    import threading
+
+    import numpy as np
+
+    from fsdp2.checkpoint.integrity import checksum_function
+
+    crc = checksum_function()
+    block, window = 128 << 10, 1 << 20
+    hot = [np.random.default_rng(i).integers(0, 255, 256 << 10, dtype=np.uint8) for i in range(max(thread_counts))]
+
+    def in_threads(threads, fn, *args_of):
+        workers = [threading.Thread(target=fn, args=args_of[i]) for i in range(threads)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - start
+
+    def hash_hot(buf, reps=2000):
+        view = memoryview(buf)
+        for _ in range(reps):
+            crc(view, 0)
+
+    cached = {n: max(n * 2000 * (256 << 10) / in_threads(n, hash_hot, *[(hot[i],) for i in range(n)]) / 1e9
+                     for _ in range(3)) for n in thread_counts}
+    with tempfile.TemporaryDirectory(prefix="bench_hash_threads_") as d:
+        path = os.path.join(d, "data")
+        with open(path, "wb") as f:
+            chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+            for _ in range(mib // 64):
+                f.write(chunk)
+        size = (mib // 64) * (64 << 20)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            dest = np.ones(size, dtype=np.uint8)  # touched: no first-write faults in the timings
+            view = memoryview(dest)
+            os.preadv(fd, [view], 0)  # warm the page cache
+
+            def read(lo, hi, mode):
+                for off in range(lo, hi, window):
+                    v = view[off:min(hi, off + window)]
+                    os.preadv(fd, [v], off)
+                    if mode == "per block":
+                        for b in range(0, len(v), block):
+                            crc(v[b:b + block], 0)
+                    elif mode == "per window":
+                        crc(v, 0)
+
+            rows = []
+            for n in thread_counts:
+                step = size // n
+                parts = [(i * step, (i + 1) * step) for i in range(n)]
+                rates = {}
+                for mode in ("plain", "per block", "per window"):
+                    seconds = statistics.median(in_threads(n, read, *[(lo, hi, mode) for lo, hi in parts])
+                                                for _ in range(rounds))
+                    rates[mode] = size / seconds / 1e9
+                rows.append((n, cached[n], rates))
+        finally:
+            os.close(fd)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -868,6 +939,8 @@ def main():
                         "paired with the default")
     parser.add_argument("--trace", action="store_true", help="with --sizes: print every timed load (phases inside "
                         "fsdp2's load, page faults, bytes from storage, /proc/vmstat deltas)")
+    parser.add_argument("--hash-threads", default="", help="only print what reader threads pay to hash, for "
+                        "these comma-separated thread counts (e.g. 1,2,8,16): GIL hand-offs per call")
     parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
                         f"({', '.join(MODELS)}), against DCP")
     args = parser.parse_args()
@@ -880,6 +953,20 @@ def main():
             print(f"{name:<38}{cached:>23.1f}{memory:>16.1f}{stalled:>11.2f}")
         print("GIL stall: longest pause of a Python loop while another thread hashes 256 MiB per call, as a "
               "fraction of one call (~0: the GIL is released; ~1: held)")
+        return
+    if args.hash_threads:
+        from fsdp2.checkpoint import integrity
+
+        counts = [int(n) for n in args.hash_threads.split(",")]
+        print(f"CRC32C {integrity.IMPLEMENTATION}, {len(os.sched_getaffinity(0))} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}; read: a warm 2 GiB file into touched memory in 1 MiB windows")
+        print(f"{'threads':>7}{'hash in cache GB/s':>20}{'read GB/s':>11}{'+ call per 128 KiB':>20}{'+ call per 1 MiB':>18}")
+        for n, cached, rates in hash_threads_table(counts):
+            plain = rates["plain"]
+            print(f"{n:>7}{cached:>20.1f}{plain:>11.1f}"
+                  f"{rates['per block']:>11.1f} ({plain / rates['per block'] - 1:.2f}x)"
+                  f"{rates['per window']:>10.1f} ({plain / rates['per window'] - 1:.2f}x)")
+        print("(x): verification cost, the hashed read's time over the plain read's, minus 1")
         return
     if args.first_touch:
         mib = 256
