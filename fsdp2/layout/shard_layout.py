@@ -109,14 +109,15 @@ class ShardLayout:
     # -- the same copies as tensor expressions (autograd and torch.compile trace them) -----------
 
     def padded_slot(self, shard: torch.Tensor) -> torch.Tensor:
-        """This rank's ``shard`` padded with zero rows to ``chunk`` rows along ``dim``, flat:
-        what the all-gather sends (a new tensor; its gradient is the shard's rows of the slot's)."""
+        """What this rank sends in the all-gather, in row-major order (the traced path packs it
+        flat): ``shard`` itself when it has ``chunk`` rows, else a new tensor padded with zero rows
+        to ``chunk`` along ``dim`` (its gradient is the shard's rows of the slot's)."""
         missing = self.chunk - shard.shape[self.dim]
-        if missing:
-            pad_shape = list(shard.shape)
-            pad_shape[self.dim] = missing
-            shard = torch.cat([shard, shard.new_zeros(pad_shape)], dim=self.dim)
-        return shard.reshape(-1)
+        if not missing:
+            return shard
+        pad_shape = list(shard.shape)
+        pad_shape[self.dim] = missing
+        return torch.cat([shard, shard.new_zeros(pad_shape)], dim=self.dim)
 
     def full_from_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """The full tensor from ``gathered`` (``world x padded_shard_numel``), as :meth:`copy_full_out`

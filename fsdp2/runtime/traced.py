@@ -146,12 +146,6 @@ class _GatherReduce(torch.autograd.Function):
         return reduced.to(r.grad_dtype), None, None, None, None, None, None
 
 
-def _send_slot(p: "ShardedParam", shard: torch.Tensor) -> torch.Tensor:
-    """What ``p`` sends in its bucket's all-gather: its shard, padded (and flat) where this rank
-    has fewer rows than a chunk."""
-    return shard if p.layout.local_rows == p.layout.chunk else p.layout.padded_slot(shard)
-
-
 def _takes_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
@@ -297,7 +291,7 @@ class TracedGroup:
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
             # One op, not torch.cat: see traced_ops.
-            flat = traced_ops.flat_cat([_send_slot(p, shards[index[id(p)]]) for p in bucket.params])
+            flat = traced_ops.flat_cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
             stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
