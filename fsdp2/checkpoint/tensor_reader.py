@@ -342,23 +342,22 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, has
         edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
     expected = list(chunk.checksums[first:first + len(edges) - 1])
-    lengths = [b - a for a, b in zip(edges, edges[1:])]
     step = max(1, hashing.window_bytes // (grid.block_elems * grid.itemsize))  # blocks per window
-    if len(lengths) <= step:  # one window, the whole task: most chunks of small tensors
+    if len(expected) <= step:  # one window, the whole task: most chunks of small tensors
         _preadv(chunk, segments, file_offset)
-        _check_window(task, segments, edges, expected, lengths, first, file_offset, hashing.combine)
+        _check_window(task, segments, edges, expected, first, file_offset, hashing.combine)
     else:
-        for i in range(0, len(lengths), step):
-            j = min(len(lengths), i + step)
+        for i in range(0, len(expected), step):
+            j = min(len(expected), i + step)
             views = _window(segments, edges[i], edges[j])
             _preadv(chunk, list(views), file_offset + edges[i])
-            _check_window(task, views, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], lengths[i:j], first + i,
+            _check_window(task, views, [e - edges[i] for e in edges[i:j + 1]], expected[i:j], first + i,
                           file_offset + edges[i], hashing.combine)
     return edges[-1] - edges[0]
 
 
-def _check_window(task: _Task, views: list[memoryview], edges: list[int], expected: Sequence[int],
-                  lengths: list[int], first: int, file_offset: int, combine: bool) -> None:
+def _check_window(task: _Task, views: list[memoryview], edges: list[int], expected: list[int], first: int,
+                  file_offset: int, combine: bool) -> None:
     """Blocks ``first ..`` of ``task``'s chunk (the bytes of ``views``, cut at ``edges`` from 0, read
     from ``file_offset``) against their manifest checksums ``expected``: with ``combine``, one hash
     of the whole window against them combined (block by block only to name a bad one)."""
@@ -367,7 +366,7 @@ def _check_window(task: _Task, views: list[memoryview], edges: list[int], expect
         value = 0
         for view in views:
             value = crc(view, value)
-        if value == combined(expected, lengths):
+        if value == combined(expected, [b - a for a, b in zip(edges, edges[1:])]):
             return
     got = _block_checksums(views, edges)
     if got == expected:
@@ -377,7 +376,7 @@ def _check_window(task: _Task, views: list[memoryview], edges: list[int], expect
     start = file_offset + edges[i]
     raise CheckpointError(
         f"{chunk.path} is corrupted (crc32c {got[i]:08x}, manifest says {expected[i]:08x} for bytes "
-        f"[{start}, {start + lengths[i]}) of {chunk.label}, block {first + i}); restore the file or load "
+        f"[{start}, {file_offset + edges[i + 1]}) of {chunk.label}, block {first + i}); restore the file or load "
         "an earlier checkpoint")
 
 
