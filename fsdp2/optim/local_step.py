@@ -170,7 +170,7 @@ class LocalShardStep:
         presentation = self._presentation
         if presentation is None or not presentation.still_fits(opt):
             presentation = self._presentation = _Presentation.build(opt, self._presentation)
-        if presentation is None or not presentation.hand_over_grads(opt):
+        if not presentation.hand_over_grads(opt):
             return self._inner_step(*args, **kwargs)
         held_params = [group["params"] for group in opt.param_groups]
         held_state = opt.state
@@ -205,21 +205,13 @@ class _Presentation:
                  "entry_lens", "local_state", "local_dicts", "local_lens", "entries", "grad_specs")
 
     @classmethod
-    def build(cls, opt: torch.optim.Optimizer, previous: "_Presentation | None") -> "_Presentation | None":
-        """A presentation of ``opt``'s current parameters and state; None: this step must use DTensors.
-        Aliases of ``previous`` whose local shard is unchanged are kept (the optimizer's own caches may
-        refer to them)."""
+    def build(cls, opt: torch.optim.Optimizer, previous: "_Presentation | None") -> "_Presentation":
+        """A presentation of ``opt``'s current parameters and state (whether this step's gradients
+        allow a local step is :meth:`hand_over_grads`'s question). Aliases of ``previous`` whose
+        local shard is unchanged are kept (the optimizer's own caches may refer to them)."""
         self = cls()
         params = [param for group in opt.param_groups for param in group["params"]]
         held_state = opt.state
-        for param in params:
-            if not isinstance(param, DTensor):
-                continue
-            grad = param.grad
-            if grad is not None and not _grad_matches(param, grad):
-                return None
-            if param.dim() == 0 and grad is not None and not held_state.get(param):
-                return None  # its new state entries cannot be told apart from the scalar 'step'
         known = {} if previous is None else {id(p): (p, local, alias) for p, local, alias, _ in previous.dtensors}
         aliases: dict[int, torch.Tensor] = {}  # by id(param): no Python __hash__ call per lookup
         self.dtensors = []
@@ -303,7 +295,7 @@ class _Presentation:
                     self.drop_grads()
                     return False
                 matched[i] = spec  # a gradient op's output spec is usually the same object every step
-            if scalar and not opt.state.get(param):
+            if scalar and not opt.state.get(param):  # its new state could not be told apart from 'step'
                 self.drop_grads()
                 return False
             alias.grad = grad._local_tensor
