@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -92,14 +92,15 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
     return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
 
 
-def dtensors_like(templates: list[DTensor], locals_: list[torch.Tensor]) -> list[DTensor]:
-    """``dtensor_like`` of each pair (one call for a whole group, not one per parameter)."""
-    return [
-        DTensor.__new__(DTensor, local, template._spec, requires_grad=False)
-        if local.dtype == template.dtype
-        else dtensor_like(template, local)
-        for template, local in zip(templates, locals_)
-    ]
+def assign_dtensor_grads(params: Sequence[DTensor], locals_: Sequence[torch.Tensor]) -> None:
+    """Each parameter's ``.grad``: ``dtensor_like`` of it around its local gradient (one call for a
+    whole group, not one per parameter)."""
+    for param, local in zip(params, locals_):
+        param.grad = (
+            DTensor.__new__(DTensor, local, param._spec, requires_grad=False)
+            if local.dtype == param.dtype
+            else dtensor_like(param, local)
+        )
 
 
 # ``tensors`` flattened and concatenated into a new 1-D tensor, in one call (no Python per tensor).
@@ -166,17 +167,22 @@ def run_backward(loss: torch.Tensor) -> None:
     )
 
 
-def global_optimizer_step_hooks() -> list:
-    """Step pre- and post-hooks registered for every optimizer (``register_optimizer_step_pre_hook``
-    and ``..._post_hook``): torch.optim keeps them in private module dicts."""
+def has_step_hooks_besides(optimizer: torch.optim.Optimizer, ignored: Callable) -> bool:
+    """Whether step pre- or post-hooks other than the global pre-hook ``ignored`` are registered on
+    ``optimizer`` (``register_step_pre_hook``, ...) or for every optimizer
+    (``register_optimizer_step_pre_hook``, ...): torch.optim keeps them in private dicts. Plain
+    checks, run on every step: no Python call per hook."""
     import torch.optim.optimizer as optimizer_module
 
-    return [*optimizer_module._global_optimizer_pre_hooks.values(), *optimizer_module._global_optimizer_post_hooks.values()]
-
-
-def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> list:
-    """Step pre- and post-hooks registered on one optimizer (``register_step_pre_hook``, ...)."""
-    return [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]
+    if (
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+        or optimizer_module._global_optimizer_post_hooks
+    ):
+        return True
+    for hook in optimizer_module._global_optimizer_pre_hooks.values():
+        if hook is not ignored:
+            return True
+    return False
 
 
 def premul_sum_op(scale: float) -> "torch.distributed.ReduceOp":

@@ -225,3 +225,28 @@ def _custom_reduce_scatter_op(rank, ws):
 def test_custom_reduce_scatter_gets_pytorchs_reduce_op(worlds):
     """PyTorch's FSDP2 passes ``op`` to a custom reduce-scatter; fsdp2 passes the same (AVG here)."""
     assert worlds.run(2, _custom_reduce_scatter_op)[0] == [("avg",)]
+
+
+def test_the_plan_follows_each_setting_changed_after_it_was_chosen(fake_world):
+    """``GroupReduce.plan`` keeps one plan per reduce dtype (a key dynamo reads as a constant) and
+    chooses again when any setting it was chosen for is another object: divide factor, forced
+    sums, custom reduce-scatter."""
+    from fsdp2 import fully_shard
+
+    fake_world(4)
+    model = fully_shard(torch.nn.Linear(4, 4))
+    reduce = model._fsdp_state.group.reduce
+
+    def chosen(divide_factor=None, force_sum=False, premul=False):
+        return ReducePlan.choose(shard_size=4, replicate_size=1, reduce_dtype=torch.float32, divide_factor=divide_factor,
+                                 force_sum=force_sum, premul_sum_supported=premul, device_type="cpu")
+
+    first = reduce.plan(torch.float32)
+    assert first == chosen() and reduce.plan(torch.float32) is first  # unchanged settings: the kept plan
+    model.set_gradient_divide_factor(8.0)
+    assert reduce.plan(torch.float32) == chosen(divide_factor=8.0) != first
+    model.set_force_sum_reduction_for_comms(True)
+    assert reduce.plan(torch.float32) == chosen(divide_factor=8.0, force_sum=True)
+    model.set_force_sum_reduction_for_comms(False)
+    model.set_custom_reduce_scatter(_RecordingReduceScatter())  # takes PREMUL_SUM, as PyTorch's
+    assert reduce.plan(torch.float32) == chosen(divide_factor=8.0, premul=True)

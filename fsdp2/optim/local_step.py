@@ -114,14 +114,6 @@ def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> 
         LocalShardStep(optimizer, by_default=True)  # from the next step on: this one is under way
 
 
-def _user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether code other than the optimizer's own runs inside its ``step()``: step hooks on it, or
-    global ones besides the default's."""
-    return bool(compat.optimizer_step_hooks(optimizer)) or any(
-        hook is not _install_where_identical for hook in compat.global_optimizer_step_hooks()
-    )
-
-
 class LocalShardStep:
     """Installed on one optimizer: its ``step()`` presents local shards, then folds new state back.
 
@@ -162,7 +154,7 @@ class LocalShardStep:
         closure = kwargs.get("closure", args[0] if args else None)
         if not self.active or closure is not None:
             return self._inner_step(*args, **kwargs)
-        if self.by_default and _user_step_hooks(self.optimizer):
+        if self.by_default and compat.has_step_hooks_besides(self.optimizer, _install_where_identical):
             # Hooks see the parameters during step(): on PyTorch's FSDP2 they are DTensors, so the
             # default, which must change nothing anyone can observe, steps on DTensors here.
             return self._inner_step(*args, **kwargs)
@@ -252,16 +244,18 @@ class _Presentation:
     def still_fits(self, opt: torch.optim.Optimizer) -> bool:
         """Whether the parameters, their local shards, requires_grad and every state entry are the
         objects this was built from (compared by identity: a few Python calls, none per parameter)."""
-        groups = opt.param_groups
-        params = [param for group in groups for param in group["params"]]
-        if (
-            len(params) != len(self.params) or opt.state is not self.held_state or len(opt.state) != len(self.state_items)
-            or [len(group["params"]) for group in groups] != list(map(len, self.group_aliases))
-        ):
+        groups, aliases = opt.param_groups, self.group_aliases
+        if opt.state is not self.held_state or len(opt.state) != len(self.state_items) or len(groups) != len(aliases):
             return False
-        for a, b in zip(params, self.params):
-            if a is not b:
+        i, params = 0, self.params  # every group's parameters, one after the other
+        for group, group_aliases in zip(groups, aliases):
+            group_params = group["params"]
+            if len(group_params) != len(group_aliases):
                 return False
+            for param in group_params:
+                if param is not params[i]:
+                    return False
+                i += 1
         for param, local, alias, _ in self.dtensors:
             if param._local_tensor is not local or alias.requires_grad != param.requires_grad:
                 return False

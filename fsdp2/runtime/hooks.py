@@ -126,8 +126,8 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
         self.traced = TracedGroup(group, modules)  # the hooks' path while torch.compile traces them
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
+            module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(_post_forward_hook, with_kwargs=True)
 
     # -- lazy init ----------------------------------------------------------------------------------
 
@@ -269,3 +269,17 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
+
+
+# The hooks registered on each module: functions that find the state as ``module._fsdp_state``,
+# not the state's bound methods. A compiled step's guards then reach the state by that one
+# attribute; through two bound methods they would check that both hooks' ``__self__`` are one
+# object, a guard evaluated in Python with a dict-keys call per hook dict on every step.
+
+
+def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return module._fsdp_state._pre_forward_hook(module, args, kwargs)
+
+
+def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    return module._fsdp_state._post_forward_hook(module, args, kwargs, output)

@@ -158,7 +158,10 @@ class GroupReduce:
         self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # HSDP without all-reduce: reduce-scattered sums kept per parameter until the next all-reduce.
         self._partial: dict[int, torch.Tensor] = {}
-        self._plans: dict[tuple, ReducePlan] = {}  # by reduce dtype and the settings above
+        # By reduce dtype: the settings above it was chosen for, and the plan. Keyed by the dtype
+        # alone, a constant to dynamo (the traced path asks too): a key holding the process group
+        # would be guarded in Python on every compiled step.
+        self._plans: dict[torch.dtype, tuple[tuple, ReducePlan]] = {}
 
     def rebuild(self) -> None:
         self._buckets.clear()
@@ -170,12 +173,16 @@ class GroupReduce:
 
     def plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
         """The reduce ops and divisions for gradients reduced in ``reduce_dtype`` (PyTorch FSDP2's)."""
-        key = (reduce_dtype, self.divide_factor, self.force_sum, self._group, self.custom_reduce_scatter)
-        plan = self._plans.get(key)
+        settings = (self.divide_factor, self.force_sum, self._group, self.custom_reduce_scatter)
+        chosen_for, plan = self._plans.get(reduce_dtype, ((), None))
+        for chosen, current in zip(chosen_for, settings):
+            if chosen is not current:  # identity: a setter stores a new object
+                plan = None
+                break
         if plan is None:
             # A custom reduce-scatter takes the op PyTorch would give it, whatever the backend.
             premul = self.custom_reduce_scatter is not None or collectives.supports_premul_sum(self._group)
-            plan = self._plans[key] = ReducePlan.choose(
+            plan = ReducePlan.choose(
                 shard_size=self.dp.shard_size,
                 replicate_size=self.dp.replicate_size,
                 reduce_dtype=reduce_dtype,
@@ -184,6 +191,7 @@ class GroupReduce:
                 premul_sum_supported=premul,
                 device_type=self.dp.device.type,
             )
+            self._plans[reduce_dtype] = (settings, plan)
         return plan
 
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:

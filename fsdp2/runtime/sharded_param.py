@@ -476,5 +476,4 @@ def accumulate_sharded_grads(params: Sequence[ShardedParam], reduced_slots: Sequ
         local = slot.view(layout.local_shape)
         fresh_params.append(p.sharded_param)
         fresh_grads.append(local if local.dtype == p.orig_dtype else local.to(p.orig_dtype))
-    for param, grad in zip(fresh_params, compat.dtensors_like(fresh_params, fresh_grads)):
-        param.grad = grad
+    compat.assign_dtensor_grads(fresh_params, fresh_grads)

@@ -53,6 +53,8 @@ from fsdp2.runtime import collectives, schedule, traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
@@ -181,17 +183,24 @@ class _GradHandOff:
 
     def __init__(self, params: tuple["ShardedParam", ...], group: "TracedGroup"):
         self.params = params
+        self.dtensors: list[DTensor] = []  # their DTensor parameters: see take_params
         self.group = group  # its sums of backwards without sync are added in now
         self.widths = [p.layout.padded_shard_numel for p in params]
         # No padding on this rank: the reduced flat shard is the local shards back to back.
         self.packed = all(p.layout.local_rows == p.layout.chunk for p in params)
         self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
+        self.take_params()
+
+    def take_params(self) -> None:
+        """Note the parameters' DTensors: at construction and whenever fsdp2 re-reads them (the only
+        time ``ShardedParam.sharded_param`` changes)."""
+        self.dtensors = [p.sharded_param for p in self.params]
 
     def __call__(self, sink: torch.Tensor) -> None:
         reduced, sink.grad = sink.grad, None
         if reduced is None:
             return  # a backward without gradient sync: the group's accumulator took it
-        dtensors = [p.sharded_param for p in self.params]
+        dtensors = self.dtensors
         fresh = self.packed
         for p, dtensor in zip(self.params, dtensors):
             if dtensor._local_tensor is not p.traced_source:
@@ -201,9 +210,7 @@ class _GradHandOff:
         if self.group.accumulated:
             self.group.drop_accumulated()
         if fresh:
-            grads = compat.dtensors_like(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
-            for dtensor, grad in zip(dtensors, grads):
-                dtensor.grad = grad
+            compat.assign_dtensor_grads(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
             return
         slots = torch.split_with_sizes(reduced, self.widths)
         # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
@@ -353,6 +360,8 @@ class TracedGroup:
                 hand_off = _GradHandOff(params, self)
                 sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
                 sink.register_post_accumulate_grad_hook(hand_off)
+            else:
+                hand_off.take_params()
             sinks[bucket.key], hand_offs[bucket.key] = sink, hand_off
         self.grad_sinks, self._hand_offs = sinks, hand_offs
 
