@@ -126,8 +126,8 @@ class FSDPState:
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
         self.traced = TracedGroup(group, modules)  # the hooks' path while torch.compile traces them
         for module in modules:
-            module.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(_post_forward_hook, with_kwargs=True)
+            module.register_forward_pre_hook(_registered_pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(_registered_post_forward, with_kwargs=True)
 
     # -- lazy init ----------------------------------------------------------------------------------
 
@@ -277,9 +277,9 @@ class FSDPState:
 # object, a guard evaluated in Python with a dict-keys call per hook dict on every step.
 
 
-def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _registered_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return module._fsdp_state._pre_forward_hook(module, args, kwargs)
 
 
-def _post_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+def _registered_post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     return module._fsdp_state._post_forward_hook(module, args, kwargs, output)
