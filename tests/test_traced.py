@@ -166,31 +166,33 @@ def test_flat_cat_is_torch_cat_of_the_flattened_tensors():
 # -- host work ----------------------------------------------------------------------------------------
 
 
-def _count_calls(step) -> tuple[int, int]:
-    """(Python and C function calls, of them in fsdp2's package) while ``step`` runs: exact
-    counts, the events ``sys.setprofile`` sees (cProfile's), independent of the machine."""
+def _count_calls(step) -> tuple[int, int, int]:
+    """(Python and C function calls, of them in fsdp2's package, of them dict ``keys()`` calls)
+    while ``step`` runs: exact counts, the events ``sys.setprofile`` sees (cProfile's),
+    independent of the machine."""
     import os
     import sys
 
     import fsdp2
 
     ours = os.path.dirname(os.path.abspath(fsdp2.__file__)) + os.sep
-    total = in_fsdp2 = 0
+    total = in_fsdp2 = keys = 0
 
     def profile(frame, event, arg):
-        nonlocal total, in_fsdp2
+        nonlocal total, in_fsdp2, keys
         if event == "call":
             total += 1
             in_fsdp2 += frame.f_code.co_filename.startswith(ours)
         elif event == "c_call":
             total += 1
+            keys += getattr(arg, "__name__", None) == "keys"
 
     sys.setprofile(profile)
     try:
         step()
     finally:
         sys.setprofile(None)
-    return total, in_fsdp2
+    return total, in_fsdp2, keys
 
 
 # Compiled fsdp2 against the compiled unsharded model here (torch 2.13), AdamW's default (a loop
@@ -235,13 +237,18 @@ def test_python_calls_of_the_compiled_step_against_the_unsharded_model(fake_worl
                 step()
             counts[name] = _count_calls(lambda: _loss(run, x, y).backward())
             opt.zero_grad()
-            steps[name], _ = _count_calls(step)
+            steps[name] = _count_calls(step)[0]
         finally:
             torch._dynamo.reset()
-    (ours, in_fsdp2), (unsharded, _) = counts["fsdp2"], counts["unsharded"]
+    (ours, in_fsdp2, keys), (unsharded, _, _) = counts["fsdp2"], counts["unsharded"]
     if torch.__version__.startswith("2.13."):  # CI's torch: dynamo's and inductor's own calls vary by release
         assert steps["fsdp2"] <= MAX_STEP_CALLS_OVER_UNSHARDED * steps["unsharded"], steps
         assert ours <= MAX_CALLS_OVER_UNSHARDED * unsharded, (ours, unsharded)
+    # Dynamo's guards index a dict by key position in Python (a keys() call each step) where the
+    # trace reaches an object through a dict it cannot key by a constant: the FSDP state through
+    # the modules' hook dicts when the hooks were its bound methods, the reduce plan through a
+    # cache keyed by the process group. The unsharded model's step makes none.
+    assert keys == 0, f"{keys} dict keys() calls per compiled forward + backward (Python guards)"
     buckets = 1 + GPT_CFG.n_layers  # one per fully_shard group here (one dtype), 27 parameters
     # Per bucket: the hand-off hook (its checks of each local shard and gradient are plain loops)
     # and the gradients' DTensors, made in one call; 2+ more per parameter would be a hand-off per parameter.
