@@ -52,11 +52,12 @@ def test_blocks_tile_the_chunk_and_expansion_lands_on_edges(row0, rows, row_elem
 def test_block_size_policy():
     # 2048-wide fp32 rows (8 KiB): 16 rows per 128 KiB block.
     assert BlockGrid.choose_block_elems((4096, 2048), 4) == 16 * 2048
-    # A row bigger than a block: pieces (800 KB / 64 -> 8 KiB).
-    assert BlockGrid.choose_block_elems((2, 100_000), 4) == 2048
-    # Small chunks: about 64 blocks, none smaller than 4 KiB.
-    assert BlockGrid.choose_block_elems((512, 256), 4) == 8 * 256  # 512 KiB: 8 KiB blocks
-    assert BlockGrid.choose_block_elems((7, 16), 4) == 64 * 16  # 448 B: one block
+    # A row bigger than a block: pieces (1.6 MB / 64 -> 16 KiB).
+    assert BlockGrid.choose_block_elems((4, 100_000), 4) == 4096
+    # Small chunks: about 64 blocks, none smaller than 16 KiB.
+    assert BlockGrid.choose_block_elems((1024, 256), 4) == 16 * 256  # 1 MiB: 16 KiB blocks
+    assert BlockGrid.choose_block_elems((512, 256), 4) == 16 * 256  # 512 KiB: 16 KiB blocks, 32 of them
+    assert BlockGrid.of((0, 0), (7, 16), 4, BlockGrid.choose_block_elems((7, 16), 4)).count == 1  # 448 B: one block
     # A huge chunk: blocks grow so that there are at most 4096 of them.
     big = BlockGrid.of((0, 0), (1 << 20, 1024), 4, BlockGrid.choose_block_elems((1 << 20, 1024), 4))
     assert big.count <= 4096
@@ -105,13 +106,13 @@ def test_verified_load_reads_only_owned_bytes(worlds, tmp_path, save_mesh, load_
 
 
 def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
-    """Default blocks (512 KiB chunks of 256-byte rows: 8 KiB = 32 rows): exact when the splits
-    fall on block edges, else less than one block more per edge."""
+    """Default blocks (512 KiB chunks of 256-byte rows: 16 KiB = 64 rows, the smallest): exact when
+    the splits fall on block edges, else less than one block more per edge."""
     path = str(tmp_path / "c")
     worlds.run(2, _save_wide, path)
     with open(os.path.join(path, "manifest.json")) as f:
         block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
-    assert block_rows == 32
+    assert block_rows == 64
     aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
     assert all(read == owned for read, owned, _ in aligned)
     unaligned = worlds.run(3, _load_wide, path, block_rows)  # edges at rows 1366, 2732: inside blocks

@@ -37,8 +37,9 @@ it, so with verification on, bytes read exceed bytes owned by less than one bloc
 of a needed row range; smaller blocks mean less excess but a longer manifest and more hashing
 calls. Blocks are a power of two of whole dim-0 rows with edges at multiples of that count in
 *global* row indices (rows larger than a block are cut into pieces), sized per chunk: about 64
-blocks per chunk, between 4 KiB and 128 KiB (larger only for chunks over 512 MiB, which get at
-most 4096). The manifest grows by 8 hex digits per block, about 64 bytes per MiB of large
+blocks per chunk, between 16 KiB and 128 KiB (larger only for chunks over 512 MiB, which get at
+most 4096; 4 KiB before 2026-11-24, which cost a hash call per 4 KiB of small tensors on every
+verified read; readers take any block size the manifest lists). The manifest grows by 8 hex digits per block, about 64 bytes per MiB of large
 tensors. Consequences:
 
 - a load on the saving layout, and any reshard whose dim-0 splits fall on multiples of the
@@ -171,6 +172,9 @@ class Chunk:
     # Version 2: the block size and the CRC32C of every block, as concatenated hex.
     block_elems: int | None = None
     crc32c: str | None = None
+    # Decoded once per manifest read (validation decodes, the reader reuses): see grid, checksums.
+    _grid: BlockGrid | None = field(default=None, init=False, repr=False, compare=False)
+    _checksums: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def region(self) -> Region:
@@ -180,10 +184,16 @@ class Chunk:
         """How this chunk's bytes are cut into checksummed blocks (None: version 1, no checksums)."""
         if self.block_elems is None:
             return None
-        return BlockGrid.of(self.offsets, self.shape, itemsize, self.block_elems)
+        grid = self._grid
+        if grid is None or grid.itemsize != itemsize:
+            grid = self._grid = BlockGrid.of(self.offsets, self.shape, itemsize, self.block_elems)
+        return grid
 
     def checksums(self) -> list[int] | None:
-        return None if self.crc32c is None else from_hex(self.crc32c)
+        """The block checksums (a list the caller must not change)."""
+        if self._checksums is None and self.crc32c is not None:
+            self._checksums = from_hex(self.crc32c)
+        return self._checksums
 
     def to_json(self) -> dict:
         d = {"file": self.file, "key": self.key, "offsets": list(self.offsets), "shape": list(self.shape)}
@@ -363,7 +373,7 @@ def _check_chunk_checksums(key: str, entry: TensorEntry, chunk: Chunk) -> None:
         return  # check_tiling reports the bad box
     try:
         expected = chunk.grid(entry.torch_dtype.itemsize).count
-        from_hex(chunk.crc32c)
+        chunk.checksums()  # decodes: a bad hex digit raises here
     except ValueError as e:
         raise CheckpointError(f"{where}: bad checksum list ({e}); the manifest is damaged") from None
     if hex_count(chunk.crc32c) != expected:

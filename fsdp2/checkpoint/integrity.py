@@ -29,7 +29,7 @@ import numpy as np
 
 HASH_NAME = "crc32c"
 BLOCK_BYTES = 128 << 10  # block size of large chunks; format.py explains the trade-off
-MIN_BLOCK_BYTES = 4 << 10  # smaller chunks get about 64 blocks, but none below a page
+MIN_BLOCK_BYTES = 16 << 10  # smaller chunks get about 64 blocks, none below 16 KiB (a hash call each per verified read)
 BLOCKS_PER_CHUNK = 64
 MAX_BLOCKS_PER_CHUNK = 4096  # huge chunks get bigger blocks so the manifest stays small
 _HEX_DIGITS = 8
