@@ -157,6 +157,38 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     assert reads == [4 << 20, 4 << 20]
 
 
+def test_a_flipped_byte_in_a_later_window_is_named_by_block(tmp_path):
+    """A 4 MiB tensor read straight into its destination (one task, so one reader thread: 1 MiB
+    windows, each hashed block by block as it lands): a byte flipped at 3.5 MiB, in the last
+    window, fails the load naming its 64 KiB block and byte range, and leaves the model as it was."""
+    from fsdp2.checkpoint.safetensors_io import read_header
+
+    path = str(tmp_path / "c")
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.register_parameter("a", nn.Parameter(torch.randn(1024, 1024)))
+    ck.save(path, module)
+    with open(os.path.join(path, "manifest.json")) as f:
+        chunk = json.load(f)["tensors"]["model/a"]["chunks"][0]
+    full = os.path.join(path, chunk["file"])
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        begin = read_header(fd, full, os.path.getsize(full)).tensors[chunk["key"]].begin
+    finally:
+        os.close(fd)
+    at = begin + (7 << 19) + 5  # 3.5 MiB into the tensor: block 56 of 64
+    with open(full, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    target = nn.Module()
+    target.register_parameter("a", nn.Parameter(torch.zeros(1024, 1024)))
+    with pytest.raises(ck.CheckpointError, match=rf"bytes \[{begin + (56 << 16)}, {begin + (57 << 16)}\) of key 'model/a', block 56\)"):
+        ck.load(path, target)
+    assert not target.a.any()  # the model is untouched
+
+
 def _tall_module(ws, seed):
     return _wide_module(ws, seed, rows=16384)
 
