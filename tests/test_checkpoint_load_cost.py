@@ -18,7 +18,7 @@ import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import format as ckformat
 from fsdp2.checkpoint import integrity, reader, tensor_reader
 from tests.ckpt_helpers import assert_same_state, full_state, mesh_1d
-from tests.test_checkpoint_integrity import _wide_module
+from tests.test_checkpoint_integrity import _byte_of, _flip, _wide_module
 
 
 def _stack(layers: int, seed: int = 0) -> nn.Module:
@@ -157,44 +157,6 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     assert reads == [4 << 20, 4 << 20]
 
 
-def _flip_stored_byte(path: str, name: str, offset: int) -> tuple[dict, int]:
-    """Flip one bit of the byte ``offset`` bytes into the stored data of tensor ``name``'s first
-    chunk; returns that chunk's manifest entry and where its data begins in its file."""
-    from fsdp2.checkpoint.safetensors_io import read_header
-
-    with open(os.path.join(path, "manifest.json")) as f:
-        chunk = json.load(f)["tensors"][name]["chunks"][0]
-    full = os.path.join(path, chunk["file"])
-    fd = os.open(full, os.O_RDONLY)
-    try:
-        begin = read_header(fd, full, os.path.getsize(full)).tensors[chunk["key"]].begin
-    finally:
-        os.close(fd)
-    with open(full, "r+b") as f:
-        f.seek(begin + offset)
-        byte = f.read(1)
-        f.seek(begin + offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-    return chunk, begin
-
-
-def test_a_flipped_byte_in_a_later_window_is_named_by_block(tmp_path):
-    """A 4 MiB tensor read straight into its destination (one task, so one reader thread: 1 MiB
-    windows, each hashed block by block as it lands): a byte flipped at 3.5 MiB, in the last
-    window, fails the load naming its 64 KiB block and byte range, and leaves the model as it was."""
-    path = str(tmp_path / "c")
-    torch.manual_seed(0)
-    module = nn.Module()
-    module.register_parameter("a", nn.Parameter(torch.randn(1024, 1024)))
-    ck.save(path, module)
-    _, begin = _flip_stored_byte(path, "model/a", (7 << 19) + 5)  # 3.5 MiB into the tensor: block 56 of 64
-    target = nn.Module()
-    target.register_parameter("a", nn.Parameter(torch.zeros(1024, 1024)))
-    with pytest.raises(ck.CheckpointError, match=rf"bytes \[{begin + (56 << 16)}, {begin + (57 << 16)}\) of key 'model/a', block 56\)"):
-        ck.load(path, target)
-    assert not target.a.any()  # the model is untouched
-
-
 def _tall_module(ws, seed):
     return _wide_module(ws, seed, rows=16384)
 
@@ -215,9 +177,10 @@ def test_windowed_check_across_unaligned_shard_edges(worlds, tmp_path):
     path = str(tmp_path / "c")
     worlds.run(1, _save_tall, path)
     assert worlds.run(3, _load_tall, path) == [True, True, True]
+    with open(os.path.join(path, "manifest.json")) as f:
+        assert json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] == 256 * 64
     row = 9472 + 89  # rank 1 owns rows 5462..10923, read from row 5376 (a block edge) in windows of 4096 rows
-    chunk, _ = _flip_stored_byte(path, "model/w", row * 256)
-    assert chunk["block_elems"] == 256 * 64
+    _flip(*_byte_of(path, "model/w", row))
     results = worlds.run(3, _load_tall, path)
     assert f"key 'model/w', block {row // 256})" in results[1]
     assert all("failed on another rank" in r for r in (results[0], results[2]))
