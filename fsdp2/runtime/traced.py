@@ -183,7 +183,6 @@ class _GradHandOff:
 
     def __init__(self, params: tuple["ShardedParam", ...], group: "TracedGroup"):
         self.params = params
-        self.dtensors: list[DTensor] = []  # their DTensor parameters: see take_params
         self.group = group  # its sums of backwards without sync are added in now
         self.widths = [p.layout.padded_shard_numel for p in params]
         # No padding on this rank: the reduced flat shard is the local shards back to back.
@@ -194,7 +193,7 @@ class _GradHandOff:
     def take_params(self) -> None:
         """Note the parameters' DTensors: at construction and whenever fsdp2 re-reads them (the only
         time ``ShardedParam.sharded_param`` changes)."""
-        self.dtensors = [p.sharded_param for p in self.params]
+        self.dtensors: list[DTensor] = [p.sharded_param for p in self.params]
 
     def __call__(self, sink: torch.Tensor) -> None:
         reduced, sink.grad = sink.grad, None
