@@ -26,12 +26,14 @@ Rows:
 - --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
   --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a rotated order so
   that load from other jobs hits all three alike; prints medians and the medians of the per-round
-  ratios verified / DCP and verification cost (verified - verify=False) / verify=False;
+  ratios verified / DCP and verification cost (verified - verify=False) / verify=False, with a
+  bootstrap 90% interval of the latter (a round's noise on this scale is often larger than the cost);
   --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
   fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
   adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
   --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads),
   --gc-baseline one with Python's automatic garbage collection left running during the load;
+  --no-dcp leaves DCP out of the rotation (verification's cost only, more rounds per minute);
   --trace prints every timed load: the phases inside fsdp2's ``load`` per rank (plan, read,
   restore, agree = waiting for the other ranks, gc0-2 = garbage collections), page faults, bytes
   read from storage, and the machine's /proc/vmstat deltas (huge pages, compaction, reclaim).
@@ -46,6 +48,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -241,7 +244,8 @@ BASELINE_GC = "fsdp2 verified, GC on"  # --gc-baseline: verified, automatic garb
 
 
 def _kinds(args) -> tuple[str, ...]:
-    return (LOADS + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
+    loads = tuple(k for k in LOADS if k != "DCP") if args.no_dcp else LOADS
+    return (loads + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
             + ((BASELINE_THREADS,) if args.thread_baseline else ()) + ((BASELINE_GC,) if args.gc_baseline else ()))
 
 
@@ -312,7 +316,8 @@ def _sweep_worker(rank, world, port, args, out):
         model, opt, _, total = _trained(name, mesh, device, args, rank)
         ours, theirs = os.path.join(args.dir, name, "fsdp2"), os.path.join(args.dir, name, "dcp")
         ck.save(ours, model, opt)
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs)
+        if not args.no_dcp:
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs)
         loads = {
             "fsdp2 verified": lambda: ck.load(ours, model, opt),
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
@@ -502,20 +507,24 @@ def _sweep_report(args, results) -> None:
     extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     extra += f"{'GC on (s)':>11}{'its / DCP':>11}{'its cost':>10}" if args.gc_baseline else ""
     print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
-          f"{'verified / DCP':>16}{'verify cost':>13}{'hash floor':>12}{extra}")
+          f"{'verified / DCP':>16}{'verify cost':>13}{'its 90% CI':>14}{'hash floor':>12}{extra}")
+
+    def cost_of(rounds, verified="fsdp2 verified"):
+        return statistics.median((x[verified] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"] for x in rounds)
 
     def ratios(rounds, verified):
-        vs_dcp = statistics.median(x[verified] / x["DCP"] for x in rounds)
-        cost = statistics.median((x[verified] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"] for x in rounds)
-        return vs_dcp, cost
+        vs_dcp = statistics.median(x[verified] / x["DCP"] for x in rounds) if "DCP" in kinds else math.nan
+        return vs_dcp, cost_of(rounds, verified)
 
     for name, r in results.items():
         rounds = r["rounds"]
         med = {kind: statistics.median(x[kind] for x in rounds) for kind in kinds}
         vs_dcp, cost = ratios(rounds, "fsdp2 verified")
+        low, high = _bootstrap_interval(rounds, cost_of)
+        dcp_s, vs_dcp_x = ("-", "-") if math.isnan(vs_dcp) else (f"{med['DCP']:.3f}", f"{vs_dcp:.2f}x")
         line = (f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
-                f"{med['fsdp2 verify=False']:>14.3f}{med['DCP']:>9.3f}{vs_dcp:>15.2f}x{cost:>12.2f}x"
-                f"{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x")
+                f"{med['fsdp2 verify=False']:>14.3f}{dcp_s:>9}{vs_dcp_x:>16}{cost:>12.2f}x"
+                f"{f'{low:.2f}-{high:.2f}x':>14}{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x")
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
             line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
@@ -528,10 +537,22 @@ def _sweep_report(args, results) -> None:
             line += f"{med[BASELINE_GC]:>11.3f}{gc_dcp:>10.2f}x{gc_cost:>9.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
-          "(verified - verify=False) / verify=False; hash floor: the CRC32C alone over the bytes a rank verifies, "
+          "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
+          "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank verifies, "
           "in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
           "verify cost when each reader thread hashes what it reads" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
                                                         "instead of fsdp2's default" if args.hash_baseline else ""))
+
+
+def _bootstrap_interval(rounds: list, estimate, draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
+    """The central ``level`` interval of ``estimate`` over ``draws`` resamplings of ``rounds`` with
+    replacement (a percentile bootstrap; seeded, so a run's report is reproducible from its rounds)."""
+    import random
+
+    rng = random.Random(0)
+    values = sorted(estimate(rng.choices(rounds, k=len(rounds))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return values[tail], values[draws - 1 - tail]
 
 
 _DCP_GROUP = None
@@ -965,6 +986,8 @@ def main():
     parser.add_argument("--gc-baseline", action="store_true", help="with --sizes: also load verified with "
                         "automatic garbage collection left running during the load (as before fsdp2 paused it), "
                         "paired with the default")
+    parser.add_argument("--no-dcp", action="store_true", help="with --sizes: leave DCP out of the rotation (only "
+                        "verification's cost: more rounds in the same time, a narrower interval)")
     parser.add_argument("--trace", action="store_true", help="with --sizes: print every timed load (phases inside "
                         "fsdp2's load, page faults, bytes from storage, /proc/vmstat deltas)")
     parser.add_argument("--hash-threads", default="", help="only print what reader threads pay to hash, for "

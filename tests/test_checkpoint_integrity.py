@@ -50,13 +50,13 @@ def test_blocks_tile_the_chunk_and_expansion_lands_on_edges(row0, rows, row_elem
 
 
 def test_block_size_policy():
-    # 2048-wide fp32 rows (8 KiB): 16 rows per 128 KiB block.
-    assert BlockGrid.choose_block_elems((4096, 2048), 4) == 16 * 2048
-    # A row bigger than a block: pieces (1.6 MB / 64 -> 16 KiB).
-    assert BlockGrid.choose_block_elems((4, 100_000), 4) == 4096
-    # Small chunks: about 64 blocks, none smaller than 16 KiB.
-    assert BlockGrid.choose_block_elems((1024, 256), 4) == 16 * 256  # 1 MiB: 16 KiB blocks
-    assert BlockGrid.choose_block_elems((512, 256), 4) == 16 * 256  # 512 KiB: 16 KiB blocks, 32 of them
+    # 2048-wide fp32 rows (8 KiB): 128 rows per 1 MiB block (a verified read's cache window).
+    assert BlockGrid.choose_block_elems((4096, 2048), 4) == 128 * 2048
+    # A row bigger than a block: pieces (1.6 MB / 16 -> 64 KiB).
+    assert BlockGrid.choose_block_elems((4, 100_000), 4) == 16384
+    # Small chunks: about 16 blocks, none smaller than 64 KiB.
+    assert BlockGrid.choose_block_elems((1024, 256), 4) == 64 * 256  # 1 MiB: 64 KiB blocks, 16 of them
+    assert BlockGrid.choose_block_elems((512, 256), 4) == 64 * 256  # 512 KiB: 64 KiB blocks, 8 of them
     assert BlockGrid.of((0, 0), (7, 16), 4, BlockGrid.choose_block_elems((7, 16), 4)).count == 1  # 448 B: one block
     # A huge chunk: blocks grow so that there are at most 4096 of them.
     big = BlockGrid.of((0, 0), (1 << 20, 1024), 4, BlockGrid.choose_block_elems((1 << 20, 1024), 4))
@@ -106,13 +106,13 @@ def test_verified_load_reads_only_owned_bytes(worlds, tmp_path, save_mesh, load_
 
 
 def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
-    """Default blocks (512 KiB chunks of 256-byte rows: 16 KiB = 64 rows, the smallest): exact when
+    """Default blocks (512 KiB chunks of 256-byte rows: 64 KiB = 256 rows, the smallest): exact when
     the splits fall on block edges, else less than one block more per edge."""
     path = str(tmp_path / "c")
     worlds.run(2, _save_wide, path)
     with open(os.path.join(path, "manifest.json")) as f:
         block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
-    assert block_rows == 64
+    assert block_rows == 256
     aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
     assert all(read == owned for read, owned, _ in aligned)
     unaligned = worlds.run(3, _load_wide, path, block_rows)  # edges at rows 1366, 2732: inside blocks
@@ -217,29 +217,57 @@ def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
     assert "failed on another rank" in results[0][0]  # rank 0 never read that block
 
 
-@pytest.mark.parametrize("combine", [False, True])
-def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, combine):
-    """A 4 MiB tensor is 64 blocks of 64 KiB, read and hashed in windows of 16 blocks, block by
-    block or with one hash call per window checked against its blocks' checksums combined: a byte
-    flipped in block 37 (in the third window) is reported with that block and its byte range, and
-    nothing is loaded."""
+@pytest.mark.parametrize("window_bytes, combine", [(1 << 20, False), (1 << 20, True), (256 << 10, False)],
+                         ids=["4-blocks-a-window", "combined", "a-block-a-window"])
+def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window_bytes, combine):
+    """A 4 MiB tensor is 16 blocks of 256 KiB, read and hashed in windows of 4 blocks (block by block,
+    or with one hash call per window checked against its blocks' checksums combined) or of one
+    block: a byte flipped in block 9 (in the third window of 4) is reported with that block and its
+    byte range, and nothing is loaded."""
     from fsdp2.checkpoint import tensor_reader
 
-    monkeypatch.setattr(tensor_reader, "hashing_for", lambda _: tensor_reader.Hashing(1 << 20, combine=combine))
+    monkeypatch.setattr(tensor_reader, "hashing_for", lambda _: tensor_reader.Hashing(window_bytes, combine=combine))
     path = str(tmp_path / "c")
     source = nn.Module()
     torch.manual_seed(0)
-    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))  # 4 KiB rows: 16 rows a block
+    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))  # 4 KiB rows: 64 rows a block
     ck.save(path, source)
-    data, start = _byte_of(path, "model/w", 37 * 16)
+    data, start = _byte_of(path, "model/w", 9 * 64)
     _flip(data, start + 1000)
     target = nn.Module()
     target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
     with pytest.raises(ck.CheckpointError) as error:
         ck.load(path, target)
     message = str(error.value)
-    assert f"bytes [{start}, {start + (64 << 10)}) of key 'model/w', block 37)" in message, message
+    assert f"bytes [{start}, {start + (256 << 10)}) of key 'model/w', block 9)" in message, message
     assert not target.w.any()
+
+
+def test_short_reads_are_read_again_before_checking(tmp_path, monkeypatch):
+    """``preadv`` may return fewer bytes than asked (a signal, a network file system): every read of
+    a verified load that comes back short is completed before its blocks are hashed."""
+    from fsdp2.checkpoint import tensor_reader
+
+    path = str(tmp_path / "c")
+    source = nn.Module()
+    torch.manual_seed(0)
+    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    ck.save(path, source)
+    real_preadv = os.preadv
+    short = []
+
+    def preadv_halves(fd, views, offset):  # every first attempt at a range reads half of it
+        if (fd, offset) in short:
+            return real_preadv(fd, views, offset)
+        short.append((fd, offset))
+        return real_preadv(fd, [views[0][:max(1, len(views[0]) // 2)]], offset)
+
+    monkeypatch.setattr(tensor_reader.os, "preadv", preadv_halves)
+    target = nn.Module()
+    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    ck.load(path, target)
+    assert torch.equal(target.w, source.w)
+    assert len(short) >= 4  # the 4 MiB tensor's 1 MiB windows each came back short once
 
 
 @settings(max_examples=60, deadline=None)

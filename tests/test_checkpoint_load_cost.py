@@ -118,10 +118,10 @@ def _blocks_of(path: str) -> int:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, threads):
-    """Two 4 MiB tensors (64 blocks of 64 KiB each), one read task each, hashed by the hash
+    """Two 4 MiB tensors (16 blocks of 256 KiB each), one read task each, hashed by the hash
     implementation itself (no Python wrapper frame). Several reader threads hash each whole task
-    with ONE call, checked against its blocks' checksums combined: a call per block (128 here,
-    fails before) made them wait on each other's GIL hand-offs. One reader thread hands the GIL to
+    with ONE call, checked against its blocks' checksums combined: a call per block (32 here)
+    made them wait on each other's GIL hand-offs. One reader thread hands the GIL to
     nobody: it hashes block by block in 1 MiB windows, still in the CPU cache. Without
     verification, one read per task."""
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: threads)
@@ -147,14 +147,36 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     window = hashing.window_bytes
     assert (window, hashing.combine) == ((1 << 20, False) if threads == 1 else (tensor_reader.PIECE_BYTES, True))
     windows = 2 * -(-(4 << 20) // window)
-    calls = windows if hashing.combine else 128
+    calls = windows if hashing.combine else 32
     # The windows or blocks + the file header, which alone goes through the ``checksum`` wrapper.
-    assert _blocks_of(path) == 128 and len(hash_callers) == calls + 1 and hash_callers.count("checksum") == 1
+    assert _blocks_of(path) == 32 and len(hash_callers) == calls + 1 and hash_callers.count("checksum") == 1
     assert sum(reads) == stats.bytes_read == stats.bytes_verified == 8 << 20
     assert len(reads) == windows and max(reads) <= window
     reads.clear()
     ck.load(path, target, verify=False)
     assert reads == [4 << 20, 4 << 20]
+
+
+def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeypatch):
+    """A 4 MiB chunk (256 KiB blocks of 64 rows) read in tasks of at most 100 KiB (25 rows): each task
+    is widened to the next block edge, so every block is read and checked by one task, once."""
+    monkeypatch.setattr(tensor_reader, "PIECE_BYTES", 100 << 10)
+    monkeypatch.setattr(tensor_reader, "read_threads", lambda: 1)
+    path = str(tmp_path / "c")
+    module = nn.Module()
+    torch.manual_seed(0)
+    module.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    ck.save(path, module)
+    tasks = []
+    real_run_task = tensor_reader._run_task
+    monkeypatch.setattr(tensor_reader, "_run_task", lambda task, *a: tasks.append((task.lo, task.hi)) or real_run_task(task, *a))
+    target = nn.Module()
+    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    stats = ck.LoadStats()
+    ck.load(path, target, stats=stats)
+    assert torch.equal(target.w, module.w)
+    assert tasks == [(r, r + 64) for r in range(0, 1024, 64)]
+    assert stats.bytes_read == stats.bytes_verified == 4 << 20
 
 
 def _tall_module(ws, seed):
@@ -171,18 +193,18 @@ def _load_tall(rank, ws, path):
 
 
 def test_windowed_check_across_unaligned_shard_edges(worlds, tmp_path):
-    """4 MiB saved by one rank (64 KiB blocks of 256 rows), loaded by 3 (edges inside blocks: each
+    """4 MiB saved by one rank (256 KiB blocks of 1024 rows), loaded by 3 (edges inside blocks: each
     read has side buffers before and after the owned rows): bitwise equal; a flipped byte in the
     second window of rank 1 is reported with its block."""
     path = str(tmp_path / "c")
     worlds.run(1, _save_tall, path)
     assert worlds.run(3, _load_tall, path) == [True, True, True]
     with open(os.path.join(path, "manifest.json")) as f:
-        assert json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] == 256 * 64
-    row = 9472 + 89  # rank 1 owns rows 5462..10923, read from row 5376 (a block edge) in windows of 4096 rows
+        assert json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] == 1024 * 64
+    row = 9216 + 1000  # rank 1 owns rows 5462..10923, read from row 5120 (a block edge) in windows of 4096 rows
     _flip(*_byte_of(path, "model/w", row))
     results = worlds.run(3, _load_tall, path)
-    assert f"key 'model/w', block {row // 256})" in results[1]
+    assert f"key 'model/w', block {row // 1024})" in results[1]
     assert all("failed on another rank" in r for r in (results[0], results[2]))
 
 

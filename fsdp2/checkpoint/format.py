@@ -36,17 +36,19 @@ The trade-off is the block size. A rank that owns part of a block must read all 
 it, so with verification on, bytes read exceed bytes owned by less than one block at each end
 of a needed row range; smaller blocks mean less excess but a longer manifest and more hashing
 calls. Blocks are a power of two of whole dim-0 rows with edges at multiples of that count in
-*global* row indices (rows larger than a block are cut into pieces), sized per chunk: about 64
-blocks per chunk, between 16 KiB and 128 KiB (larger only for chunks over 512 MiB, which get at
-most 4096; 4 KiB before 2026-11-24, which cost a hash call per 4 KiB of small tensors on every
-verified read; readers take any block size the manifest lists). The manifest grows by 8 hex digits per block, about 64 bytes per MiB of large
-tensors. Consequences:
+*global* row indices (rows larger than a block are cut into pieces), sized per chunk: about 16
+blocks per chunk, between 64 KiB and 1 MiB (larger only for chunks over 4 GiB, which get at most
+4096). Each block is a hash call on every verified read, and Python work around it: checkpoints
+written by earlier versions have 4-16 KiB to 128 KiB blocks, about 64 per chunk, and take ~10%
+longer to verify (benchmarks/RESULTS.md); readers take any block size the manifest lists. The
+manifest grows by 8 hex digits per block, 8 bytes per MiB of large tensors. Consequences:
 
 - a load on the saving layout, and any reshard whose dim-0 splits fall on multiples of the
   block (power-of-two world sizes dividing power-of-two-friendly row counts), reads exactly
   the owned bytes (ratio 1.00);
-- other dim-0 reshards read at most one block more per edge (measured: 1.001 for a 125M GPT +
-  AdamW saved on 2 ranks, loaded on 3; see benchmarks/RESULTS.md);
+- other dim-0 reshards read at most one block more per edge (measured for a 125M GPT + AdamW
+  saved on 2 ranks: 1.007 loaded on 3, 1.013 on its worst rank; 1.001 with the earlier smaller
+  blocks; see benchmarks/RESULTS.md);
 - a rank owning a column range of row-major chunks (tensor parallelism splitting dim 1 of a
   checkpoint saved without it) reads and checks whole rows;
 - ``verify=False`` reads exactly the owned bytes (column ranges as one read per row run).

@@ -28,9 +28,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 HASH_NAME = "crc32c"
-BLOCK_BYTES = 128 << 10  # block size of large chunks; format.py explains the trade-off
-MIN_BLOCK_BYTES = 16 << 10  # smaller chunks get about 64 blocks, none below 16 KiB (a hash call each per verified read)
-BLOCKS_PER_CHUNK = 64
+# Block sizes; format.py explains the trade-off. A verified read hashes one block per call, so
+# blocks as big as its 1 MiB cache window cost one call per window (tensor_reader.py).
+BLOCK_BYTES = 1 << 20  # block size of large chunks (16 MiB and more)
+MIN_BLOCK_BYTES = 64 << 10  # smaller chunks get about 16 blocks, none below 64 KiB
+BLOCKS_PER_CHUNK = 16
 MAX_BLOCKS_PER_CHUNK = 4096  # huge chunks get bigger blocks so the manifest stays small
 _HEX_DIGITS = 8
 

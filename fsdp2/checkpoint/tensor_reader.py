@@ -207,9 +207,8 @@ class ReadPass:
         start = a
         while start < b:
             end = min(b, start + step)
-            if verify:  # pieces end on block edges so each block is checked by one task
-                while end < b and not chunk.grid.is_edge(end):
-                    end += 1
+            if verify and end < b:  # pieces end on block edges so each block is checked by one task
+                end = chunk.grid.expand_rows(end - 1, end)[1]
             own_lo, own_hi = max(start, lo), min(end, hi)
             piece_dest = None if dest is None else dest[own_lo - lo:own_hi - lo]
             self.tasks.append(_Task(chunk, start, end, own_lo, own_hi, cols, piece_dest, direct, runs, verify))
@@ -273,11 +272,14 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+_HAS_PREADV = hasattr(os, "preadv")  # not on every platform Python runs on
+
+
 def _preadv(chunk: StoredChunk, views: list[memoryview], offset: int) -> None:
     """Fill ``views`` from ``offset`` on (scatter read, retried until complete)."""
     views = [v for v in views if len(v)]
     while views:
-        n = os.preadv(chunk.fd, views, offset) if hasattr(os, "preadv") else _pread_into(chunk.fd, views[0], offset)
+        n = os.preadv(chunk.fd, views, offset) if _HAS_PREADV else _pread_into(chunk.fd, views[0], offset)
         if n <= 0:
             raise CheckpointError(f"{chunk.path}: {chunk.label} ends past the end of the file (truncated?); "
                                   "restore it or load an earlier checkpoint")
@@ -341,24 +343,30 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, has
     if base:
         edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
-    expected = list(chunk.checksums[first:first + len(edges) - 1])
+    n = len(edges) - 1
+    expected = list(chunk.checksums[first:first + n])
     step = max(1, hashing.window_bytes // (grid.block_elems * grid.itemsize))  # blocks per window
-    if len(expected) <= step:  # one window, the whole task: most chunks of small tensors
-        _preadv(chunk, segments, file_offset)
-        _check_window(task, segments, edges, expected, first, file_offset, hashing.combine)
-        return edges[-1] - edges[0]
     # Most tasks are one segment (the rows straight into the destination) hashed block by block:
-    # each window is then checked inline, one comprehension, no helper call for the check (a load of
-    # 1.6 GB runs ~800 windows per rank); _check_window takes the rest, and names a bad block.
-    inline = segments[0] if len(segments) == 1 and not hashing.combine else None
+    # each window is then one preadv and its blocks are checked inline, with no helper call (a
+    # 1.6 GB load runs ~800 windows per rank, mostly of one block). _check_window takes the rest,
+    # and names a bad block.
+    inline = segments[0] if len(segments) == 1 and not hashing.combine and _HAS_PREADV else None
     crc = checksum_function()
-    for i in range(0, len(expected), step):
-        j = min(len(expected), i + step)
+    for i in range(0, n, step):
+        j = min(n, i + step)
         lo, hi = edges[i], edges[j]
-        views = _window(segments, lo, hi)
-        _preadv(chunk, views, file_offset + lo)
-        if inline is not None and [crc(inline[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1:j + 1])] == expected[i:j]:
-            continue
+        if inline is None:
+            views = _window(segments, lo, hi)
+            _preadv(chunk, views, file_offset + lo)
+        else:
+            views = [inline[lo:hi]]
+            if os.preadv(chunk.fd, views, file_offset + lo) != hi - lo:  # short read: retried in full
+                _preadv(chunk, views, file_offset + lo)
+            if j - i == 1:
+                if crc(views[0], 0) == expected[i]:
+                    continue
+            elif [crc(inline[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1:j + 1])] == expected[i:j]:
+                continue
         _check_window(task, views, [e - lo for e in edges[i:j + 1]], expected[i:j], first + i, file_offset + lo,
                       hashing.combine)
     return edges[-1] - edges[0]
