@@ -538,8 +538,8 @@ def _sweep_report(args, results) -> None:
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
-          "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank verifies, "
-          "in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
+          "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank "
+          "verifies, in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
           "verify cost when each reader thread hashes what it reads" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
                                                         "instead of fsdp2's default" if args.hash_baseline else ""))
 

@@ -169,7 +169,12 @@ def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeyp
     ck.save(path, module)
     tasks = []
     real_run_task = tensor_reader._run_task
-    monkeypatch.setattr(tensor_reader, "_run_task", lambda task, *a: tasks.append((task.lo, task.hi)) or real_run_task(task, *a))
+
+    def run_task(task, *args):
+        tasks.append((task.lo, task.hi))
+        return real_run_task(task, *args)
+
+    monkeypatch.setattr(tensor_reader, "_run_task", run_task)
     target = nn.Module()
     target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
     stats = ck.LoadStats()
