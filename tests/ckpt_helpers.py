@@ -25,6 +25,18 @@ def make_model(seed: int = 0) -> nn.Module:
     return model
 
 
+def matrices(*names: str, seed: int | None = 0) -> nn.Module:
+    """A plain module of 1024 x 1024 fp32 parameters ``names`` (4 MiB each, 4 KiB rows): drawn from
+    ``seed``, or zeros (a load target) when ``seed`` is None."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    module = nn.Module()
+    for name in names:
+        values = torch.zeros(1024, 1024) if seed is None else torch.randn(1024, 1024)
+        module.register_parameter(name, nn.Parameter(values))
+    return module
+
+
 def shard(model: nn.Module, mesh) -> nn.Module:
     """fsdp2.runtime.fully_shard each Linear, then the root (Shard(0), or (Replicate, Shard(0)) for HSDP)."""
     from fsdp2 import fully_shard

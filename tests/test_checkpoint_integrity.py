@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, integrity
 from fsdp2.checkpoint.integrity import BlockGrid
-from tests.ckpt_helpers import (assert_same_state, checksum_blocks, full_state, load_outcome, make_model, mesh_1d,
-                                mesh_2d, shard)
+from tests.ckpt_helpers import (assert_same_state, checksum_blocks, full_state, load_outcome, make_model, matrices,
+                                mesh_1d, mesh_2d, shard)
 
 V1_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "ckpt_v1")
 
@@ -228,14 +228,10 @@ def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window_by
 
     monkeypatch.setattr(tensor_reader, "hashing_for", lambda _: tensor_reader.Hashing(window_bytes, combine=combine))
     path = str(tmp_path / "c")
-    source = nn.Module()
-    torch.manual_seed(0)
-    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))  # 4 KiB rows: 64 rows a block
-    ck.save(path, source)
+    ck.save(path, matrices("w"))  # 4 KiB rows: 64 rows a block
     data, start = _byte_of(path, "model/w", 9 * 64)
     _flip(data, start + 1000)
-    target = nn.Module()
-    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    target = matrices("w", seed=None)
     with pytest.raises(ck.CheckpointError) as error:
         ck.load(path, target)
     message = str(error.value)
@@ -251,9 +247,7 @@ def test_short_reads_are_read_again_before_checking(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: 1)
     path = str(tmp_path / "c")
-    source = nn.Module()
-    torch.manual_seed(0)
-    source.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    source = matrices("w")
     ck.save(path, source)
     real_preadv = os.preadv
     short = []
@@ -265,8 +259,7 @@ def test_short_reads_are_read_again_before_checking(tmp_path, monkeypatch):
         return real_preadv(fd, [views[0][:max(1, len(views[0]) // 2)]], offset)
 
     monkeypatch.setattr(tensor_reader.os, "preadv", preadv_halves)
-    target = nn.Module()
-    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    target = matrices("w", seed=None)
     ck.load(path, target)
     assert torch.equal(target.w, source.w)
     assert len(short) >= 4  # each of the 4 MiB tensor's 1 MiB windows came back short once

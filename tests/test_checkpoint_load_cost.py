@@ -17,7 +17,7 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import format as ckformat
 from fsdp2.checkpoint import integrity, reader, tensor_reader
-from tests.ckpt_helpers import assert_same_state, full_state, mesh_1d
+from tests.ckpt_helpers import assert_same_state, full_state, matrices, mesh_1d
 from tests.test_checkpoint_integrity import _byte_of, _flip, _wide_module
 
 
@@ -126,10 +126,7 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     verification, one read per task."""
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: threads)
     path = str(tmp_path / "c")
-    module = nn.Module()
-    torch.manual_seed(0)
-    for name in ("a", "b"):
-        module.register_parameter(name, nn.Parameter(torch.randn(1024, 1024)))
+    module = matrices("a", "b")
     ck.save(path, module)
     hash_callers = _callers(monkeypatch, integrity, "_crc32c")
     reads = []
@@ -137,9 +134,7 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     monkeypatch.setattr(tensor_reader.os, "preadv",
                         lambda fd, views, offset: reads.append(sum(len(v) for v in views)) or real_preadv(fd, views,
                                                                                                          offset))
-    target = nn.Module()
-    for name in ("a", "b"):
-        target.register_parameter(name, nn.Parameter(torch.zeros(1024, 1024)))
+    target = matrices("a", "b", seed=None)
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
     assert torch.equal(target.a, module.a) and torch.equal(target.b, module.b)
@@ -163,9 +158,7 @@ def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeyp
     monkeypatch.setattr(tensor_reader, "PIECE_BYTES", 100 << 10)
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: 1)
     path = str(tmp_path / "c")
-    module = nn.Module()
-    torch.manual_seed(0)
-    module.register_parameter("w", nn.Parameter(torch.randn(1024, 1024)))
+    module = matrices("w")
     ck.save(path, module)
     tasks = []
     real_run_task = tensor_reader._run_task
@@ -175,8 +168,7 @@ def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeyp
         return real_run_task(task, *args)
 
     monkeypatch.setattr(tensor_reader, "_run_task", run_task)
-    target = nn.Module()
-    target.register_parameter("w", nn.Parameter(torch.zeros(1024, 1024)))
+    target = matrices("w", seed=None)
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
     assert torch.equal(target.w, module.w)
