@@ -28,8 +28,9 @@ Rows:
   that load from other jobs hits all three alike; prints medians and the medians of the per-round
   ratios verified / DCP and verification cost (verified - verify=False) / verify=False, with a
   bootstrap 90% interval of the latter (a round's noise on this scale is often larger than the cost);
-  --hash-baseline adds a fourth load, verified with the ``crc32c`` package's CRC32C instead of
-  fsdp2's default implementation (``fastcrc`` when installed), to the rotation; --page-baseline
+  --hash-baseline [NAME] adds a fourth load, verified with CRC32C implementation NAME (default: the
+  ``crc32c`` package; ``integrity.IMPLEMENTATIONS``) instead of fsdp2's default (the fastest
+  installed), to the rotation; --page-baseline
   adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
   --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads),
   --gc-baseline one with Python's automatic garbage collection left running during the load;
@@ -237,7 +238,7 @@ def _worker(rank, world, port, args, out):
 
 
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
-BASELINE_HASH = "fsdp2 verified, crc32c pkg"  # --hash-baseline: verified with the crc32c package's CRC32C
+BASELINE_HASH = "fsdp2 verified, other CRC32C"  # --hash-baseline NAME: verified with that implementation
 BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
 BASELINE_THREADS = "fsdp2 verified, 2+ threads"  # --thread-baseline: verified, reader threads not shared by rank
 BASELINE_GC = "fsdp2 verified, GC on"  # --gc-baseline: verified, automatic garbage collection left running
@@ -322,7 +323,8 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verified": lambda: ck.load(ours, model, opt),
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
-            BASELINE_HASH: _with_checksum_implementation("crc32c", lambda: ck.load(ours, model, opt)),
+            BASELINE_HASH: _with_checksum_implementation(args.hash_baseline or "crc32c",
+                                                         lambda: ck.load(ours, model, opt)),
             # fsdp2.checkpoint.fresh_memory.ENV: load buffers left to 4 KiB pages
             BASELINE_PAGES: _with_env("FSDP2_LOAD_HUGEPAGES", "0", lambda: ck.load(ours, model, opt)),
             # without LOCAL_WORLD_SIZE a rank reads with at least 2 threads, as before it was used
@@ -502,7 +504,7 @@ def _sweep_report(args, results) -> None:
           f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in rotated "
           f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
           f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
-    extra = f"{'crc32c pkg (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
+    extra = f"{args.hash_baseline + ' (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
     extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
     extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     extra += f"{'GC on (s)':>11}{'its / DCP':>11}{'its cost':>10}" if args.gc_baseline else ""
@@ -521,27 +523,33 @@ def _sweep_report(args, results) -> None:
         med = {kind: statistics.median(x[kind] for x in rounds) for kind in kinds}
         vs_dcp, cost = ratios(rounds, "fsdp2 verified")
         low, high = _bootstrap_interval(rounds, cost_of)
-        dcp_s, vs_dcp_x = ("-", "-") if math.isnan(vs_dcp) else (f"{med['DCP']:.3f}", f"{vs_dcp:.2f}x")
+        dcp_s = "-" if math.isnan(vs_dcp) else f"{med['DCP']:.3f}"
+        vs_dcp_x = _times(vs_dcp)
         line = (f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
                 f"{med['fsdp2 verify=False']:>14.3f}{dcp_s:>9}{vs_dcp_x:>16}{cost:>12.2f}x"
                 f"{f'{low:.2f}-{high:.2f}x':>14}{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x")
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
-            line += f"{med[BASELINE_HASH]:>16.3f}{base_dcp:>10.2f}x{base_cost:>9.2f}x"
+            line += f"{med[BASELINE_HASH]:>16.3f}{_times(base_dcp):>11}{base_cost:>9.2f}x"
         if args.page_baseline:
-            line += f"{med[BASELINE_PAGES]:>17.3f}{ratios(rounds, BASELINE_PAGES)[0]:>10.2f}x"
+            line += f"{med[BASELINE_PAGES]:>17.3f}{_times(ratios(rounds, BASELINE_PAGES)[0]):>11}"
         if args.thread_baseline:
-            line += f"{med[BASELINE_THREADS]:>16.3f}{ratios(rounds, BASELINE_THREADS)[0]:>10.2f}x"
+            line += f"{med[BASELINE_THREADS]:>16.3f}{_times(ratios(rounds, BASELINE_THREADS)[0]):>11}"
         if args.gc_baseline:
             gc_dcp, gc_cost = ratios(rounds, BASELINE_GC)
-            line += f"{med[BASELINE_GC]:>11.3f}{gc_dcp:>10.2f}x{gc_cost:>9.2f}x"
+            line += f"{med[BASELINE_GC]:>11.3f}{_times(gc_dcp):>11}{gc_cost:>9.2f}x"
         print(line)
     print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
           "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
           "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank "
           "verifies, in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
-          "verify cost when each reader thread hashes what it reads" + ("; crc32c pkg: verified with the crc32c package's CRC32C "
-                                                        "instead of fsdp2's default" if args.hash_baseline else ""))
+          "verify cost when each reader thread hashes what it reads" + (f"; {args.hash_baseline}: verified with that CRC32C "
+                                                        "implementation instead of fsdp2's default" if args.hash_baseline else ""))
+
+
+def _times(ratio: float) -> str:
+    """A ratio as printed in the --sizes table; "-" without DCP in the rotation (--no-dcp)."""
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"
 
 
 def _bootstrap_interval(rounds: list, estimate, draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
@@ -963,6 +971,8 @@ def hash_threads_table(thread_counts: list[int], mib: int = 2048, rounds: int = 
 
 
 def main():
+    from fsdp2.checkpoint import integrity
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model", choices=sorted(MODELS), default="125m")
@@ -976,8 +986,9 @@ def main():
     parser.add_argument("--first-touch", action="store_true", help="only print where a warm load's time goes: "
                         "reading into fresh vs touched memory, hashed or not")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--hash-baseline", action="store_true", help="with --sizes: also load verified with the "
-                        "crc32c package's CRC32C (paired with fsdp2's default implementation)")
+    parser.add_argument("--hash-baseline", nargs="?", const="crc32c", default=None, metavar="NAME",
+                        choices=list(integrity.IMPLEMENTATIONS), help="with --sizes: also load verified with CRC32C "
+                        "implementation NAME (default: crc32c, the package), paired with fsdp2's default")
     parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
                         "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
     parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
