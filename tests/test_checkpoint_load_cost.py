@@ -116,17 +116,18 @@ def _blocks_of(path: str) -> int:
     return sum(c.grid(t.torch_dtype.itemsize).count for t in manifest.tensors.values() for c in t.chunks)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, threads):
-    """Two 4 MiB tensors (16 blocks of 256 KiB each), one read task each, hashed by the hash
-    implementation itself (no Python wrapper frame). Several reader threads hash each whole task
-    with ONE call, checked against its blocks' checksums combined: a call per block (32 here)
-    made them wait on each other's GIL hand-offs. One reader thread hands the GIL to
-    nobody: it hashes block by block in 1 MiB windows, still in the CPU cache. Without
+    """Three 4 MiB tensors (16 blocks of 256 KiB each), one read task each (so up to three threads), hashed by the hash
+    implementation itself (no Python wrapper frame). Three or more reader threads hash each whole
+    task with ONE call, checked against its blocks' checksums combined: a call per block (48 here)
+    made them wait on each other's GIL hand-offs. One or two reader threads hand the GIL over
+    rarely: they hash block by block in 1 MiB windows, still in the CPU cache. Without
     verification, one read per task."""
     monkeypatch.setattr(tensor_reader, "read_threads", lambda: threads)
     path = str(tmp_path / "c")
-    module = matrices("a", "b")
+    names = ("a", "b", "c")
+    module = matrices(*names)
     ck.save(path, module)
     hash_callers = _callers(monkeypatch, integrity, "_crc32c")
     reads = []
@@ -134,22 +135,22 @@ def test_verified_reads_hash_each_window_with_one_call(tmp_path, monkeypatch, th
     monkeypatch.setattr(tensor_reader.os, "preadv",
                         lambda fd, views, offset: reads.append(sum(len(v) for v in views)) or real_preadv(fd, views,
                                                                                                          offset))
-    target = matrices("a", "b", seed=None)
+    target = matrices(*names, seed=None)
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)
-    assert torch.equal(target.a, module.a) and torch.equal(target.b, module.b)
+    assert all(torch.equal(getattr(target, n), getattr(module, n)) for n in names)
     hashing = tensor_reader.hashing_for(threads)
     window = hashing.window_bytes
-    assert (window, hashing.combine) == ((1 << 20, False) if threads == 1 else (tensor_reader.PIECE_BYTES, True))
-    windows = 2 * -(-(4 << 20) // window)
-    calls = windows if hashing.combine else 32
+    assert (window, hashing.combine) == ((1 << 20, False) if threads <= 2 else (tensor_reader.PIECE_BYTES, True))
+    windows = 3 * -(-(4 << 20) // window)
+    calls = windows if hashing.combine else 48
     # The windows or blocks + the file header, which alone goes through the ``checksum`` wrapper.
-    assert _blocks_of(path) == 32 and len(hash_callers) == calls + 1 and hash_callers.count("checksum") == 1
-    assert sum(reads) == stats.bytes_read == stats.bytes_verified == 8 << 20
+    assert _blocks_of(path) == 48 and len(hash_callers) == calls + 1 and hash_callers.count("checksum") == 1
+    assert sum(reads) == stats.bytes_read == stats.bytes_verified == 12 << 20
     assert len(reads) == windows and max(reads) <= window
     reads.clear()
     ck.load(path, target, verify=False)
-    assert reads == [4 << 20, 4 << 20]
+    assert reads == [4 << 20] * 3
 
 
 def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeypatch):

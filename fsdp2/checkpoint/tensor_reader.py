@@ -25,10 +25,11 @@ Why it depends on the reader threads: the hash releases the GIL for each call, a
 reader threads per rank every release and re-acquire is a hand-off between them. On a 16-core
 host (2 ranks, 8 threads each) the hand-offs, not the hashing, capped verified reads: a call per
 128 KiB block cost 0.7-0.8x of the unverified load, one call per 1 MiB window 0.23-0.32x, one per
-16 MiB task 0.17-0.25x. With one reader thread there is no one to hand the GIL to: a call per block
-costs less than combining checksums in Python, and a window still in the CPU cache hashes faster
-(on the 2-core CI machine, 1 MiB windows cost 0.11-0.14x at 1.6-2.9 GB against 0.22x for whole
-tasks; benchmarks/RESULTS.md, issue 24).
+16 MiB task 0.17-0.25x. With one or two reader threads the hand-offs are few, and a window still in
+the CPU cache hashes faster (``crc32c-rs``: 87 GB/s in cache, ~32 GB/s from memory). On the 2-core
+CI machine, one rank reading the 1.6 GB benchmark state with two threads paid 0.12x for 1 MiB
+windows against 0.175x for whole tasks, and one thread per rank on 2 ranks pays 0.06-0.14x at
+13 MB-2.9 GB (benchmarks/RESULTS.md, issue 24).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from .safetensors_io import SafetensorsHeader, read_header
 
 MAX_READ_THREADS = 8
 PIECE_BYTES = 16 << 20  # bytes per task: enough to amortize a syscall, small enough to spread
-CACHE_WINDOW_BYTES = 1 << 20  # one reader thread: hashed while still in the CPU cache (see above)
+CACHE_WINDOW_BYTES = 1 << 20  # few reader threads: hashed while still in the CPU cache (see above)
+CACHE_WINDOW_THREADS = 2  # up to this many reader threads per rank hash block by block in cache windows
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,11 @@ def read_threads() -> int:
 
 
 def hashing_for(threads: int) -> Hashing:
-    """How verified reads hash when ``threads`` reader threads run at once: one thread, block by
-    block in cache-sized windows; several, whole tasks with one call each (see above)."""
-    return Hashing(CACHE_WINDOW_BYTES, combine=False) if threads <= 1 else Hashing(PIECE_BYTES, combine=True)
+    """How verified reads hash when ``threads`` reader threads run at once: one or two, block by
+    block in cache-sized windows; more, whole tasks with one call each (see above)."""
+    if threads <= CACHE_WINDOW_THREADS:
+        return Hashing(CACHE_WINDOW_BYTES, combine=False)
+    return Hashing(PIECE_BYTES, combine=True)
 
 
 @dataclass
