@@ -14,7 +14,7 @@ barriers. Each time is the slowest rank's; tables show the median over --repeats
 Rows:
 - save: write + fsync + commit (fsdp2: rank files + manifest; DCP: its files + .metadata).
 - load verify / no verify: fsdp2 with its default block checksums, and without; DCP verifies
-  nothing. ``--cold`` evicts both sides' files from the page cache (posix_fadvise DONTNEED on
+  nothing. Loads start after ``os.sync()``: the saves' writeback no longer lands in the first one. ``--cold`` evicts both sides' files from the page cache (posix_fadvise DONTNEED on
   the files only) before every load, so loads read the disk; default: warm page cache.
 - async save: "call" = time ``save(async_save=True)`` / ``dcp.async_save`` takes to return;
   "blocked" = call + until the device-to-host snapshot is complete (CUDA sync; = call on
@@ -212,6 +212,7 @@ def _worker(rank, world, port, args, out):
         r = {}
         r["fsdp2 save"] = b.timed(lambda: ck.save(ours, model, opt))
         r["dcp save"] = b.timed(lambda: dcp.save(dcp_state(), checkpoint_id=theirs))
+        os.sync()  # the saves' writeback would otherwise slow whichever load runs first
         r["fsdp2 load, verified"] = b.timed(lambda: ck.load(ours, model, opt, stats=stats[0]), evict)
         r["fsdp2 load, verify=False"] = b.timed(lambda: ck.load(ours, model, opt, verify=False, stats=stats[1]),
                                                 evict)
