@@ -255,9 +255,11 @@ def _with_checksum_implementation(name: str, fn):
     """``fn`` run with fsdp2's CRC32C computed by implementation ``name``."""
     from fsdp2.checkpoint import integrity
 
+    chosen = integrity.choose_implementation([name])[1]  # once: choosing runs a self-test (~1 ms)
+
     def run():
         kept = integrity._crc32c
-        integrity._crc32c = integrity.choose_implementation([name])[1]
+        integrity._crc32c = chosen
         try:
             fn()
         finally:
