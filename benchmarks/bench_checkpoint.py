@@ -24,8 +24,9 @@ Rows:
 - bytes: LoadStats of fsdp2 rank 0 (tensor bytes read / owned / checksummed) and each side's
   ``read()`` syscall bytes on rank 0 (rchar; both read with read/pread now).
 - --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
-  --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a rotated order so
-  that load from other jobs hits all three alike; prints medians and the medians of the per-round
+  --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a shuffled order
+  (seeded by the round) so that load from other jobs, and what one load leaves behind for the
+  next, hit all three alike; prints medians and the medians of the per-round
   ratios verified / DCP and verification cost (verified - verify=False) / verify=False, with a
   bootstrap 90% interval of the latter (a round's noise on this scale is often larger than the cost);
   --hash-baseline [NAME] adds a fourth load, verified with CRC32C implementation NAME (default: the
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -302,8 +304,8 @@ def _with_env(name: str, value: str | None, fn):
 
 
 def _sweep_worker(rank, world, port, args, out):
-    """--sizes: per model preset, save with both libraries, then ``--repeats`` rounds of the three
-    loads, each round in a rotated order so that machine load hits every side alike."""
+    """--sizes: per model preset, save with both libraries, then ``--repeats`` rounds of the loads,
+    each round in a shuffled order (:func:`_round_order`) so that machine load hits every side alike."""
     import gc
     import shutil
 
@@ -344,7 +346,7 @@ def _sweep_worker(rank, world, port, args, out):
         rounds = []
         tracer = _LoadTracer(rank, name) if args.trace else None
         for rep in range(args.repeats):
-            order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
+            order = _round_order(kinds, rep)
             times = {}
             for kind in order:
                 if tracer is not None:
@@ -365,6 +367,16 @@ def _sweep_worker(rank, world, port, args, out):
         out.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _round_order(kinds: tuple[str, ...], rep: int) -> list[str]:
+    """The loads of round ``rep`` in an order drawn from ``rep`` (the same on every rank). Rotating one
+    order kept each load's predecessor fixed (verify=False always ran right after verified, and
+    a DCP load, which leaves the memory in another state, never ran right before fsdp2's verified
+    one); shuffled, every load follows every other alike, on average."""
+    order = list(kinds)
+    random.Random(rep).shuffle(order)
+    return order
 
 
 def _hash_floor_seconds(nbytes: int, window_bytes: int = 1 << 20) -> float:
@@ -504,7 +516,7 @@ def _sweep_report(args, results) -> None:
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
-          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in rotated "
+          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in shuffled "
           f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
           f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
     extra = f"{args.hash_baseline + ' (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
