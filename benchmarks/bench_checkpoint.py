@@ -14,8 +14,9 @@ barriers. Each time is the slowest rank's; tables show the median over --repeats
 Rows:
 - save: write + fsync + commit (fsdp2: rank files + manifest; DCP: its files + .metadata).
 - load verify / no verify: fsdp2 with its default block checksums, and without; DCP verifies
-  nothing. Loads start after ``os.sync()``: the saves' writeback no longer lands in the first one. ``--cold`` evicts both sides' files from the page cache (posix_fadvise DONTNEED on
-  the files only) before every load, so loads read the disk; default: warm page cache.
+  nothing. Loads start after ``os.sync()``, so the saves' writeback does not land in the first.
+  ``--cold`` evicts both sides' files from the page cache (posix_fadvise DONTNEED on the files
+  only) before every load, so loads read the disk; default: warm page cache.
 - async save: "call" = time ``save(async_save=True)`` / ``dcp.async_save`` takes to return;
   "blocked" = call + until the device-to-host snapshot is complete (CUDA sync; = call on
   CPU), i.e. how long the training loop is held; then training steps run while the background
@@ -31,8 +32,7 @@ Rows:
   bootstrap 90% interval of the latter (a round's noise on this scale is often larger than the cost);
   --hash-baseline [NAME] adds a fourth load, verified with CRC32C implementation NAME (default: the
   ``crc32c`` package; ``integrity.IMPLEMENTATIONS``) instead of fsdp2's default (the fastest
-  installed), to the rotation; --page-baseline
-  adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
+  installed), to the rounds; --page-baseline adds a load verified with its buffers left to 4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``),
   --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads),
   --gc-baseline one with Python's automatic garbage collection left running during the load;
   --no-dcp leaves DCP out of the rotation (verification's cost only, more rounds per minute);

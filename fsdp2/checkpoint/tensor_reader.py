@@ -27,8 +27,9 @@ host (2 ranks, 8 threads each) the hand-offs, not the hashing, capped verified r
 128 KiB block cost 0.7-0.8x of the unverified load, one call per 1 MiB window 0.23-0.32x, one per
 16 MiB task 0.17-0.25x. With one or two reader threads the hand-offs are few, and a window still in
 the CPU cache hashes faster (``crc32c-rs``: 87 GB/s in cache, ~32 GB/s from memory). On the 2-core
-CI machine, one rank reading the 1.6 GB benchmark state with two threads paid 0.12x for 1 MiB
-windows against 0.175x for whole tasks, and one thread per rank on 2 ranks pays 0.06-0.14x at
+CI machine, one rank reading the 1.6 GB benchmark state with two threads paid +21.6 ms for 1 MiB
+windows against +27.5 ms for whole tasks (medians of 5 paired runs; 2.9 GB: +17.8 against
++46.8 ms), and one thread per rank on 2 ranks pays 0.06-0.14x of the unverified load at
 13 MB-2.9 GB (benchmarks/RESULTS.md, issue 24).
 """
 
