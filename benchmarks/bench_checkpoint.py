@@ -27,14 +27,16 @@ Rows:
 - --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
   --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a shuffled order
   (seeded by the round) so that load from other jobs, and what one load leaves behind for the
-  next, hit all three alike; prints medians and the medians of the per-round ratios verified / DCP and verification cost (verified - verify=False) / verify=False, with a
-  bootstrap 90% interval of the latter (a round's noise on this scale is often larger than the cost);
-  --hash-baseline [NAME] adds a fourth load, verified with CRC32C implementation NAME (default: the
-  ``crc32c`` package; ``integrity.IMPLEMENTATIONS``) instead of fsdp2's default (the fastest
-  installed), to the rounds; --page-baseline adds a load verified with its buffers left to 4 KiB
-  pages (``FSDP2_LOAD_HUGEPAGES=0``), --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset (every rank reads with at least 2 threads),
-  --gc-baseline one with Python's automatic garbage collection left running during the load;
-  --no-dcp leaves DCP out of the rotation (verification's cost only, more rounds per minute);
+  next, hit all three alike; prints medians and the medians of the per-round ratios verified /
+  DCP and verification cost (verified - verify=False) / verify=False, with a bootstrap 90%
+  interval of the latter (a round's noise on this scale is often larger than the cost);
+  --hash-baseline [NAME] adds a fourth load to the rounds, verified with CRC32C implementation
+  NAME (default: the ``crc32c`` package; ``integrity.IMPLEMENTATIONS``) instead of fsdp2's
+  default (the fastest installed); --page-baseline adds a load verified with its buffers left to
+  4 KiB pages (``FSDP2_LOAD_HUGEPAGES=0``), --thread-baseline one with ``LOCAL_WORLD_SIZE`` unset
+  (every rank reads with at least 2 threads), --gc-baseline one with Python's automatic garbage
+  collection left running during the load; --no-dcp leaves DCP out of the rounds (verification's
+  cost only, more rounds per minute);
   --trace prints every timed load: the phases inside fsdp2's ``load`` per rank (plan, read,
   restore, agree = waiting for the other ranks, gc0-2 = garbage collections), page faults, bytes
   read from storage, and the machine's /proc/vmstat deltas (huge pages, compaction, reclaim).
