@@ -559,8 +559,9 @@ def _sweep_report(args, results) -> None:
           "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
           "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank "
           "verifies, in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
-          "verify cost when each reader thread hashes what it reads" + (f"; {args.hash_baseline}: verified with that CRC32C "
-                                                        "implementation instead of fsdp2's default" if args.hash_baseline else ""))
+          "verify cost when each reader thread hashes what it reads"
+          + (f"; {args.hash_baseline}: verified with that CRC32C implementation instead of fsdp2's default"
+             if args.hash_baseline else ""))
 
 
 def _times(ratio: float) -> str:
