@@ -874,6 +874,39 @@ def test_frozen_float8_parameter_gathers_over_gloo(worlds):
     worlds.run(2, _frozen_float8)
 
 
+class _Adapted(nn.Module):
+    """A frozen base layer with a trainable low-rank adapter beside it (LoRA's shape): backward
+    reads the frozen weight for the input's gradient after the adapter's gradients are done."""
+
+    def __init__(self, dim=16, rank=4):
+        super().__init__()
+        self.base = nn.Linear(dim, dim).requires_grad_(False)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def _frozen_base_with_adapter(rank, ws):
+    def build():
+        # The first block's input needs no gradient (a frozen stem), the second's does.
+        return nn.Sequential(nn.Linear(16, 16).requires_grad_(False), _Adapted(), _Adapted(), nn.Linear(16, 4))
+
+    def shard(model, fully_shard):
+        for block in (model[1], model[2]):
+            fully_shard(block, mesh=_mesh())
+        fully_shard(model, mesh=_mesh())
+
+    theirs, ours = _twins(build, shard)
+    loss_fn = lambda model, x, y: model(torch.nn.functional.one_hot(x % 16, 16).float()).sum()  # noqa: E731
+    _train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
+
+
+def test_frozen_base_layer_read_after_its_adapters_gradients(worlds):
+    worlds.run(2, _frozen_base_with_adapter)
+
+
 def _replicate_over_fsdp(rank, ws):
     from torch.distributed._composable.replicate import replicate
 

@@ -443,3 +443,130 @@ def test_uninstall_leaves_a_name_rebound_since_alone():
     finally:
         fsdp2.uninstall_as_torch_fsdp()
         del sys.modules["fake_framework_2"]
+
+
+# -- PEFT adapters on a frozen Hugging Face model ------------------------------------------------------
+# A frozen base weight is read by backward for its input's gradient after every trainable
+# parameter of its block has its gradient (LoRA's q_proj: lora_A, lora_B, then the base layer);
+# a group that ended its backward on its parameters' gradients alone freed that weight first.
+
+_PEFT_ADAPTERS = ("lora", "dora", "ia3")
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _peft_model(adapter: str):
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    config = {
+        "lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "dora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
+        "ia3": lambda: IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    }[adapter]()
+    model = get_peft_model(_tiny_llama(), config)
+    for name, p in model.named_parameters():  # LoRA's B starts at zero: give every adapter weight a value
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _shard_peft(model, fully_shard, **kwargs):
+    mesh = _mesh()
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _token_batch(step, rank, ws):
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(0, 97, (2 * ws, 16), generator=g)
+    return ids[2 * rank : 2 * rank + 2]
+
+
+def _peft_steps(model, opt, steps, rank, ws, micro=2, first_step=0):
+    """``steps`` optimizer steps of ``micro`` microbatches (the gradient synced on the last only)
+    and clipping; per step: (losses, grad norm, {collective: count})."""
+    trace = []
+    for step in range(first_step, first_step + steps):
+        losses, comm = [], {}
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            ids = _token_batch(10 * step + m, rank, ws)
+
+            def micro_step(ids=ids):
+                loss = model(input_ids=ids, labels=ids).loss / micro
+                loss.backward()
+                return loss.detach()
+
+            losses.append(_comm_counts(micro_step, comm)[0])
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
+        opt.step()
+        opt.zero_grad()
+        trace.append((losses, norm.full_tensor() if hasattr(norm, "full_tensor") else norm, comm))
+    return trace
+
+
+def _trainable_adamw(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _peft_side_by_side(rank, ws, adapter, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed_precision else {}
+    theirs, ours = _twins(lambda: _peft_model(adapter), lambda m, fs: _shard_peft(m, fs, **kwargs))
+    their_trace = _peft_steps(theirs, _trainable_adamw(theirs), 3, rank, ws)
+    our_opt = _trainable_adamw(ours)
+    our_trace = _peft_steps(ours, our_opt, 3, rank, ws)
+    for step, ((their_losses, their_norm, their_comm), (our_losses, our_norm, our_comm)) in enumerate(
+        zip(their_trace, our_trace)
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(their_losses, our_losses)), (step, their_losses, our_losses)
+        assert torch.equal(their_norm, our_norm), (step, their_norm, our_norm)
+        assert their_comm == our_comm, (step, their_comm, our_comm)
+    _assert_same_params(theirs, ours)
+    # Frozen parameters carry no gradient and no optimizer state.
+    frozen = [p for p in ours.parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in frozen)
+    assert len(our_opt.state) == sum(p.requires_grad for p in ours.parameters())
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("adapter", _PEFT_ADAPTERS)
+def test_peft_adapters_train_like_pytorch(worlds, adapter, mixed_precision):
+    """2-microbatch accumulation without sync on the first, clipping, AdamW on the adapters:
+    bitwise losses, grad norms, collective counts and parameters against PyTorch's FSDP2."""
+    pytest.importorskip("peft")
+    worlds.run(2, _peft_side_by_side, adapter, mixed_precision)
+
+
+def _peft_resume(rank, ws, path):
+    from fsdp2 import fully_shard
+    from fsdp2.checkpoint import load, save
+
+    def build():
+        torch.manual_seed(0)
+        model = _shard_peft(_peft_model("lora"), fully_shard)
+        return model, _trainable_adamw(model)
+
+    straight, straight_opt = build()
+    _peft_steps(straight, straight_opt, 3, rank, ws)
+    first, first_opt = build()
+    _peft_steps(first, first_opt, 2, rank, ws)
+    save(path, first, first_opt, extra={"step": 2})
+    resumed, resumed_opt = build()
+    assert load(path, resumed, resumed_opt) == {"step": 2}
+    _peft_steps(resumed, resumed_opt, 1, rank, ws, first_step=2)
+    _assert_same_params(straight, resumed)
+
+
+def test_peft_lora_checkpoint_resume_is_bitwise(worlds, tmp_path):
+    pytest.importorskip("peft")
+    worlds.run(2, _peft_resume, str(tmp_path / "ckpt"))

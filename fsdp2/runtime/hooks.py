@@ -18,8 +18,8 @@ import torch.nn as nn
 from fsdp2 import compat
 from fsdp2.policies import MixedPrecisionPolicy
 from fsdp2.runtime import schedule
-from fsdp2.runtime.activations import cast_floating, tensors_in
-from fsdp2.runtime.param_group import ParamGroup, Phase
+from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
+from fsdp2.runtime.param_group import BackwardEnd, ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
 from fsdp2.runtime.traced import TracedGroup
 
@@ -197,6 +197,8 @@ class FSDPState:
                 except BaseException:
                     self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
                     raise
+                if self.group.backward_end is BackwardEnd.INPUT_GRADS and torch.is_grad_enabled():
+                    args, kwargs = _EndBackwardAtInputs.wrap(self.group, args, kwargs)
         return self._cast_inputs(args, kwargs)
 
     def _begin_group_forward(self) -> None:
@@ -269,6 +271,30 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
+
+
+class _EndBackwardAtInputs(torch.autograd.Function):
+    """Identity on a group's forward inputs whose backward ends the group's backward: it runs
+    once autograd has the gradients of all of them, after every read of the group's parameters.
+    (Inputs that need no gradient give no signal: the end of backward finalizes such a group.)"""
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor):
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.group.inputs_grads_ready()
+        return (None, *grads)
+
+    @classmethod
+    def wrap(cls, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return args, kwargs
+        passed = dict(zip(map(id, inputs), cls.apply(group, *inputs)))
+        return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
 
 # The hooks registered on each module: functions that find the state as ``module._fsdp_state``,

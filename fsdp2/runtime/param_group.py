@@ -61,6 +61,16 @@ class Phase(Enum):
     POST_BACKWARD = auto()  # this group's gradients were handed off for reduction
 
 
+class BackwardEnd(Enum):
+    """What tells a group that autograd no longer needs its gathered parameters this backward."""
+
+    GRADS_READY = auto()  # every parameter it gathered has its gradient: nothing later reads them
+    # A frozen parameter gets no gradient, so its last read (a frozen weight's use for the
+    # inputs' gradient: a LoRA base layer) has no signal of its own; the gradient of the group's
+    # forward inputs comes after every read, and the end of backward after that.
+    INPUT_GRADS = auto()
+
+
 class ReshardAfterForward:
     """What a group keeps between its forward and its backward: one value, ``action``.
 
@@ -127,6 +137,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
+        self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
         self.all_gather_policy: AllGatherPolicy | None = None
@@ -199,6 +210,9 @@ class ParamGroup:
     def pre_forward(self, *, gathers_run_ahead: bool) -> None:
         """Gather before the module's forward."""
         self.phase = Phase.FORWARD
+        # requires_grad may change between steps (freezing a base model after fully_shard).
+        frozen = [p for p in self.params if not p.sharded_param.requires_grad]
+        self.backward_end = BackwardEnd.INPUT_GRADS if frozen else BackwardEnd.GRADS_READY
         self.unshard(async_op=True, wait_for_compute=not gathers_run_ahead)
         self.wait_for_unshard()
 
@@ -264,8 +278,13 @@ class ParamGroup:
         self.phase = Phase.IDLE
         self._grads.reset()
 
+    def inputs_grads_ready(self) -> None:
+        """Autograd computed the gradients of this group's forward inputs: its backward is over."""
+        if self.phase is Phase.PRE_BACKWARD:
+            self.post_backward()
+
     def _on_all_grads_ready(self) -> None:
-        if self.phase != Phase.POST_BACKWARD:
+        if self.phase != Phase.POST_BACKWARD and self.backward_end is BackwardEnd.GRADS_READY:
             self.post_backward()
 
     # -- unshard / reshard ------------------------------------------------------------------------
