@@ -93,10 +93,11 @@ class Root:
             # A group some of whose modules ran alone after forward (the chunk's head) starts
             # its next forward afresh, gathering again what this backward freed.
             state.forget_forward()
-        if self.settings.is_last_backward:
-            self.reduce_window.drain()
-            if self._offloads:
-                self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
+        # Every backward ends with its gradients in ``.grad``, as PyTorch's FSDP2 writes them in its
+        # post-backward, whether or not it is the last backward before the optimizer step.
+        self.reduce_window.drain()
+        if self.settings.is_last_backward and self._offloads:
+            self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
         self.in_backward = False
 
     def reset(self) -> None:
