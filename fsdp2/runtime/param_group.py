@@ -62,13 +62,11 @@ class Phase(Enum):
 
 
 class BackwardEnd(Enum):
-    """What tells a group that autograd no longer needs its gathered parameters this backward."""
+    """What tells a group that autograd no longer needs its gathered parameters this backward
+    (the rule: ``schedule.backward_ends_at_inputs``)."""
 
     GRADS_READY = auto()  # every parameter it gathered has its gradient: nothing later reads them
-    # A frozen parameter gets no gradient, so its last read (a frozen weight's use for the
-    # inputs' gradient: a LoRA base layer) has no signal of its own; the gradient of the group's
-    # forward inputs comes after every read, and the end of backward after that.
-    INPUT_GRADS = auto()
+    INPUT_GRADS = auto()  # its forward inputs have their gradients (else: the end of backward)
 
 
 class ReshardAfterForward:
@@ -137,6 +135,9 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
+        # Gradients kept by an eager backward without sync, for the next synced one: a compiled
+        # step (fsdp2.runtime.traced) cannot add them, so it refuses while they are held.
+        self.holds_unsynced_grads = False
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
@@ -211,8 +212,8 @@ class ParamGroup:
         """Gather before the module's forward."""
         self.phase = Phase.FORWARD
         # requires_grad may change between steps (freezing a base model after fully_shard).
-        frozen = [p for p in self.params if not p.sharded_param.requires_grad]
-        self.backward_end = BackwardEnd.INPUT_GRADS if frozen else BackwardEnd.GRADS_READY
+        at_inputs = schedule.backward_ends_at_inputs([p.sharded_param.requires_grad for p in self.params])
+        self.backward_end = BackwardEnd.INPUT_GRADS if at_inputs else BackwardEnd.GRADS_READY
         self.unshard(async_op=True, wait_for_compute=not gathers_run_ahead)
         self.wait_for_unshard()
 
@@ -247,6 +248,7 @@ class ParamGroup:
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
             grads = take_unreduced_grads(self.params)
+            self.holds_unsynced_grads = False
             reduction = self.reduce.issue(grads)
             if reduction is not None:
                 self.reduce_window.add(reduction)
@@ -254,6 +256,7 @@ class ParamGroup:
             for p in self.params:
                 if p.unsharded_param is not None and p.requires_grad:
                     p.stash_grad_without_sync()
+            self.holds_unsynced_grads = True
         if self.reshard_after_backward:
             self.reshard()
 
@@ -274,6 +277,7 @@ class ParamGroup:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
             p._accumulated_grad = None
+        self.holds_unsynced_grads = False
         self.reduce.discard_partial()
         self.phase = Phase.IDLE
         self._grads.reset()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.nn as nn
 
@@ -116,6 +116,19 @@ def implicit_backward_prefetch(post_forward_order: Sequence[T], current: T) -> l
         if item == current:
             return [post_forward_order[index - 1]] if index > 0 else []
     return []
+
+
+# -- when a group's backward ends ------------------------------------------------------------------
+
+
+def backward_ends_at_inputs(requires_grad: Iterable[bool]) -> bool:
+    """Whether a group whose parameters have these ``requires_grad`` flags ends its backward
+    (reduces its gradients, frees what it gathered) once autograd has the gradients of its
+    forward inputs (at the end of backward if none needs one), not once every parameter has
+    its gradient: it holds a frozen parameter, whose last read in backward (a frozen weight's
+    use for the inputs' gradient: a LoRA base layer) has no gradient to signal it.
+    (``param_group.BackwardEnd.INPUT_GRADS``, PyTorch's FSDP2's timing.)"""
+    return not all(requires_grad)
 
 
 # -- one-rank shard groups -----------------------------------------------------------------------

@@ -17,6 +17,8 @@ are read.
 
 Exact (checked against real runs in tests/test_estimate.py):
     sharded parameters, sharded gradients, optimizer state, communication bytes per step.
+    Frozen parameters (``requires_grad=False``: a PEFT model's base) have no gradient and no
+    optimizer state; the optimizer is taken to hold the trainable parameters.
 Modelled from fsdp2's schedule (upper bounds of each term on its own):
     peak gathered parameters, peak unsharded gradients, reduce-scatter buffers.
 ``total`` sums those fields: an upper bound of the parameter-related memory (not all peaks

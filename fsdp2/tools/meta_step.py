@@ -18,8 +18,9 @@ bytes fsdp2 allocates around the ops, which a meta run cannot show: all-gather b
 gathered (unsharded) parameters, reduce-scatter buffers, sharded grads, sized for one sharding
 (see fsdp2/runtime/schedule.py, hooks.py and param_group.py): gather before a group's forward,
 reshard after it (not the root), re-gather in backward when the gradient reaches the group's
-output, prefetch the previous group, reduce-scatter once all of a group's gradients have
-accumulated, at most two groups' reductions in flight.
+output, prefetch the previous group, reduce-scatter and reshard once all of a group's gradients
+have accumulated (a group holding a frozen parameter: once its forward inputs have their
+gradients, or at the end of backward), at most two groups' reductions in flight.
 
 The peak of real + virtual bytes over the run is what the step adds on top of the sharded
 parameters and optimizer state held between steps. Parameters' own storages are not counted
@@ -44,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fsdp2 import compat
 from fsdp2.runtime import schedule
+from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.tools.kernel_scratch import KernelScratch
 
 
@@ -209,19 +211,32 @@ class _ScheduleHooks:
         self.in_pre_backward: set[int] = set()
         self.reduced: set[int] = set()
         self.pending = [sum(p.requires_grad for p in ps) for ps in params]
+        # A group holding a frozen parameter ends its backward at its inputs' gradients, not at
+        # its parameters' (schedule.backward_ends_at_inputs; hooks._EndBackwardAtInputs).
+        self.ends_at_inputs = [schedule.backward_ends_at_inputs(p.requires_grad for p in ps) for ps in params]
         for index, (module, ps) in enumerate(zip(modules, params)):
-            module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i), prepend=True)
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, i=index: self._pre_forward(i, args, kwargs), prepend=True, with_kwargs=True
+            )
             module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
             for p in ps:
-                if p.requires_grad:
+                if p.requires_grad and not self.ends_at_inputs[index]:
                     p.register_post_accumulate_grad_hook(lambda p, i=index: self._grad_ready(i))
 
-    def _pre_forward(self, i: int) -> None:
+    def _pre_forward(self, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # An activation-checkpoint recompute inside backward is not a forward: fsdp2 only
         # gathers then, which the group's pre-backward already did (hooks.FSDPState).
-        if not self.recorder.in_backward:
-            self.recorder.trace.saved_before_forward.setdefault(i, self.recorder.saved)
-            self.recorder.hook(Event.PRE_FORWARD, i)
+        if self.recorder.in_backward:
+            return None
+        self.recorder.trace.saved_before_forward.setdefault(i, self.recorder.saved)
+        self.recorder.hook(Event.PRE_FORWARD, i)
+        if self.ends_at_inputs[i] and torch.is_grad_enabled():
+            return _InputsGradsReady.wrap(lambda: self._inputs_grads_ready(i), args, kwargs)
+        return None
+
+    def _inputs_grads_ready(self, i: int) -> None:
+        if i in self.in_pre_backward and i not in self.reduced:
+            self._post_backward(i)
 
     def _post_forward(self, i: int, output: Any) -> None:
         if self.recorder.in_backward:
@@ -255,6 +270,30 @@ class _ScheduleHooks:
                 self._post_backward(i)
             self.recorder.hook(Event.RESHARD, i)
         self.recorder.hook(Event.FINISH, -1)
+
+
+class _InputsGradsReady(torch.autograd.Function):
+    """Identity on a group's forward inputs whose backward calls ``ready``: autograd has the
+    gradients of all of them (fsdp2's hooks._EndBackwardAtInputs). Inputs that need no gradient
+    give no signal: the end of backward ends such a group (finish_backward)."""
+
+    @staticmethod
+    def forward(ctx, ready: Callable[[], None], *inputs: torch.Tensor):
+        ctx.ready = ready
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.ready()
+        return (None, *grads)
+
+    @classmethod
+    def wrap(cls, ready: Callable[[], None], args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return None
+        passed = dict(zip(map(id, inputs), cls.apply(ready, *inputs)))
+        return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -326,9 +365,7 @@ def record_step(
     if cast_inputs_to is not None:  # fsdp2 casts floating inputs of each group to param_dtype
         for module in modules:
             module.register_forward_pre_hook(
-                lambda m, args: tree_map(
-                    lambda t: t.to(cast_inputs_to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args
-                )
+                lambda m, args, kwargs: cast_floating((args, kwargs), cast_inputs_to), with_kwargs=True
             )
     inputs = _to_meta(tuple(sample_input))
     saved: dict[int, int] = {}
