@@ -11,10 +11,22 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn as nn
 
 from tests.test_dropin import CFG, _assert_same_params, _batch, _full, _shard_blocks_then_root, _twins
+from tests.test_traced import _loss
 from fsdp2.models import GPT
+
+
+def _refused(call, match: str) -> None:
+    """``call()`` raises fsdp2's ``FSDPUsageError`` with ``match`` in its message: itself from an
+    eager call; from a compiled call, dynamo's error quoting the one its trace observed."""
+    from fsdp2 import FSDPUsageError
+
+    with pytest.raises(Exception, match=match) as raised:
+        call()
+    assert isinstance(raised.value, FSDPUsageError) or "FSDPUsageError(" in str(raised.value), raised.value
 
 
 def _grads(model):
@@ -42,3 +54,81 @@ def _not_last_backward(rank, ws):
 
 def test_not_last_backward_writes_gradients_like_pytorch(worlds):
     worlds.run(2, _not_last_backward)
+
+
+# -- eager and compiled calls on one model ----------------------------------------------------------
+
+
+def _compiled_twin(rank, ws):
+    """(eager-sharded GPT, its torch.compile(fullgraph=True), unsharded reference)."""
+    from fsdp2 import fully_shard
+    from tests.test_dropin import _mesh
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    return model, torch.compile(model, backend="aot_eager", fullgraph=True), reference
+
+
+def _global_loss(reference, steps, ws):
+    """The unsharded model's loss over every rank's microbatches ``steps``, as the ranks' mean."""
+    total = 0
+    for step in steps:
+        for rank in range(ws):
+            total = total + _loss(reference, *_batch(step, rank, ws)) / ws
+    return total
+
+
+def _mixed_accumulation(rank, ws, eager_first):
+    """One microbatch without sync through one executor, the synced one through the other: the
+    second call is refused and changes nothing; the accumulation then finished through the
+    first executor equals the unsharded model."""
+    model, compiled, reference = _compiled_twin(rank, ws)
+    first, second = (model, compiled) if eager_first else (compiled, model)
+    model.set_requires_gradient_sync(False)
+    _loss(first, *_batch(0, rank, ws)).backward()
+    model.set_requires_gradient_sync(True)
+    _refused(lambda: _loss(second, *_batch(1, rank, ws)).backward(), "same module")
+    _loss(first, *_batch(1, rank, ws)).backward()
+    _global_loss(reference, (0, 1), ws).backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(_full(p.grad), ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("eager_first", [True, False], ids=["eager-then-compiled", "compiled-then-eager"])
+def test_eager_and_compiled_microbatches_in_one_accumulation_are_refused(worlds, eager_first):
+    worlds.run(2, _mixed_accumulation, eager_first)
+
+
+def _eager_state_before_a_compiled_step(rank, ws, how):
+    model, compiled, _ = _compiled_twin(rank, ws)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(compiled, *_batch(0, rank, ws)).backward()
+    opt.step()
+    opt.zero_grad()
+    if how == "unshard":
+        model.blocks[1].unshard()
+        match = "reshard"
+    else:
+        model.set_reshard_after_backward(False)
+        match = "set_reshard_after_backward"
+    _refused(lambda: _loss(compiled, *_batch(1, rank, ws)).backward(), match)
+    # Nothing changed: undone, the compiled step runs and every parameter is the optimizer's.
+    if how == "unshard":
+        model.blocks[1].reshard()
+    else:
+        model.set_reshard_after_backward(True)
+    _loss(compiled, *_batch(1, rank, ws)).backward()
+    assert [id(p) for p in model.parameters()] == [id(p) for group in opt.param_groups for p in group["params"]]
+    assert all(p.grad is not None for p in model.parameters())
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["unshard", "reshard_after_backward"])
+def test_eager_state_a_compiled_step_would_ignore_is_refused(worlds, how):
+    worlds.run(2, _eager_state_before_a_compiled_step, how)

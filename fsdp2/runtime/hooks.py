@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError
 from fsdp2.policies import MixedPrecisionPolicy
 from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
@@ -204,6 +205,10 @@ class FSDPState:
 
     def _begin_group_forward(self) -> None:
         root = self.root
+        if torch.is_grad_enabled():
+            for state in root.states if self.is_root else (self,):
+                if state.traced.accumulated:
+                    raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
@@ -272,6 +277,14 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
+
+
+def _compiled_accumulation_pending(state: "FSDPState") -> FSDPUsageError:
+    return FSDPUsageError(
+        f"fully_shard({state.name}): a compiled backward without gradient sync left gradients that an eager "
+        "step would not add to its reduction. Run every microbatch of one accumulation through the same "
+        "module: all through the compiled one, or all eager."
+    )
 
 
 class _EndBackwardAtInputs(torch.autograd.Function):

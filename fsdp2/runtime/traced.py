@@ -50,6 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_ops
+from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
 if TYPE_CHECKING:
@@ -561,4 +562,32 @@ def check_traceable(traced: TracedGroup) -> None:
         raise FSDPUsageError(
             f"{where}: {problem} is not supported on the traced path (fullgraph). Remove it, or compile "
             "each block instead (block.compile()), which keeps fsdp2's hooks eager."
+        )
+    check_no_eager_state(traced)
+
+
+def check_no_eager_state(traced: TracedGroup) -> None:
+    """Refuse a compiled step that would ignore what an eager call left in the group: the traced
+    path gathers from the shards and hands gradients straight to ``.grad``, so eager's gathered
+    parameters and its gradients kept without sync would silently not take part. Each read here
+    is guarded: the eager call that changes it makes the next compiled call retrace into this."""
+    group = traced.group
+    where = f"torch.compile over fully_shard({group.name})"
+    if group.holds_unsynced_grads:
+        raise FSDPUsageError(
+            f"{where}: an eager backward without gradient sync (set_requires_gradient_sync(False)) left "
+            "gradients that this compiled step would not add to its reduction. Run every microbatch of one "
+            "accumulation through the same module: all through the compiled one, or all eager."
+        )
+    if group.state is not GroupState.SHARDED:
+        raise FSDPUsageError(
+            f"{where}: its parameters are gathered outside the compiled step (unshard(), or an eager "
+            "step with set_reshard_after_backward(False)); the compiled step gathers its own and would leave "
+            "these registered. Call reshard() on the module before the compiled step."
+        )
+    if not group.reshard_after_backward:
+        raise FSDPUsageError(
+            f"{where}: set_reshard_after_backward(False) keeps the gathered parameters for the next step, "
+            "which eager and PyTorch's FSDP2 then compute with (not the optimizer's update); the compiled "
+            "step gathers afresh. Compile with the default (True), or run these steps eagerly."
         )
