@@ -5,7 +5,8 @@ each other through torchft's lighthouse. Per step, every rank of every group:
 
 1. ``begin_step()``: joins the step's quorum. A group that is behind (new, restarted) first
    receives the live sharded model and optimizer state from a peer group, shard rank r from
-   shard rank r, and is checked against this group's layout before anything is loaded.
+   shard rank r, and is checked against this group's layout (the model, how it is fully_shard'ed,
+   the optimizer) before anything is loaded.
 2. forward / backward: each FSDP module's reduced gradient bucket is averaged across the
    quorum's groups by the torchft ``Manager`` (``set_all_reduce_hook``, as torchtitan wires
    PyTorch's FSDP2). A failed all-reduce does not raise: the manager records it.
@@ -20,18 +21,23 @@ from __future__ import annotations
 
 import enum
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp2.errors import FSDPUsageError
+from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError, FSDPUsageTypeError
 
-__all__ = ["FaultTolerantHSDP", "ReplicaLayout"]
+__all__ = ["DEFAULT_QUORUM_RETRIES", "FaultTolerantHSDP", "QuorumTimeoutError", "ReplicaLayout"]
+
+# How often a group's manager asks the lighthouse again after a failed quorum request, within the
+# quorum timeout: torchft's default, 0, lets a lighthouse restart kill every group.
+DEFAULT_QUORUM_RETRIES = 3
 
 
 def _require_torchft() -> None:
@@ -41,28 +47,53 @@ def _require_torchft() -> None:
         raise ImportError('fsdp2.ft needs torchft: pip install "fsdp2[ft]"') from e
 
 
+# One fully_shard unit: the module(s) it was applied to, the parameters whose gradients it
+# reduces (in order) and the dtype its reduced gradient bucket has when it is all-reduced.
+_UnitLayout = tuple[str, tuple[str, ...], str]
+# The optimizer: its class and the parameters of each of its param groups, by name.
+_OptimizerLayout = tuple[str, tuple[tuple[str, ...], ...]]
+
+
 @dataclass(frozen=True)
 class ReplicaLayout:
-    """What two replica groups must share for one to heal from the other: every parameter's name,
-    global shape and dtype, and the shard world size (shard rank r heals from shard rank r)."""
+    """What two replica groups must share for one to heal from the other and then all-reduce
+    with it: every parameter's name, global shape and dtype; the shard world size (shard rank r
+    heals from shard rank r); the fully_shard units (which module reduces which parameters, in
+    which dtype: each unit's reduced gradients are one all-reduce across the groups, of that size);
+    and the optimizer (its class and its param groups, whose state is loaded by position)."""
 
     shard_world_size: int
     params: tuple[tuple[str, tuple[int, ...], str], ...]
+    units: tuple[_UnitLayout, ...] = ()
+    optimizer: _OptimizerLayout = ("", ())
 
     @classmethod
-    def of(cls, model: nn.Module, shard_world_size: int) -> "ReplicaLayout":
-        return cls(shard_world_size, tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()))
+    def of(cls, model: nn.Module, shard_world_size: int, optimizer: torch.optim.Optimizer | None = None) -> "ReplicaLayout":
+        params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters())
+        units = tuple(u.layout() for u in _fsdp_units(model)[0])
+        return cls(shard_world_size, params, units, _optimizer_layout(optimizer, model) if optimizer is not None else ("", ()))
 
     def as_dict(self) -> dict:
-        return {"shard_world_size": self.shard_world_size, "params": [list(p) for p in self.params]}
+        return {
+            "shard_world_size": self.shard_world_size,
+            "params": [list(p) for p in self.params],
+            "units": [[module, list(names), dtype] for module, names, dtype in self.units],
+            "optimizer": [self.optimizer[0], [list(group) for group in self.optimizer[1]]],
+        }
 
     @classmethod
     def from_dict(cls, d: Any) -> "ReplicaLayout":
         try:
-            return cls(int(d["shard_world_size"]), tuple((str(n), tuple(s), str(t)) for n, s, t in d["params"]))
-        except (KeyError, TypeError, ValueError) as e:
+            return cls(
+                int(d["shard_world_size"]),
+                tuple((str(n), tuple(s), str(t)) for n, s, t in d["params"]),
+                tuple((str(m), tuple(str(n) for n in names), str(t)) for m, names, t in d["units"]),
+                (str(d["optimizer"][0]), tuple(tuple(str(n) for n in group) for group in d["optimizer"][1])),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise FSDPUsageError(
-                f"fsdp2.ft: the peer's state has no readable layout ({e!r}); is it running fsdp2.ft?"
+                f"fsdp2.ft: the peer's state has no readable layout ({e!r}); is it running fsdp2.ft, the same "
+                "fsdp2 version as this group?"
             ) from e
 
     def mismatch(self, peer: "ReplicaLayout") -> str | None:
@@ -72,6 +103,9 @@ class ReplicaLayout:
                 f"this replica group has {self.shard_world_size} shard ranks, the live groups have "
                 f"{peer.shard_world_size}; start it with the same number of ranks (torchrun --nproc_per_node)"
             )
+        return self._params_mismatch(peer) or self._units_mismatch(peer) or self._optimizer_mismatch(peer)
+
+    def _params_mismatch(self, peer: "ReplicaLayout") -> str | None:
         mine, theirs = dict((n, (s, t)) for n, s, t in self.params), dict((n, (s, t)) for n, s, t in peer.params)
         for name in list(mine) + [n for n in theirs if n not in mine]:  # the model's order: the first difference
             if name not in theirs:
@@ -85,6 +119,128 @@ class ReplicaLayout:
                 (s, t), (ps, pt) = mine[name], theirs[name]
                 return f"parameter {name!r} is {list(s)} {t} here, {list(ps)} {pt} on the live groups; run the same model"
         return None
+
+    def _units_mismatch(self, peer: "ReplicaLayout") -> str | None:
+        fix = "apply fully_shard to the same modules, with the same mp_policy, on every replica group"
+        mine, theirs = [m for m, _, _ in self.units], [m for m, _, _ in peer.units]
+        if mine != theirs:
+            return (
+                f"the model is fully_shard'ed differently: fully_shard was applied to {_unit_names(mine)} here, to "
+                f"{_unit_names(theirs)} on the live groups (each one's gradients are one all-reduce across the "
+                f"groups); {fix}"
+            )
+        for (module, names, dtype), (_, peer_names, peer_dtype) in zip(self.units, peer.units):
+            if names != peer_names:
+                return (
+                    f"fully_shard({_unit_name(module)}) reduces {_names(names)} here, {_names(peer_names)} on the "
+                    f"live groups; {fix}"
+                )
+            if dtype != peer_dtype:
+                return (
+                    f"fully_shard({_unit_name(module)}) reduces gradients in {dtype} here, {peer_dtype} on the live "
+                    f"groups (MixedPrecisionPolicy reduce_dtype/param_dtype); {fix}"
+                )
+        return None
+
+    def _optimizer_mismatch(self, peer: "ReplicaLayout") -> str | None:
+        (cls, groups), (peer_cls, peer_groups) = self.optimizer, peer.optimizer
+        if cls != peer_cls:
+            return (
+                f"the optimizer is {cls} here, {peer_cls} on the live groups, whose optimizer state this group "
+                "would load; use the same optimizer on every replica group"
+            )
+        if groups != peer_groups:
+            if len(groups) != len(peer_groups):
+                return (
+                    f"the optimizer {cls} has {len(groups)} param groups here, {len(peer_groups)} on the live groups; "
+                    "build the optimizer with the same param groups on every replica group"
+                )
+            i = next(i for i, (a, b) in enumerate(zip(groups, peer_groups)) if a != b)
+            return (
+                f"param group {i} of the optimizer {cls} holds {_names(groups[i])} here, {_names(peer_groups[i])} on the "
+                "live groups (its state is loaded by position); build the optimizer with the same parameters, in the "
+                "same order, on every replica group"
+            )
+        return None
+
+
+def _unit_name(module: str) -> str:
+    return repr(module) if module else "the root module"
+
+
+def _unit_names(modules: list[str], shown: int = 6) -> str:
+    listed = ", ".join(_unit_name(m) for m in modules[:shown])
+    return listed + (f", ... ({len(modules)} in all)" if len(modules) > shown else "") if modules else "no module"
+
+
+def _names(names: tuple[str, ...], shown: int = 4) -> str:
+    listed = ", ".join(repr(n) for n in names[:shown])
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return f"[{listed}{more}]"
+
+
+@dataclass
+class _Unit:
+    """One fully_shard call's state as found on the model (fsdp2's or PyTorch's FSDP2)."""
+
+    modules: list[str]
+    state: Any
+    params: list[tuple[str, nn.Parameter]]
+
+    def layout(self) -> _UnitLayout:
+        return "+".join(self.modules), tuple(n for n, _ in self.params), self.reduce_dtype()
+
+    def reduce_dtype(self) -> str:
+        from fsdp2.runtime.torch_view import TorchStateView
+
+        if not self.params:
+            return str(None)  # nothing to reduce, no all-reduce
+        mp = self.state._state.mp_policy if isinstance(self.state, TorchStateView) else self.state._mp_policy
+        trainable = [p for _, p in self.params if p.requires_grad] or [p for _, p in self.params]
+        return str(mp.reduce_dtype or mp.param_dtype or trainable[0].dtype)
+
+
+def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], list[str]]:
+    """The model's fully_shard units in module order, each with the parameters it manages (those
+    below it and not below a nested unit), and the trainable parameters no unit averages (not
+    under any fully_shard'ed module, or left plain tensors there: ignored_params)."""
+    state_of = compat.torch_fully_shard_home().fully_shard.state  # answers for fsdp2's modules too
+    units: dict[int, _Unit] = {}
+    unit_of_module: dict[str, _Unit] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, compat.TorchFSDPModule):
+            state = state_of(module)
+            unit = units.setdefault(id(state), _Unit([], state, []))
+            unit.modules.append(name)
+            unit_of_module[name] = unit
+    not_averaged = []
+    for name, param in model.named_parameters():
+        owner = _innermost(unit_of_module, name)
+        if owner is not None and isinstance(param, DTensor):
+            owner.params.append((name, param))
+        elif param.requires_grad:
+            not_averaged.append(name)
+    return list(units.values()), not_averaged
+
+
+def _innermost(unit_of_module: dict[str, _Unit], param_name: str) -> _Unit | None:
+    """The unit of the innermost fully_shard'ed module holding ``param_name``."""
+    parts = param_name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        unit = unit_of_module.get(".".join(parts[:i]))
+        if unit is not None:
+            return unit
+    return None
+
+
+def _optimizer_layout(optimizer: torch.optim.Optimizer, model: nn.Module) -> _OptimizerLayout:
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = tuple(
+        tuple(names.get(id(p), f"<a parameter not in the model, shape {list(p.shape)}>") for p in group["params"])
+        for group in optimizer.param_groups
+    )
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}", groups
 
 
 @dataclass
@@ -101,17 +257,46 @@ class _Phase(enum.Enum):
     CLOSED = "closed"
 
 
+class QuorumTimeoutError(TimeoutError):
+    """``begin_step`` got no quorum in time: the lighthouse is down or unreachable, or fewer than
+    ``min_replicas`` replica groups asked for one."""
+
+
+# Arguments torchft's Manager takes that FaultTolerantHSDP sets itself: manager_kwargs must not.
+_MANAGER_ARGUMENTS = {
+    "pg": None, "load_state_dict": None, "state_dict": None, "use_async_quorum": None,
+    "min_replica_size": "min_replicas", "timeout": "timeout", "quorum_timeout": "quorum_timeout",
+    "connect_timeout": "timeout", "lighthouse_addr": "lighthouse", "replica_id": "replica_id",
+    "init_sync": "init_sync", "quorum_retries": "quorum_retries",
+}
+
+# Each fully_shard'ed module's current FaultTolerantHSDP (its all-reduce hook calls that one).
+_HOOK_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FaultTolerantHSDP]]" = weakref.WeakKeyDictionary()
+
+
 class FaultTolerantHSDP:
     """One rank of one replica group of a fault-tolerant HSDP job.
 
-    ``model`` is fully_shard'ed on this group's 1-D shard mesh (the replicate dim is torchft's);
-    ``optimizer`` steps its parameters. The group's torchrun environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``) and ``TORCHFT_LIGHTHOUSE`` locate this rank, its group's
-    store and the lighthouse; the keyword arguments override them.
+    ``model`` is fully_shard'ed on this group's 1-D shard mesh (the replicate dim is torchft's),
+    every trainable parameter under fully_shard (apply it to the root last); ``optimizer`` steps
+    its parameters. The group's torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and ``TORCHFT_LIGHTHOUSE`` locate this rank, its group's store and the
+    lighthouse; the keyword arguments override them. One FaultTolerantHSDP per model: it installs
+    the model's all-reduce hooks (``close()`` it before making another).
 
+    ``replica_id``: this group's name, the same across its restarts.
     ``min_replicas``: a step commits only if at least this many groups took part.
     ``timeout``: bounds every all-reduce, commit vote and state transfer (a dead peer costs at
-    most this long); ``quorum_timeout``: how long to wait for a quorum.
+    most this long); ``quorum_timeout``: how long ``begin_step`` waits for a quorum before it
+    raises :class:`QuorumTimeoutError`.
+    ``quorum_retries`` (default ``DEFAULT_QUORUM_RETRIES``, 3): how often this group's manager asks
+    the lighthouse again, within ``quorum_timeout``, after a failed quorum request, so a restarted
+    lighthouse does not end every group (torchft's own default is 0). ``TORCHFT_QUORUM_RETRIES``
+    in the environment, which torchft reads, takes precedence.
+    ``manager_kwargs``: further arguments of ``torchft.manager.Manager`` (not the ones above).
+
+    Arguments and the model are checked before anything connects: a bad one raises
+    :class:`~fsdp2.FSDPUsageError` naming it.
     """
 
     def __init__(
@@ -125,28 +310,34 @@ class FaultTolerantHSDP:
         timeout: timedelta = timedelta(seconds=60),
         quorum_timeout: timedelta = timedelta(seconds=60),
         init_sync: bool = True,
+        quorum_retries: int = DEFAULT_QUORUM_RETRIES,
         manager_kwargs: dict | None = None,
     ):
         _require_torchft()
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
+        _check_arguments(model, optimizer, replica_id, min_replicas, lighthouse, timeout, quorum_timeout,
+                         init_sync, quorum_retries, manager_kwargs)
+        fsdp_modules = [m for m in model.modules() if isinstance(m, compat.TorchFSDPModule)]
         if not fsdp_modules:
             raise FSDPUsageError(
                 "FaultTolerantHSDP: the model has no fully_shard'ed module; call fully_shard(model, mesh=shard_mesh) first"
             )
+        _check_every_gradient_is_averaged(model)
         self._shard_world_size = _shard_world_size(model)
+        _check_optimizer(optimizer, model)
+        _check_not_hooked_already(fsdp_modules, replica_id)
         self.model = model
         self.optimizer = optimizer
         self.replica_id = replica_id
-        self.layout = ReplicaLayout.of(model, self._shard_world_size)
-        lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-        if not lighthouse:
-            raise FSDPUsageError(
-                "FaultTolerantHSDP: no lighthouse address; pass lighthouse= or set TORCHFT_LIGHTHOUSE "
-                "(start one with torchft_lighthouse)"
-            )
+        self.min_replicas = min_replicas
+        self.lighthouse = lighthouse
+        self.quorum_timeout = quorum_timeout
+        self.layout = ReplicaLayout.of(model, self._shard_world_size, optimizer)
+
+        # Validation is over: from here on this connects.
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
         device_type = next(model.parameters()).device.type
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -163,11 +354,14 @@ class FaultTolerantHSDP:
             lighthouse_addr=lighthouse,
             replica_id=replica_id,
             init_sync=init_sync,
+            quorum_retries=quorum_retries,
             **(manager_kwargs or {}),
         )
         self._phase = _Phase.BETWEEN_STEPS
+        self._hooked = fsdp_modules
         for m in fsdp_modules:
             m.set_all_reduce_hook(self._all_reduce_across_replicas)
+            _HOOK_OWNERS[m] = weakref.ref(self)
 
     # -- the training step ----------------------------------------------------------------------
 
@@ -175,7 +369,16 @@ class FaultTolerantHSDP:
         """Join this step's quorum (healing from a live group first if this one is behind) and
         clear the gradients. Call before the forward pass."""
         self._expect(_Phase.BETWEEN_STEPS, "begin_step")
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:  # torchft's, from its gRPC status: "status: Cancelled, message: ..."
+            raise QuorumTimeoutError(
+                f"FaultTolerantHSDP.begin_step: replica group {self.replica_id!r} got no quorum from the lighthouse "
+                f"{self.lighthouse} within quorum_timeout={self.quorum_timeout} (min_replicas={self.min_replicas}). "
+                f"Either the lighthouse is down or unreachable from here, or fewer than {self.min_replicas} replica "
+                "groups asked for a quorum. Check that torchft_lighthouse runs at that address and that enough groups "
+                f"are up, then restart this group (it heals from a live one). torchft: {e}"
+            ) from e
         self.optimizer.zero_grad()
         self._phase = _Phase.IN_STEP
 
@@ -200,8 +403,13 @@ class FaultTolerantHSDP:
         return self.manager.num_participants()
 
     def close(self) -> None:
+        """Leave the job. The model's all-reduce hooks are released: another FaultTolerantHSDP may take them."""
         if self._phase is not _Phase.CLOSED:
             self._phase = _Phase.CLOSED
+            for m in self._hooked:
+                owner = _HOOK_OWNERS.get(m)
+                if owner is not None and owner() is self:
+                    del _HOOK_OWNERS[m]
             self.manager.shutdown(wait=False)
 
     def __enter__(self) -> "FaultTolerantHSDP":
@@ -234,7 +442,7 @@ class FaultTolerantHSDP:
 
     def load_state_dict(self, state: dict) -> None:
         """Take a live peer's ``state_dict()``; refuses (FSDPUsageError, nothing loaded) one of
-        another model or shard world size."""
+        another model, shard world size, fully_shard wrapping or optimizer."""
         peer = ReplicaLayout.from_dict(state.get("layout") if isinstance(state, dict) else None)
         why = self.layout.mismatch(peer)
         if why is not None:
@@ -247,6 +455,92 @@ class FaultTolerantHSDP:
             idx: {k: _from_wire(v, params[idx]) for k, v in entry.items()} for idx, entry in optim["state"].items()
         }
         self.optimizer.load_state_dict(optim)
+
+
+def _check_arguments(model, optimizer, replica_id, min_replicas, lighthouse, timeout, quorum_timeout, init_sync,
+                     quorum_retries, manager_kwargs) -> None:
+    where = "FaultTolerantHSDP"
+    if not isinstance(model, nn.Module):
+        raise FSDPUsageTypeError(f"{where}: model must be a fully_shard'ed nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise FSDPUsageTypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, got {type(optimizer).__name__}"
+        )
+    if not isinstance(replica_id, str):
+        raise FSDPUsageTypeError(
+            f"{where}: replica_id must be a str naming this replica group (the same across its restarts), got "
+            f"{type(replica_id).__name__} {replica_id!r}; e.g. replica_id=f\"replica_{{index}}\""
+        )
+    if not replica_id:
+        raise FSDPUsageError(f"{where}: replica_id is empty; name this replica group, e.g. replica_id=\"replica_0\"")
+    _check_int(where, "min_replicas", min_replicas, 1, "the number of replica groups a step needs to commit")
+    _check_int(where, "quorum_retries", quorum_retries, 0, "how often to ask the lighthouse again")
+    if lighthouse is None or lighthouse == "":
+        raise FSDPUsageError(
+            f"{where}: no lighthouse address; pass lighthouse= or set TORCHFT_LIGHTHOUSE "
+            "(start one with torchft_lighthouse)"
+        )
+    if not isinstance(lighthouse, str):
+        raise FSDPUsageTypeError(f"{where}: lighthouse must be an address string like 'http://host:29510', got {lighthouse!r}")
+    if "://" not in lighthouse:
+        raise FSDPUsageError(f"{where}: lighthouse address {lighthouse!r} has no scheme; pass 'http://{lighthouse}'")
+    for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+        if not isinstance(value, timedelta):
+            raise FSDPUsageTypeError(f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__} {value!r}")
+        if value <= timedelta(0):
+            raise FSDPUsageError(f"{where}: {name} must be positive, got {value}")
+    if not isinstance(init_sync, bool):
+        raise FSDPUsageTypeError(f"{where}: init_sync must be a bool, got {type(init_sync).__name__}")
+    if manager_kwargs is not None and not isinstance(manager_kwargs, dict):
+        raise FSDPUsageTypeError(f"{where}: manager_kwargs must be a dict, got {type(manager_kwargs).__name__}")
+    for key in manager_kwargs or {}:
+        if key in _MANAGER_ARGUMENTS:
+            ours = _MANAGER_ARGUMENTS[key]
+            fix = f"pass {ours}= to FaultTolerantHSDP instead" if ours else "FaultTolerantHSDP sets it itself"
+            raise FSDPUsageError(f"{where}: manager_kwargs[{key!r}]: {fix}")
+
+
+def _check_int(where: str, name: str, value: Any, minimum: int, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FSDPUsageTypeError(f"{where}: {name} ({meaning}) must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise FSDPUsageError(f"{where}: {name} ({meaning}) must be at least {minimum}, got {value}")
+
+
+def _check_every_gradient_is_averaged(model: nn.Module) -> None:
+    # The groups average only what fully_shard reduces: any other gradient stays local to its
+    # group, and the groups' models drift apart without an error.
+    not_averaged = _fsdp_units(model)[1]
+    if not_averaged:
+        raise FSDPUsageError(
+            f"FaultTolerantHSDP: trainable parameters {_names(tuple(not_averaged), 8)} are not under fully_shard, so "
+            "their gradients would never be averaged across the replica groups and the groups would drift apart. "
+            "Call fully_shard on the modules holding them, or on the root last: "
+            "fully_shard(model, mesh=shard_mesh) after its blocks (parameters in ignored_params cannot be "
+            "trained under FaultTolerantHSDP; freeze them with requires_grad_(False))."
+        )
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    params = {id(p) for p in model.parameters()}
+    foreign = [i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]) if id(p) not in params]
+    if foreign:
+        raise FSDPUsageError(
+            f"FaultTolerantHSDP: the optimizer steps parameters that are not the model's (positions {foreign[:8]}); "
+            "build it after fully_shard, from model.parameters()"
+        )
+
+
+def _check_not_hooked_already(fsdp_modules: list[nn.Module], replica_id: str) -> None:
+    for m in fsdp_modules:
+        owner = _HOOK_OWNERS.get(m)
+        other = owner() if owner is not None else None
+        if other is not None and other._phase is not _Phase.CLOSED:
+            raise FSDPUsageError(
+                f"FaultTolerantHSDP(replica_id={replica_id!r}): the model's all-reduce hooks already belong to the "
+                f"FaultTolerantHSDP of replica group {other.replica_id!r}, which would stop averaging its gradients; "
+                "use one FaultTolerantHSDP per model (keep the first), or close() the first before making another"
+            )
 
 
 def _shard_world_size(model: nn.Module) -> int:

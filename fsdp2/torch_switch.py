@@ -3,9 +3,16 @@
 ``fsdp2.install_as_torch_fsdp()`` rebinds PyTorch's FSDP2 functions (``fully_shard``,
 ``register_fsdp_forward_method``, ``share_comm_ctx``) to fsdp2's wherever they are bound at
 module level, so ``from torch.distributed.fsdp import fully_shard`` anywhere (before the call
-or after it) gives fsdp2's. ``uninstall_as_torch_fsdp()`` (or leaving the ``with`` block) puts
-PyTorch's back. The classes need no switch: fsdp2's ``FSDPModule`` and ``UnshardHandle`` derive
-from PyTorch's, and the policies are PyTorch's own.
+or after it) gives fsdp2's. ``uninstall_as_torch_fsdp()`` puts PyTorch's back; leaving a
+``with install_as_torch_fsdp():`` block restores what the block found, so blocks nest (an inner
+one leaves the switch on for the outer one). The classes need no switch: fsdp2's ``FSDPModule``
+and ``UnshardHandle`` derive from PyTorch's, and the policies are PyTorch's own.
+
+One model, one implementation: fsdp2's ``fully_shard`` refuses a module that PyTorch's
+``fully_shard`` sharded, or one holding such a submodule, and once fsdp2 has sharded a module
+PyTorch's ``fully_shard`` refuses, with the same clear error, a module holding fsdp2's (see
+:func:`refuse_mixed_implementations`). fsdp2's ``register_fsdp_forward_method`` and
+``share_comm_ctx`` hand modules PyTorch sharded (before the switch, say) to PyTorch's own.
 
 Which names are rebound, decided by identity (``is``), never by name:
 
@@ -31,6 +38,8 @@ import types
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
+
+import torch.nn as nn
 
 from fsdp2 import compat
 
@@ -78,6 +87,7 @@ class TorchFSDPSwitch:
     def __init__(self) -> None:
         self.state = SwitchState.OFF
         self._bindings: list[_Binding] = []
+        self._found_on_enter: list[bool] = []  # per open ``with switch:`` block: was it on already?
 
     def install(self) -> "TorchFSDPSwitch":
         """Rebind every PyTorch FSDP2 function found; again when ON picks up modules imported
@@ -115,25 +125,140 @@ class TorchFSDPSwitch:
         return self.state is SwitchState.ON
 
     def __enter__(self) -> "TorchFSDPSwitch":
+        """On for the block; leaving it turns the switch off only if it was off on entry."""
+        self._found_on_enter.append(self.installed)
+        self.install()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
+        if not self._found_on_enter.pop():
+            self.uninstall()
+
+
+class SwitchInstallation:
+    """What :func:`install_as_torch_fsdp` returns: the switch (``installed``, ``state``), and as a
+    ``with`` block, the scope of that call: leaving it turns the switch off only if this call
+    turned it on, so an inner block leaves the enclosing block's switch on."""
+
+    def __init__(self, switch: TorchFSDPSwitch, was_installed: bool) -> None:
+        self.switch = switch
+        self._was_installed = was_installed
+
+    @property
+    def installed(self) -> bool:
+        return self.switch.installed
+
+    @property
+    def state(self) -> SwitchState:
+        return self.switch.state
+
+    def __enter__(self) -> TorchFSDPSwitch:
+        return self.switch
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._was_installed:
+            self.switch.uninstall()
 
 
 _SWITCH = TorchFSDPSwitch()
 
 
-def install_as_torch_fsdp() -> TorchFSDPSwitch:
+def install_as_torch_fsdp() -> SwitchInstallation:
     """Make ``torch.distributed.fsdp.fully_shard`` (and ``register_fsdp_forward_method``,
     ``share_comm_ctx``) fsdp2's in this process, including names modules imported earlier bound.
 
-    Returns the switch, which is also a context manager (``with fsdp2.install_as_torch_fsdp():``
-    undoes it on exit). Call it on every rank, before or after importing the framework.
+    The result is also a context manager: ``with fsdp2.install_as_torch_fsdp():`` undoes the call
+    on exit if the switch was off before it, so nested blocks keep the outer block's switch on.
+    Call it on every rank, before or after importing the framework.
     """
-    return _SWITCH.install()
+    was_installed = _SWITCH.installed
+    _SWITCH.install()
+    return SwitchInstallation(_SWITCH, was_installed)
 
 
 def uninstall_as_torch_fsdp() -> None:
     """Undo :func:`install_as_torch_fsdp`: PyTorch's FSDP2 functions again."""
     _SWITCH.uninstall()
+
+
+# -- one model, one implementation ------------------------------------------------------------------
+
+_ONE_IMPLEMENTATION = (
+    "one model must be sharded by one implementation: shard every module with fsdp2's fully_shard "
+    "(call fsdp2.install_as_torch_fsdp() before the framework shards the model, so "
+    "torch.distributed.fsdp.fully_shard is fsdp2's), or every module with PyTorch's"
+)
+
+
+def _fqn_in(root: nn.Module, module: nn.Module) -> str:
+    return next((name or "<root>" for name, m in root.named_modules() if m is module), "?")
+
+
+def refuse_mixed_implementations(modules: tuple[nn.Module, ...], name: str) -> None:
+    """fsdp2's ``fully_shard(modules)``: refuse modules PyTorch's ``fully_shard`` already sharded
+    (each module itself, or a submodule), before anything is changed. PyTorch's sharded
+    parameters are DTensors, which fsdp2 would take for tensor-parallel ones."""
+    from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError
+    from fsdp2.runtime.fsdp_module import managed_by_pytorch
+
+    for root in modules:
+        if managed_by_pytorch(root):
+            raise FSDPUsageAssertionError(
+                f"fully_shard({name}): this {type(root).__name__} was already sharded by PyTorch's "
+                f"torch.distributed.fsdp.fully_shard, and this call is fsdp2's; {_ONE_IMPLEMENTATION}."
+            )
+        for fqn, sub in root.named_modules():
+            if managed_by_pytorch(sub):
+                raise FSDPUsageError(
+                    f"fully_shard({name}): its submodule {fqn!r} ({type(sub).__name__}) was sharded by PyTorch's "
+                    f"torch.distributed.fsdp.fully_shard, and this call on {type(root).__name__} is fsdp2's; "
+                    f"{_ONE_IMPLEMENTATION}."
+                )
+
+
+_guarded_pytorch_fully_shard = False
+
+
+def guard_pytorch_fully_shard() -> None:
+    """Make PyTorch's ``fully_shard`` refuse, naming both modules, a module that holds modules or
+    parameters fsdp2 manages (it would take fsdp2's shards for tensor-parallel parameters and fail
+    inside with ``Invariant encountered``). Called by fsdp2's ``fully_shard``: until then no fsdp2
+    module exists. Rebinds the helper PyTorch's ``fully_shard`` looks its modules up with, in
+    PyTorch's implementation module only; the answer for any other model is unchanged."""
+    global _guarded_pytorch_fully_shard
+    if _guarded_pytorch_fully_shard:
+        return
+    _guarded_pytorch_fully_shard = True
+    home = compat.torch_fully_shard_home()
+    original = home.__dict__.get("_get_modules_and_states")
+    if original is None:  # another torch layout: PyTorch's own error stands
+        return
+
+    def _get_modules_and_states(module: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(module, *args, **kwargs)
+        _refuse_fsdp2_inside(module, result[2], result[3])
+        return result
+
+    _get_modules_and_states.__wrapped__ = original  # type: ignore[attr-defined]
+    home._get_modules_and_states = _get_modules_and_states
+
+
+def _refuse_fsdp2_inside(arg: Any, managed_modules: list[nn.Module], params: list[nn.Parameter]) -> None:
+    from fsdp2.errors import FSDPUsageError
+    from fsdp2.runtime.fsdp_module import FSDPModule
+    from fsdp2.runtime.sharded_param import managed_by
+
+    roots = [arg] if isinstance(arg, nn.Module) else list(arg)
+    root_name = "+".join(type(r).__name__ for r in roots)
+    ours = next((m for m in managed_modules if isinstance(m, FSDPModule)), None)
+    owner = next((o for p in params if (o := managed_by(p)) is not None), None)
+    if ours is None and owner is None:
+        return
+    if ours is not None:
+        where = next((f"{_fqn_in(r, ours)!r}" for r in roots if any(m is ours for m in r.modules())), "?")
+        what = f"its submodule {where} ({type(ours).__name__}) is sharded by fsdp2's fully_shard"
+    else:
+        what = f"its parameters are already sharded by fsdp2's fully_shard({owner})"
+    raise FSDPUsageError(
+        f"PyTorch's torch.distributed.fsdp.fully_shard({root_name}): {what}; {_ONE_IMPLEMENTATION}."
+    )

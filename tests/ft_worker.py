@@ -28,7 +28,8 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build_model(impl: str, mesh, hidden: int) -> nn.Module:
+def build_model(impl: str, mesh, hidden: int, wrap: str = "layers") -> nn.Module:
+    """``wrap``: "layers" fully_shards each Linear then the root, "root" the root only."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
@@ -36,8 +37,9 @@ def build_model(impl: str, mesh, hidden: int) -> nn.Module:
     torch.manual_seed(0)
     # Odd sizes: the shards are uneven (padded) on 2 ranks.
     model = nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 7))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
+    if wrap == "layers":
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--incarnation", type=int, default=0)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--hidden", type=int, default=33)
+    ap.add_argument("--wrap", choices=["layers", "root"], default="layers", help="which modules are fully_shard'ed")
     ap.add_argument("--out", required=True)
     ap.add_argument("--gates", required=True)
     ap.add_argument("--die-before-step", type=int, default=-1, help="SIGKILL before joining this step's quorum")
@@ -75,7 +78,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(args.impl, mesh, args.hidden)
+    model = build_model(args.impl, mesh, args.hidden, args.wrap)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     gates, out = Path(args.gates), Path(args.out)
     tag = f"r{args.replica}i{args.incarnation}s{rank}"

@@ -1,4 +1,4 @@
-"""Fault-tolerant HSDP on torchft (issue 23): 2 replica groups x 2 shard ranks on gloo, one group
+"""Fault-tolerant HSDP on torchft: 2 replica groups x 2 shard ranks on gloo, one group
 killed (SIGKILL) and restarted while the other trains on; the restarted group heals from the
 live one. Each run is a torchft lighthouse in this process and tests/ft_worker.py subprocesses.
 """
@@ -6,6 +6,7 @@ live one. Each run is a torchft lighthouse in this process and tests/ft_worker.p
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import torch
@@ -92,6 +93,8 @@ def test_parameters_equal_pytorch_fsdp2_under_torchft_bitwise(schedule_runs):
 BAD_JOINERS = {
     "other_model": ({"worker_args": ["--hidden", "34"]}, ["'0.weight' is [34, 10]", "[33, 10] torch.float32 on the live groups"]),
     "other_world_size": ({"ranks": 1}, ["has 1 shard ranks, the live groups have 2"]),
+    # Same parameters, other fully_shard units: its first all-reduce would have another size.
+    "other_wrapping": ({"worker_args": ["--wrap", "root"]}, ["fully_shard'ed differently: fully_shard was applied to the root module here"]),
 }
 JOIN_STEPS, JOIN_AT = 5, 2
 
@@ -233,3 +236,265 @@ def test_steps_out_of_order_and_a_replicate_mesh_are_refused(worlds):
     assert "begin_step: called in a step" in twice
     assert step == "committed=True step=1"  # the refusals changed nothing: the step went on
     assert "replicate dim" in hsdp and "1-D shard mesh" in hsdp
+
+
+# -- in-process: what is checked before anything connects (torchft's Manager recorded, not run) -------
+
+
+@pytest.fixture
+def managers(monkeypatch):
+    """The keyword arguments of every torchft Manager a FaultTolerantHSDP makes; none connects."""
+    import torchft.manager
+
+    made: list[dict] = []
+
+    class Recorded:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def shutdown(self, wait: bool = True) -> None:
+            pass
+
+    monkeypatch.setattr(torchft.manager, "Manager", Recorded)
+    return made
+
+
+def _mlp(wrap: str = "layers", fully_shard=None, mp_policy=None, ignored_params=()):
+    """Linear-ReLU-Linear on the fake world's 1-D mesh: ``wrap`` "layers" (each Linear, then the
+    root), "root", or "first" (the first Linear only: the last one and the root stay plain);
+    ``ignored_params``: names of parameters the root's fully_shard ignores."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fully_shard is None:
+        from fsdp2 import fully_shard
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    if wrap in ("layers", "first"):
+        fully_shard(model[0], mesh=mesh, **kwargs)
+    if wrap == "layers":
+        fully_shard(model[2], mesh=mesh, **kwargs)
+    if wrap in ("layers", "root"):
+        ignored = {p for n, p in model.named_parameters() if n in (ignored_params or ())}
+        fully_shard(model, mesh=mesh, ignored_params=ignored or None, **kwargs)
+    return model
+
+
+WHERE = {"replica_id": "replica_0", "lighthouse": "http://127.0.0.1:1"}
+
+
+def _ft(model, optimizer=None, **kwargs) -> FaultTolerantHSDP:
+    optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
+    return FaultTolerantHSDP(model, optimizer, **{**WHERE, **kwargs})
+
+
+BAD_ARGUMENTS = {
+    "replica_id_int": ({"replica_id": 3}, r"replica_id must be a str .* got int 3"),
+    "replica_id_empty": ({"replica_id": ""}, r"replica_id is empty"),
+    "min_replicas_zero": ({"min_replicas": 0}, r"min_replicas .* must be at least 1, got 0"),
+    "min_replicas_float": ({"min_replicas": 2.0}, r"min_replicas .* must be an int, got float"),
+    "lighthouse_without_scheme": ({"lighthouse": "127.0.0.1:29510"}, r"'127.0.0.1:29510' has no scheme; pass 'http://127.0.0.1:29510'"),
+    "timeout_seconds": ({"timeout": 60}, r"timeout must be a datetime.timedelta, got int 60"),
+    "quorum_timeout_zero": ({"quorum_timeout": timedelta(0)}, r"quorum_timeout must be positive"),
+    "quorum_retries_negative": ({"quorum_retries": -1}, r"quorum_retries .* must be at least 0"),
+    "init_sync_str": ({"init_sync": "yes"}, r"init_sync must be a bool"),
+    "manager_kwargs_timeout": ({"manager_kwargs": {"timeout": timedelta(seconds=1)}}, r"manager_kwargs\['timeout'\]: pass timeout= to FaultTolerantHSDP"),
+    "manager_kwargs_pg": ({"manager_kwargs": {"pg": None}}, r"manager_kwargs\['pg'\]: FaultTolerantHSDP sets it itself"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_are_refused_before_connecting(fake_world, managers, case):
+    fake_world(2)
+    kwargs, message = BAD_ARGUMENTS[case]
+    with pytest.raises(FSDPUsageError, match=message):
+        _ft(_mlp(), **kwargs)
+    assert managers == []  # nothing was started
+
+
+def test_a_model_or_optimizer_of_another_type_is_refused_before_connecting(fake_world, managers):
+    fake_world(2)
+    model = _mlp()
+    with pytest.raises(FSDPUsageError, match="model must be a fully_shard'ed nn.Module, got dict"):
+        FaultTolerantHSDP({"model": model}, torch.optim.SGD(model.parameters(), lr=0.1), **WHERE)
+    with pytest.raises(FSDPUsageError, match="optimizer must be a torch.optim.Optimizer .*, got list"):
+        FaultTolerantHSDP(model, list(model.parameters()), **WHERE)
+    stale = torch.optim.SGD(torch.nn.Linear(4, 6).parameters(), lr=0.1)  # not the model's parameters
+    with pytest.raises(FSDPUsageError, match=r"steps parameters that are not the model's \(positions \[0, 1\]\)"):
+        FaultTolerantHSDP(model, stale, **WHERE)
+    assert managers == []
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_parameters_no_fully_shard_averages_are_refused_before_connecting(fake_world, managers, impl):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fake_world(2)
+    shard = torch_fully_shard if impl == "torch" else None
+    with pytest.raises(FSDPUsageError, match=r"trainable parameters \['2.weight', '2.bias'\] are not under fully_shard, so "
+                                             r"their gradients would never be averaged across the replica groups.*"
+                                             r"fully_shard\(model, mesh=shard_mesh\) after its blocks"):
+        _ft(_mlp("first", shard))
+    # ignored_params leave a parameter a plain tensor under a fully_shard'ed module: not averaged either.
+    ignoring = _mlp("root", shard, ignored_params={"2.bias"})
+    with pytest.raises(FSDPUsageError, match=r"trainable parameters \['2.bias'\] are not under fully_shard"):
+        _ft(ignoring)
+    assert managers == []
+    frozen = _mlp("first", shard)
+    frozen[2].requires_grad_(False)  # no gradient to average: accepted
+    _ft(frozen).close()
+    assert len(managers) == 1
+
+
+def test_quorum_retries_default_reaches_torchfts_manager(fake_world, managers):
+    from fsdp2.ft import DEFAULT_QUORUM_RETRIES
+
+    fake_world(2)
+    _ft(_mlp()).close()
+    _ft(_mlp(), quorum_retries=0).close()
+    assert DEFAULT_QUORUM_RETRIES == 3
+    assert [m["quorum_retries"] for m in managers] == [3, 0]
+    assert managers[0]["replica_id"] == "replica_0" and managers[0]["lighthouse_addr"] == "http://127.0.0.1:1"
+
+
+def test_a_second_fault_tolerant_hsdp_on_the_same_model_is_refused(fake_world, managers):
+    fake_world(2)
+    model = _mlp()
+    first = _ft(model)
+    with pytest.raises(FSDPUsageError, match=r"FaultTolerantHSDP\(replica_id='replica_0'\): the model's all-reduce hooks "
+                                             r"already belong to the FaultTolerantHSDP of replica group 'replica_0'.*close\(\)"):
+        _ft(model)
+    assert len(managers) == 1
+    assert model._fsdp_state.group.reduce.all_reduce_hook == first._all_reduce_across_replicas  # untouched
+    first.close()
+    second = _ft(model)  # the first let go of the hooks
+    assert model[0]._fsdp_state.group.reduce.all_reduce_hook == second._all_reduce_across_replicas
+    second.close()
+
+
+def test_layout_names_other_fully_shard_units_and_reduce_dtypes(fake_world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fake_world(2)
+    live = ReplicaLayout.of(_mlp("layers"), 2)
+    assert live.units == (  # in module order; the root reduces no parameter of its own
+        ("", (), "None"),
+        ("0", ("0.weight", "0.bias"), "torch.float32"),
+        ("2", ("2.weight", "2.bias"), "torch.float32"),
+    )
+    assert ReplicaLayout.of(_mlp("layers", torch_fully_shard), 2).mismatch(live) is None  # PyTorch's FSDP2 alike
+    root_only = ReplicaLayout.of(_mlp("root"), 2)
+    assert root_only.params == live.params  # the parameters alone cannot tell them apart
+    assert root_only.mismatch(live) == (
+        "the model is fully_shard'ed differently: fully_shard was applied to the root module here, to the root "
+        "module, '0', '2' on the live groups (each one's gradients are one all-reduce across the groups); apply "
+        "fully_shard to the same modules, with the same mp_policy, on every replica group"
+    )
+    ignoring = ReplicaLayout.of(_mlp("root", ignored_params={"2.bias"}), 2)
+    assert "fully_shard(the root module) reduces ['0.weight', '0.bias', '2.weight'] here, " in ignoring.mismatch(root_only)
+    bf16 = ReplicaLayout.of(_mlp("layers", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), 2)
+    assert "fully_shard('0') reduces gradients in torch.bfloat16 here, torch.float32 on the live groups" in bf16.mismatch(live)
+    assert ReplicaLayout.from_dict(bf16.as_dict()) == bf16
+
+
+def test_layout_names_another_optimizer(fake_world):
+    fake_world(2)
+    model = _mlp()
+    sgd = ReplicaLayout.of(model, 2, torch.optim.SGD(model.parameters(), lr=0.1))
+    adam = ReplicaLayout.of(model, 2, torch.optim.Adam(model.parameters(), lr=0.1))
+    assert sgd.optimizer == ("torch.optim.sgd.SGD", (("0.weight", "0.bias", "2.weight", "2.bias"),))
+    assert adam.mismatch(sgd) == (
+        "the optimizer is torch.optim.adam.Adam here, torch.optim.sgd.SGD on the live groups, whose optimizer state "
+        "this group would load; use the same optimizer on every replica group"
+    )
+    groups = [{"params": [model[0].weight, model[0].bias]}, {"params": [model[2].weight, model[2].bias]}]
+    split = ReplicaLayout.of(model, 2, torch.optim.SGD(groups, lr=0.1))
+    assert "has 2 param groups here, 1 on the live groups" in split.mismatch(sgd)
+    backwards = ReplicaLayout.of(model, 2, torch.optim.SGD(list(model.parameters())[::-1], lr=0.1))
+    assert "param group 0 of the optimizer torch.optim.sgd.SGD holds ['2.bias', " in backwards.mismatch(sgd)
+    assert ReplicaLayout.from_dict(adam.as_dict()) == adam
+
+
+def _stepped(ft: FaultTolerantHSDP) -> None:
+    ft.model(torch.randn(2, 4)).sum().backward()
+    ft.optimizer.step()
+
+
+@pytest.mark.parametrize("joiner", ["root_only", "adam"])
+def test_a_joiner_of_another_wrapping_or_optimizer_loads_nothing(fake_world, managers, joiner):
+    fake_world(2)
+    live_model = _mlp()
+    live = _ft(live_model, torch.optim.SGD(live_model.parameters(), lr=0.1, momentum=0.9), replica_id="replica_live")
+    for m in (live_model, live_model[0], live_model[2]):
+        m.set_all_reduce_hook(lambda reduced: None)  # no torchft here
+    _stepped(live)
+    model = _mlp("root" if joiner == "root_only" else "layers")
+    optimizer = (torch.optim.Adam if joiner == "adam" else torch.optim.SGD)(model.parameters(), lr=0.1)
+    ft = _ft(model, optimizer)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    expected = "the model is fully_shard'ed differently" if joiner == "root_only" else "the optimizer is torch.optim.adam.Adam here"
+    with pytest.raises(FSDPUsageError, match=f"replica group 'replica_0' cannot join the job: {expected}"):
+        ft.load_state_dict(live.state_dict())
+    assert all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    assert not optimizer.state  # nothing loaded
+
+
+def test_a_joiner_of_the_same_layout_loads_the_live_state(fake_world, managers):
+    fake_world(2)
+    live_model = _mlp()
+    live = _ft(live_model, torch.optim.SGD(live_model.parameters(), lr=0.1, momentum=0.9), replica_id="replica_live")
+    for m in (live_model, live_model[0], live_model[2]):
+        m.set_all_reduce_hook(lambda reduced: None)
+    _stepped(live)
+    model = _mlp()
+    ft = _ft(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ft.load_state_dict(live.state_dict())
+    for (name, p), q in zip(model.named_parameters(), live_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    assert len(ft.optimizer.state) == 4
+
+
+def _no_quorum(rank: int, world_size: int) -> list[tuple[str, bool, str]]:
+    import os
+
+    from torch.distributed import TCPStore
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchft._torchft import LighthouseServer
+
+    from fsdp2 import fully_shard
+    from fsdp2.ft import QuorumTimeoutError
+
+    os.environ.setdefault("RUST_LOG", "error")
+    results = []
+    for case in ("too_few_groups", "lighthouse_down"):
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        ft = FaultTolerantHSDP(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), replica_id=f"solo_{case}", lighthouse=address,
+            min_replicas=2, quorum_timeout=timedelta(seconds=1), timeout=timedelta(seconds=5),
+            manager_kwargs={"store_addr": "127.0.0.1", "store_port": store.port, "rank": 0, "world_size": 1,
+                            "hostname": "localhost"},
+        )
+        if case == "lighthouse_down":
+            lighthouse.shutdown()  # it dies under a running job
+        try:
+            ft.begin_step()
+            results.append(("no error", False, ""))
+        except QuorumTimeoutError as e:
+            results.append((type(e).__name__, isinstance(e, TimeoutError), str(e).replace(address, "<lighthouse>")))
+        finally:
+            ft.close()
+            if case != "lighthouse_down":
+                lighthouse.shutdown()
+    return results
+
+
+def test_no_quorum_says_which_lighthouse_and_how_many_groups(worlds):
+    for name, is_timeout, message in worlds.run(1, _no_quorum)[0]:
+        assert name == "QuorumTimeoutError" and is_timeout, (name, message)
+        assert "got no quorum from the lighthouse <lighthouse> within quorum_timeout=0:00:01 (min_replicas=2)" in message
+        assert "Check that torchft_lighthouse runs at that address" in message and "torchft: status:" in message

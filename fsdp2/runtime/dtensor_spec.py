@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPUsageError, FSDPUsageRuntimeError
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
     """The (dp..., tp...) mesh both were sliced from; the data-parallel dims must come first."""
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if not dp_names or not tp_names or set(dp_names) & set(tp_names):
-        raise FSDPUsageError(
+        raise FSDPUsageRuntimeError(
             f"fully_shard: parameter {fqn} is already a DTensor on mesh dims {tp_names}, and fully_shard got mesh "
             f"dims {dp_names}. fully_shard composes with tensor parallelism on another named dim of the same "
             "mesh: mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], "
@@ -94,7 +94,7 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
         )
     root = compat.root_mesh(dp_mesh)
     if root != compat.root_mesh(tp_mesh):  # equal, not identical: DeviceMesh caches slices
-        raise FSDPUsageError(
+        raise FSDPUsageRuntimeError(
             f"fully_shard: parameter {fqn} is tensor-parallel on a mesh that is not a sibling of the "
             "data-parallel mesh; slice both from one DeviceMesh (init_device_mesh(..., mesh_dim_names=...))."
         )
@@ -131,7 +131,7 @@ def _spmd_spec(fqn: str, param: DTensor, dp: DataParallelMesh, shard_dim: int) -
     shard_at = [names.index(n) for n in dp.shard_dims]
     first, last = min(shard_at), max(shard_at)
     if sorted(shard_at) != list(range(first, last + 1)):
-        raise FSDPUsageError(
+        raise FSDPUsageRuntimeError(
             f"fully_shard: dp_mesh_dims shard dims {dp.shard_dims} are not adjacent in the mesh {names}; "
             "order the mesh so the data-parallel shard dims are next to each other."
         )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError, FSDPUsageNotImplementedError
 from fsdp2.runtime.buckets import Column
 from fsdp2.runtime.codecs import GatherCodec, Pairs
 
@@ -54,7 +54,7 @@ def check_hooks(fqn: str, tensor: torch.Tensor, shard_dim: int, dp: DataParallel
     where = f"fully_shard({owner}): parameter {fqn} ({type(tensor).__name__})"
     if has_pre != has_post:
         present, missing = (PRE, POST) if has_pre else (POST, PRE)
-        raise FSDPUsageError(
+        raise FSDPUsageAssertionError(
             f"{where} defines {present} but not {missing}. A tensor subclass that customizes the "
             f"all-gather must define both {PRE} and {POST}; define {missing}, or remove {present}."
         )
@@ -62,17 +62,17 @@ def check_hooks(fqn: str, tensor: torch.Tensor, shard_dim: int, dp: DataParallel
         return
     arity = _pre_arity(tensor)
     if arity not in _ARITIES:
-        raise FSDPUsageError(
+        raise FSDPUsageAssertionError(
             f"{where}: {PRE} takes {arity} arguments; expected {PRE}(self, mesh, outer_size, outer_stride, "
             f"module, mp_policy) or the older {PRE}(self, mesh)."
         )
     if shard_dim != 0:
-        raise FSDPUsageError(
+        raise FSDPUsageNotImplementedError(
             f"{where} all-gathers through {PRE}/{POST}, which fsdp2 (like PyTorch) calls for "
             f"dim-0 shards only; shard_placement_fn returned Shard({shard_dim}). Return Shard(0) or None for it."
         )
     if dp.shard_mesh is None:
-        raise FSDPUsageError(
+        raise FSDPUsageAssertionError(
             f"{where} all-gathers through {PRE}, which receives the shard dim's mesh; give the 2-D HSDP "
             "mesh mesh_dim_names (init_device_mesh(..., mesh_dim_names=('replicate', 'shard')))."
         )
@@ -115,7 +115,7 @@ class SubclassCodec(GatherCodec):
         if not all(isinstance(t, torch.Tensor) for t in inputs):
             raise FSDPUsageError(f"{self._where(PRE)} returned all-gather inputs that are not all tensors: {inputs!r}")
         if not layout.is_even and any(t.dim() == 0 or t.shape[0] != layout.chunk for t in inputs):
-            raise FSDPUsageError(
+            raise FSDPUsageAssertionError(
                 f"{self._where(PRE)} returned inputs of shapes {[tuple(t.shape) for t in inputs]}; the parameter "
                 f"(shape {tuple(layout.full_shape)}) is sharded unevenly over {layout.world} ranks, so every input "
                 f"must have the padded shard's {layout.chunk} rows along dim 0 (pad this rank's "

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import compat
-from fsdp2.errors import FSDPDeepcopyError, FSDPUsageError
+from fsdp2.errors import FSDPDeepcopyError, FSDPUsageError, FSDPUsageRuntimeError, FSDPUsageTypeError
 from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.torch_view import TorchStateView
@@ -103,7 +103,7 @@ class FSDPModule(compat.TorchFSDPModule):
         if state.root is None:
             return  # no forward ran yet: nothing to reset
         if not state.is_root:
-            raise FSDPUsageError(f"{type(self).__name__}.reset_iter_state: call it on the root fully_shard module")
+            raise FSDPUsageRuntimeError(f"{type(self).__name__}.reset_iter_state: call it on the root fully_shard module")
         state.root.reset()
 
     # -- gradient reduction -------------------------------------------------------------------------
@@ -150,7 +150,9 @@ class FSDPModule(compat.TorchFSDPModule):
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight under this module's root (default 2)."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise FSDPUsageTypeError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
             raise FSDPUsageError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
         state = self._fsdp_state
         state.settings.max_reduces_in_flight = max_input_buffers
@@ -228,8 +230,9 @@ class FSDPModule(compat.TorchFSDPModule):
         self._fsdp_state.group.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """False: the next backward does not wait for its gradient reductions (microbatching).
-        May be called before the first forward."""
+        """False: the next backward is not the last before the optimizer step (microbatching):
+        its end skips the host's wait for gradients offloaded to the CPU. Its gradients are in
+        ``.grad`` when it returns all the same, as in PyTorch. May be called before the first forward."""
         self._fsdp_state.settings.is_last_backward = is_last_backward
 
     def set_post_optim_event(self, event: Any) -> None:
@@ -307,12 +310,28 @@ def _check_compatible(owner: str, current: Mapping[str, Any], incoming: Mapping[
                 "pass full tensors or DTensors sharded like the model"
             )
     if problems:
-        raise FSDPUsageError(f"{owner}.load_state_dict: nothing was loaded:\n  " + "\n  ".join(problems))
+        raise FSDPUsageRuntimeError(f"{owner}.load_state_dict: nothing was loaded:\n  " + "\n  ".join(problems))
+
+
+def managed_by_pytorch(module: Any) -> bool:
+    """Sharded by PyTorch's own ``fully_shard`` (before ``install_as_torch_fsdp``, say), not fsdp2's."""
+    return isinstance(module, compat.TorchFSDPModule) and not isinstance(module, FSDPModule)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Let several roots (pipeline-parallel model chunks) share communication streams. fsdp2
-    already uses one set of streams per device for every root, so this only checks its input."""
+    already uses one set of streams per device for every root, so this only checks its input.
+    Modules PyTorch's ``fully_shard`` sharded go to PyTorch's ``share_comm_ctx``."""
+    if not isinstance(modules, nn.Module):
+        modules = list(modules)
+        theirs = [m for m in modules if managed_by_pytorch(m)]
+        if theirs and len(theirs) == len(modules):
+            return compat.torch_fully_shard_home().share_comm_ctx(modules)
+        if theirs:
+            raise FSDPUsageError(
+                f"share_comm_ctx: {type(theirs[0]).__name__} was sharded by PyTorch's fully_shard, the others by "
+                "fsdp2's; modules sharing streams must all be sharded by one implementation"
+            )
     _states_of(modules, "share_comm_ctx")
 
 
@@ -320,7 +339,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>()`` unshard/reshard like ``forward`` does (e.g. ``generate``).
 
     A no-op on a module that is not fully_shard'ed, so the same code runs with or without FSDP.
+    A module PyTorch's ``fully_shard`` sharded gets PyTorch's ``register_fsdp_forward_method``
+    (its hooks are PyTorch's: fsdp2's would skip them and leave its state half-initialized).
     """
+    if managed_by_pytorch(module):
+        return compat.torch_fully_shard_home().register_fsdp_forward_method(module, method_name)
     if not isinstance(module, FSDPModule):
         return
     method = getattr(module, method_name, None)

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
+from fsdp2 import compat, torch_switch
+from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError, FSDPUsageNotImplementedError
 from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.runtime import extensions, schedule, traced
@@ -62,7 +62,9 @@ def fully_shard(
     name = "+".join(type(m).__name__ for m in modules)
     for m in modules:
         if isinstance(m, FSDPModule):
-            raise FSDPUsageError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+            raise FSDPUsageAssertionError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+    torch_switch.refuse_mixed_implementations(modules, name)
+    torch_switch.guard_pytorch_fully_shard()  # fsdp2 modules may exist from here on
     _check_policies(mp_policy, offload_policy, name)
     dp = DataParallelMesh.from_mesh(mesh, name, dp_mesh_dims)
     _check_reshard_after_forward(reshard_after_forward, dp, name)
@@ -178,7 +180,7 @@ def _check_reshard_after_forward(value: Any, dp: DataParallelMesh, name: str) ->
     if value is None or isinstance(value, bool):
         return
     if len(dp.shard_dims) > 1 and value not in (1, dp.shard_size):
-        raise FSDPUsageError(
+        raise FSDPUsageNotImplementedError(
             f"fully_shard({name}): reshard_after_forward={value!r} with several dp_mesh_dims shard dims "
             f"{dp.shard_dims}; resharding to a subgroup needs one shard dim: use True or False."
         )
@@ -242,7 +244,7 @@ def _shard_dim(plan: _ParamPlan, shard_placement_fn, dp: DataParallelMesh, name:
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
-        raise FSDPUsageError(
+        raise FSDPUsageAssertionError(
             f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
             f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})."
         )

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPUsageRuntimeError
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import GatherBucket, KeptBuffer
 from fsdp2.runtime.dp_mesh import DataParallelMesh
@@ -124,7 +124,7 @@ def _check_not_meta(params: list[ShardedParam]) -> None:
     for p, shard in zip(params, compat.local_tensors([p.sharded_param for p in params])):
         # Otherwise the shard copy fails deep inside with "Cannot copy out of meta tensor".
         if shard.is_meta:
-            raise FSDPUsageError(
+            raise FSDPUsageRuntimeError(
                 f"parameter {p.fqn} is on the meta device: call module.to_empty(device=...) and "
                 "initialize the parameters (e.g. reset_parameters()) before running the module"
             )
