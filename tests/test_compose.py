@@ -132,3 +132,52 @@ def _eager_state_before_a_compiled_step(rank, ws, how):
 @pytest.mark.parametrize("how", ["unshard", "reshard_after_backward"])
 def test_eager_state_a_compiled_step_would_ignore_is_refused(worlds, how):
     worlds.run(2, _eager_state_before_a_compiled_step, how)
+
+
+# -- tensor parallel under the compiled whole step ---------------------------------------------------
+
+
+def _tp_compiled_vs_eager(rank, ws, steps):
+    """FSDP on 'dp' x TP on 'tp' (TP first, then fully_shard on the dp mesh, as torchtitan does):
+    eager and compiled (fullgraph, aot_eager) from the same init, AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fsdp2 import fully_shard
+    from fsdp2.models import Llama, LlamaConfig, tensor_parallel_plan
+
+    torch._dynamo.reset()
+    cfg = LlamaConfig(vocab_size=64, seq_len=16, dim=32, n_layers=2, n_heads=4, hidden_dim=48)
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    base = Llama(cfg)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        dp_rank = mesh["dp"].get_local_rank()
+        for step in range(steps):
+            tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step))
+            rows = tokens[2 * dp_rank : 2 * dp_rank + 2]
+            loss = _loss(run, rows[:, :-1], rows[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
+    for a, b in zip(eager_losses, losses):
+        assert torch.equal(b, a), (a, b)
+    for a, b in zip(eager_params, params):
+        assert torch.equal(b, a)
+
+
+def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
+    worlds.run(4, _tp_compiled_vs_eager, 5)

@@ -317,7 +317,10 @@ class TracedGroup:
             rows = gathered.view(bucket.reduction.world, -1)
             widths = [p.layout.padded_shard_numel for p in bucket.params]
             for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
-                by_param[id(p)] = p.layout.full_from_rank_rows(block)
+                full = p.layout.full_from_rank_rows(block)
+                # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
+                # backward turns a pending-sum gradient into these placements, as eager's local_grad.
+                by_param[id(p)] = full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
         return [by_param[id(p)] for p in self.group.params]
 
     def _buckets(self) -> list[_Bucket]:
@@ -527,8 +530,8 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step (it would count nothing)"
     elif any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
-    elif any(p.tensor_parallel is not None for p in group.params):
-        problem = "tensor-parallel (DTensor) parameters"
+    elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):
+        problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
     elif any(not p.codec.plain for p in group.params) or group.all_gather_policy is not None:
         problem = "an all-gather extension (fsdp_pre_all_gather) or set_all_gather_policy"
     elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
