@@ -101,3 +101,57 @@ def test_parse_size():
     assert cli.parse_size("123") == 123
     with pytest.raises(Exception):
         cli.parse_size("lots")
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(root) for n in names}
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-folder", "overwrite"])
+def test_consolidate_onto_a_full_disk_leaves_the_destination_as_it_was(tmp_path, monkeypatch, capsys, existing):
+    """The disk fills while the 4th of 6 files is written: one error line, no half export in OUT
+    (the old one intact with --overwrite), no temporary folder left, and a retry succeeds."""
+    import errno
+
+    from fsdp2.checkpoint import consolidate as consolidate_module
+
+    path, out = str(tmp_path / "c"), tmp_path / "hf"
+    ck.save(path, make_model(0))
+    if existing:
+        assert cli.main(["consolidate", path, str(out), "--max-shard-size", "1B"]) == 0
+        ck.save(path, make_model(1))
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    real_writer, opened = consolidate_module.SafetensorsStreamWriter, []
+
+    class FillsTheDisk(real_writer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+        def _write(self, data):
+            if len(opened) == 4 and self.size > 0:  # the header fits, then the disk is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write(data)
+
+    monkeypatch.setattr(consolidate_module, "SafetensorsStreamWriter", FillsTheDisk)
+    argv = ["consolidate", path, str(out), "--max-shard-size", "1B", *(["--overwrite"] if existing else [])]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "No space left on device" in err[0], err
+    assert len(opened) == 4 and _tree(tmp_path) == before  # OUT untouched
+    assert sorted(os.listdir(tmp_path)) == (["c", "hf"] if existing else ["c"])  # no temporary folder left
+
+    monkeypatch.setattr(consolidate_module, "SafetensorsStreamWriter", real_writer)
+    if existing:  # the previous export is still whole: replacing it still takes --overwrite
+        assert cli.main(argv[:-1]) == 2 and "already holds weight files" in capsys.readouterr().err
+    assert cli.main(argv) == 0
+    with open(out / "model.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    assert sorted(os.listdir(out)) == sorted([*files, "model.safetensors.index.json"]) and len(files) == 6
+    loaded = {}
+    for name in files:
+        loaded.update(load_file(out / name))
+    reference = full_state(make_model(1 if existing else 0))
+    assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], v) for k, v in reference.items())

@@ -195,3 +195,48 @@ def test_corruption_seen_by_one_rank_stops_all_ranks(worlds, tmp_path):
     messages = [m for m, _ in results]
     assert "rank-00003.safetensors is corrupted" in messages[3]
     assert all("failed on another rank" in m for m in messages[:3]), messages
+
+
+def _fault_on_rank_1(rank, ws, path, where):
+    """Rank 1 raises a non-I/O error at ``where`` of a save, after rank 0 took the lock and made
+    gen-000002.partial; returns the rank's message, rank 0's listing after it, and what a later save
+    into the same path loads back."""
+    from fsdp2.checkpoint import writer
+
+    ck.save(path, shard(make_model(0), mesh_1d(ws)))
+    model = shard(make_model(1), mesh_1d(ws))
+
+    def fault(*args, **kwargs):
+        raise LookupError("injected fault")
+
+    name = {"progress": "ByteProgress", "async snapshot": "process_staging", "write": "_write_rank_file"}[where]
+    original = getattr(writer, name)
+    if rank == 1:
+        setattr(writer, name, fault)
+    try:
+        handle = ck.save(path, model, async_save=where == "async snapshot")
+        if handle is not None:
+            handle.wait()
+        message = "saved"
+    except ck.CheckpointError as e:
+        message = str(e)
+    finally:
+        setattr(writer, name, original)
+    listing = sorted(os.listdir(path)) if rank == 0 else None
+    ck.save(path, model)  # the path is free again
+    loaded = shard(make_model(7), mesh_1d(ws))
+    ck.load(path, loaded)
+    return message, listing, full_state(loaded)
+
+
+@pytest.mark.parametrize("where", ["progress", "async snapshot", "write"])
+def test_any_error_on_one_rank_fails_the_save_on_every_rank(worlds, tmp_path, where):
+    """Not only I/O errors: whatever one rank raises inside save reaches every rank through the
+    commit's agreement (no rank left waiting in a collective), and rank 0 removes the lock and
+    the partial data."""
+    path = str(tmp_path / "c")
+    results = worlds.run(2, _fault_on_rank_1, path, where, timeout=60)
+    for rank, (message, _, state) in enumerate(results):
+        assert "failed on rank 1: injected fault" in message and "nothing was published" in message, (rank, message)
+        assert_same_state(state, full_state(make_model(1)))
+    assert results[0][1] == ["gen-000001", "manifest.json"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -434,8 +436,11 @@ def test_a_missing_or_wrong_implementation_is_skipped(monkeypatch):
 
 
 @pytest.mark.parametrize("wrong_on", [lambda array: len(array) == 4096 + 37,
-                                      lambda array: len(array) > 64 and array.ctypes.data % 2 == 1],
-                         ids=["a-4-KiB-+-37-byte-buffer", "a-buffer-at-an-odd-address"])
+                                      lambda array: len(array) > 64 and array.ctypes.data % 2 == 1,
+                                      lambda array: len(array) > 64 << 10,
+                                      lambda array: len(array) > 64 << 10 and array.ctypes.data % 8 == 5],
+                         ids=["a-4-KiB-+-37-byte-buffer", "a-buffer-at-an-odd-address", "buffers-past-64-KiB",
+                              "buffers-past-64-KiB-at-address-5-mod-8"])
 def test_an_implementation_wrong_only_on_long_buffers_is_skipped(monkeypatch, wrong_on):
     """The check value is 9 bytes: a vector path (its folds, its tails) that is wrong passes it."""
     right = integrity.IMPLEMENTATIONS["crc32c"]()
@@ -447,6 +452,80 @@ def test_an_implementation_wrong_only_on_long_buffers_is_skipped(monkeypatch, wr
     with pytest.raises(ImportError, match="no working CRC32C implementation"):
         integrity.choose_implementation(["broken"])
     assert integrity.choose_implementation(["broken", "crc32c"])[0] == "crc32c"
+
+
+class _FailingImport:
+    """A meta path finder whose module ``name`` raises ``error`` when imported, as a broken build does."""
+
+    def __init__(self, name: str, error: Exception):
+        self.name, self.error = name, error
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, self) if fullname == self.name else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+def _raising_crc32c(error: Exception, long_only: bool = False):
+    right = integrity.IMPLEMENTATIONS["crc32c"]()
+
+    def crc32c(data, value):
+        if not long_only or len(memoryview(data)) > 64 << 10:
+            raise error
+        return right(data, value)
+
+    return crc32c
+
+
+@pytest.mark.parametrize("failure", ["RuntimeError at import", "OSError at import", "ValueError when called",
+                                     "SystemError when called", "OSError when called",
+                                     "RuntimeError on buffers past 64 KiB"])
+def test_a_failing_optional_implementation_is_skipped(monkeypatch, failure):
+    """Any exception from an optional implementation -- at import or in its checks -- skips it, and
+    the next working one is chosen; it never makes ``import fsdp2.checkpoint`` fail."""
+    import types
+
+    error = {"RuntimeError": RuntimeError("built for another CPU"), "OSError": OSError(8, "Exec format error"),
+             "ValueError": ValueError("buffer is not contiguous"), "SystemError": SystemError("NULL result")}[
+        failure.split()[0]]
+    monkeypatch.delitem(sys.modules, "crc32c_rs", raising=False)
+    if failure.endswith("at import"):
+        monkeypatch.setattr(sys, "meta_path", [_FailingImport("crc32c_rs", error), *sys.meta_path])
+    else:
+        module = types.ModuleType("crc32c_rs")
+        module.crc32c = _raising_crc32c(error, long_only="past 64 KiB" in failure)
+        monkeypatch.setitem(sys.modules, "crc32c_rs", module)
+    expected = next(name for name in ("fastcrc", "crc32c") if name in _installed_implementations())
+    assert integrity.choose_implementation()[0] == expected
+
+
+def test_import_survives_an_optional_implementation_that_raises(tmp_path):
+    """A crc32c_rs raising RuntimeError at import used to make ``import fsdp2.checkpoint`` itself fail."""
+    (tmp_path / "crc32c_rs.py").write_text('raise RuntimeError("this build needs AVX-512")\n')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ck.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    result = subprocess.run([sys.executable, "-c", "import fsdp2.checkpoint, fsdp2.checkpoint.integrity as i; "
+                             "print(i.IMPLEMENTATION)"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("fastcrc", "crc32c")
+
+
+def test_implementation_checks_are_cheap():
+    """They run at every ``import fsdp2.checkpoint``: about 1.5 ms on the 2-core CI machine."""
+    import time
+
+    took = []
+    for _ in range(5):
+        start = time.perf_counter()
+        integrity.choose_implementation()
+        took.append(time.perf_counter() - start)
+    assert min(took) < 0.05, f"choosing the CRC32C implementation took {min(took) * 1e3:.1f} ms"
 
 
 @pytest.mark.parametrize("save_with,load_with", [("crc32c", "crc32c_rs"), ("crc32c_rs", "fastcrc"),

@@ -414,6 +414,94 @@ def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path, bad):
             code = e.code
     err = captured.getvalue()
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "fsdp2.plan: " in lines[0], (code, err)
+    assert code == 2 and len(lines) == 1 and "fsdp2.plan: error: " in lines[0], (code, err)
     assert bad[0] in err or bad[0].lstrip("-").replace("-", "_") in err, err
     assert "Traceback" not in err and "min() arg" not in err
+
+
+_LLAMA = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 160}
+_GPT2 = {"model_type": "gpt2", "vocab_size": 500, "n_embd": 32, "n_layer": 3, "n_head": 4}
+_NO_SUCH_GPU = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+
+# (arguments or a config.json's text, what the one error line must name)
+_UNUSABLE = {
+    "kernel-scratch-bogus": (("--kernel-scratch", "bogus"), "--kernel-scratch 'bogus' is not a device"),
+    "kernel-scratch-empty": (("--kernel-scratch", ""), "--kernel-scratch '' is not a device"),
+    "calibrate-bogus": (("--calibrate", "bogus"), "--calibrate 'bogus' is not a device"),
+    "calibrate-empty": (("--calibrate", ""), "--calibrate '' is not a device"),
+    "calibrate-missing-gpu": (("--calibrate", _NO_SUCH_GPU), f"--calibrate {_NO_SUCH_GPU}: this machine has no"),
+    "plot-unknown-format": (("--plot", "{tmp}/plan.xyz"), "matplotlib cannot write .xyz files"),
+    "config-list": ("[1, 2]", "holds a JSON list, not an object"),
+    "config-number": ("42", "holds a JSON int, not an object"),
+    "config-nested-10000-deep": ("[" * 10000 + "]" * 10000, "nested too deeply"),
+    "config-not-utf8": (b'{"model_type": "llama\xff"}', "is not UTF-8 text"),
+    "zero-heads": ({**_LLAMA, "num_attention_heads": 0}, "num_attention_heads=0 is out of range"),
+    "zero-hidden-size": ({**_LLAMA, "hidden_size": 0}, "hidden_size=0 is out of range"),
+    "gpt2-zero-heads": ({**_GPT2, "n_head": 0}, "n_head=0 is out of range"),
+    "gpt2-zero-width": ({**_GPT2, "n_embd": 0}, "n_embd=0 is out of range"),
+    "negative-vocab": ({**_LLAMA, "vocab_size": -5}, "vocab_size=-5 is out of range"),
+    "string-size": ({**_LLAMA, "hidden_size": "64"}, 'hidden_size must be a whole number, got "64"'),
+    "float-size": ({**_LLAMA, "intermediate_size": 160.0}, "intermediate_size must be a whole number, got 160.0"),
+    "null-size": ({**_LLAMA, "num_hidden_layers": None}, "num_hidden_layers must be a whole number, got null"),
+    "bool-size": ({**_GPT2, "n_layer": True}, "n_layer must be a whole number, got true"),
+    "heads-not-dividing-width": ({**_LLAMA, "num_attention_heads": 7}, "num_attention_heads=7 does not divide"),
+    "gpt2-heads-not-dividing-width": ({**_GPT2, "n_head": 5}, "n_head=5 does not divide n_embd=32"),
+    "kv-heads-not-dividing-heads": ({**_LLAMA, "num_key_value_heads": 3}, "num_key_value_heads=3 does not divide"),
+    "huge-width": ({**_LLAMA, "hidden_size": 10**30, "num_attention_heads": 1}, "hidden_size=1000000000000000000"),
+    "huge-vocab": ({**_GPT2, "vocab_size": 10**30}, "vocab_size=1000000000000000000"),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNUSABLE))
+def test_cli_unusable_input_is_one_line_and_exit_2_before_any_work(tmp_path, case):
+    """Each of these gave a traceback (or, for --plot, a traceback after the table was printed)."""
+    given, named = _UNUSABLE[case]
+    if case.startswith("plot"):
+        pytest.importorskip("matplotlib", reason="without matplotlib --plot falls back to the text chart")
+    if isinstance(given, tuple):
+        argv = ["--model", "tests.test_plan:tiny_factory", *(a.format(tmp=tmp_path) for a in given)]
+    else:
+        config = tmp_path / "model" / "config.json"
+        config.parent.mkdir()
+        if isinstance(given, bytes):
+            config.write_bytes(given)
+        else:
+            config.write_text(given if isinstance(given, str) else json.dumps(given))
+        argv = ["--model", str(config.parent)]
+    argv += ["--gpus", "8", "--seq-len", "32", "--strategies", "DDP,FSDP"]
+    from fsdp2.plan.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fsdp2.plan: error: "), (code, err.getvalue())
+    assert named in lines[0], lines[0]
+    assert out.getvalue() == "" and list(tmp_path.glob("plan.*")) == []  # nothing planned, nothing written
+
+
+def test_layer_count_is_checked_when_the_config_is_read(tmp_path):
+    """A billion layers passed the reading and the planner then built them, one by one, on meta."""
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, "num_hidden_layers": 10**9}))
+    with pytest.raises(PlanInputError, match="num_hidden_layers=1000000000 is out of range: it must be from 1 to 4096"):
+        model_source(str(tmp_path / "config.json"))
+
+
+def test_cli_config_that_is_a_fifo_is_refused_instead_of_hanging(tmp_path):
+    """Reading a FIFO named config.json blocked forever (until something wrote to it)."""
+    import os
+    import subprocess
+
+    (tmp_path / "model").mkdir()
+    os.mkfifo(tmp_path / "model" / "config.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    try:
+        result = subprocess.run([sys.executable, "-m", "fsdp2.plan", "--model", str(tmp_path / "model"), "--gpus", "8",
+                                 "--seq-len", "32"], capture_output=True, text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("python -m fsdp2.plan still running after 60 s: reading the FIFO hangs")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "config.json is a FIFO, not a regular file" in lines[0] and result.stdout == ""

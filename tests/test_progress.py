@@ -9,6 +9,8 @@ import pty
 import subprocess
 import sys
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,10 +97,72 @@ def test_progress_when_asked_and_never_when_refused(tmp_path):
     assert "B/s" not in err, err
 
 
-def test_bad_setting_names_the_variable(monkeypatch):
+def test_bad_setting_warns_once_and_is_ignored(monkeypatch):
     monkeypatch.setenv(ENV, "loud")
-    with pytest.raises(ValueError, match=f"{ENV}='loud'.*use 1"):
-        wanted()
+    with pytest.warns(RuntimeWarning, match=f"{ENV}='loud' is not a setting, so it is ignored: use 1") as caught:
+        assert wanted() is False  # as if unset: pytest's stderr is not a terminal
+        assert wanted() is False
+    assert len(caught) == 1
+
+
+class _BrokenPipe:
+    """A stderr whose reader went away: every write (after the first ``good_writes``) raises EPIPE."""
+
+    def __init__(self, good_writes: int = 0):
+        self.good_writes = good_writes
+
+    def write(self, text: str) -> int:
+        if self.good_writes <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.good_writes -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.good_writes <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("trigger", ["unknown-setting", "stderr-is-none", "broken-pipe", "pipe-breaks-after-the-first-bar"])
+def test_progress_that_cannot_be_shown_never_fails_a_save(tmp_path, monkeypatch, trigger):
+    """Progress output failing on rank 0 alone used to raise out of save after the lock was taken:
+    the lock and gen-N.partial stayed, and every later save to the path was refused."""
+    import fsdp2.checkpoint as ck
+    from fsdp2.checkpoint.lock import LOCK_NAME
+    from tests.ckpt_helpers import assert_same_state, full_state, make_model
+
+    monkeypatch.setenv(ENV, "maybe" if trigger == "unknown-setting" else "1")
+    if trigger == "stderr-is-none":
+        monkeypatch.setattr(sys, "stderr", None)
+    elif trigger != "unknown-setting":
+        monkeypatch.setattr(sys, "stderr", _BrokenPipe(good_writes=0 if trigger == "broken-pipe" else 2))
+    path = tmp_path / "c"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the unknown setting's one warning
+        ck.save(str(path), make_model(0))
+        assert sorted(os.listdir(path)) == ["gen-000001", "manifest.json"]  # no lock, no .partial left
+        ck.save(str(path), make_model(1))
+    assert sorted(os.listdir(path)) == ["gen-000002", "manifest.json"] and not (path / LOCK_NAME).exists()
+    target = make_model(5)
+    ck.load(str(path), target)
+    assert_same_state(full_state(target), full_state(make_model(1)))
+
+
+@pytest.mark.parametrize("good_writes", [0, 1, 2], ids=["fails-at-once", "fails-on-first-flush", "fails-mid-way"])
+def test_unwritable_stream_silences_the_bar(monkeypatch, good_writes):
+    monkeypatch.setattr(sys, "stderr", _BrokenPipe(good_writes))
+    with ByteProgress("save", "x", 100, show=True) as progress:
+        progress.advance(10)
+        time.sleep(0.6)  # past tqdm's 0.5 s between redraws
+        progress.advance(10)
+        assert not progress.shown  # dropped as soon as the stream failed
+        progress.advance(80)
+    monkeypatch.setattr(sys, "stderr", None)
+    with ByteProgress("save", "x", 100, show=True) as progress:
+        assert not progress.shown
+        progress.advance(100)
 
 
 def test_silent_progress_counts_nothing_and_writes_nothing(capsys):

@@ -10,10 +10,12 @@ loads the folder with no hand step. Weights that are one tensor in the model (a 
 to the embedding) are written once, under the first state-dict name, as ``save_pretrained``
 does. Everything is checked before anything is written.
 
-Every output file is written under a temporary name in ``out`` and renamed over its final
-name: a name that already exists -- a symlink included, as in a Hugging Face snapshot folder,
-whose files link into the cache's blobs/ -- is replaced, never written through, so no file
-outside ``out`` is ever changed.
+Every output file is written into a fresh temporary folder -- next to ``out``, or inside it when
+it exists -- and moved into place only once all of them are written: a new ``out`` is that
+folder renamed, an existing one gets each file renamed over its final name. So a failure (a full
+disk) leaves ``out`` as it was, and a name that already exists -- a symlink included, as in a
+Hugging Face snapshot folder, whose files link into the cache's blobs/ -- is replaced, never
+written through: no file outside ``out`` is ever changed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .format import Manifest, TensorEntry
 from .paths import checkpoint_file
 from .reader import read_manifest
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec
+from .verify import verify_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -59,8 +62,6 @@ def consolidate(path: str, out: str, max_shard_size: int = 2 * 10**9, include_al
     """
     manifest = read_manifest(path)
     if verify:
-        from .cli import verify_checkpoint  # moves to verify.py (issue 13)
-
         problems = verify_checkpoint(path)
         if problems:
             raise CheckpointError(f"{path} failed verification: {problems[0]} (and {len(problems) - 1} more)")
@@ -71,13 +72,14 @@ def consolidate(path: str, out: str, max_shard_size: int = 2 * 10**9, include_al
     stale = _check_output(path, out, overwrite)
     entries = _entries(manifest, include_all)
 
-    os.makedirs(out, exist_ok=True)
-    index = _write_shards(path, out, entries, max_shard_size, out_dtype)
-    written = set(index["weight_map"].values()) | {INDEX_NAME}
-    for name in stale - written:
-        os.remove(os.path.join(out, name))
-    for source, name in copies:
-        _copy_config_file(source, os.path.join(out, name), out_dtype)
+    with _staging_folder(out) as staging:
+        index = _write_shards(path, staging, entries, max_shard_size, out_dtype)
+        for source, name in copies:
+            final = os.path.join(out, name)
+            if os.path.exists(final) and os.path.samefile(source, final) and out_dtype is None:
+                continue  # the config already lives in the output folder
+            _copy_config_file(source, os.path.join(staging, name), out_dtype)
+        _publish(staging, out, stale - set(index["weight_map"].values()) - {INDEX_NAME})
     return index
 
 
@@ -173,6 +175,7 @@ def _plan_output_files(entries: list[tuple[str, TensorEntry]], max_bytes: int) -
 
 def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], max_shard_size: int,
                   out_dtype: torch.dtype | None) -> dict:
+    """The shard files and the index, written into the (fresh, empty) folder ``out``."""
     from safetensors import safe_open
 
     def target_dtype(entry: TensorEntry) -> torch.dtype:
@@ -193,48 +196,58 @@ def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], m
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             specs = [TensorSpec(n, target_dtype(e), e.shape) for n, e in group]
-            with _replacing(os.path.join(out, fname)) as tmp:
-                writer = SafetensorsStreamWriter(tmp, specs, metadata={"format": "pt"})
-                try:
-                    for (name, entry), spec in zip(group, specs):
-                        writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
-                        weight_map[name] = fname
-                        total += spec.nbytes
-                        progress.advance(spec.nbytes)
-                    writer.close()
-                except BaseException:
-                    writer.abort()
-                    raise
+            writer = SafetensorsStreamWriter(os.path.join(out, fname), specs, metadata={"format": "pt"})
+            try:
+                for (name, entry), spec in zip(group, specs):
+                    writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
+                    weight_map[name] = fname
+                    total += spec.nbytes
+                    progress.advance(spec.nbytes)
+                writer.close()
+            except BaseException:
+                writer.abort()  # closed, so deleting the staging folder frees the space
+                raise
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with _replacing(os.path.join(out, INDEX_NAME)) as tmp, open(tmp, "w") as f:
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
         json.dump(index, f, indent=2)
     return index
 
 
 @contextlib.contextmanager
-def _replacing(dest: str):
-    """A fresh temporary file next to ``dest``, renamed over ``dest`` if the block succeeds.
-
-    The rename replaces whatever ``dest`` is -- a symlink into another checkpoint or the HF
-    cache stays pointing at untouched data, only the link in ``out`` is gone.
-    """
-    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.{secrets.token_hex(4)}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # new (O_EXCL), mode as umask says
+def _staging_folder(out: str):
+    """A fresh folder on ``out``'s file system for every output file; deleted if the block fails."""
+    out = os.path.abspath(out)
+    if os.path.isdir(out):
+        staging = os.path.join(out, f".fsdp2-consolidate-{secrets.token_hex(4)}.tmp")
+    else:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{secrets.token_hex(4)}.tmp")
+    os.mkdir(staging)
     try:
-        yield tmp
-        os.replace(tmp, dest)
+        yield staging
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def _publish(staging: str, out: str, stale: set[str]) -> None:
+    """Move the files written in ``staging`` into ``out`` (renames: no space needed, nothing written
+    through a symlink), then delete the ``stale`` weight files of an earlier export."""
+    out = os.path.abspath(out)
+    if not os.path.isdir(out):
+        os.rename(staging, out)
+        return
+    names = sorted(os.listdir(staging), key=lambda name: name == INDEX_NAME)  # the index last
+    for name in names:
+        os.replace(os.path.join(staging, name), os.path.join(out, name))
+    os.rmdir(staging)
+    for name in stale:
+        os.remove(os.path.join(out, name))
+
+
 def _copy_config_file(source: str, dest: str, out_dtype: torch.dtype | None) -> None:
-    if os.path.exists(dest) and os.path.samefile(source, dest) and out_dtype is None:
-        return  # the config already lives in the output folder
     if os.path.basename(dest) != "config.json" or out_dtype is None:
-        with _replacing(dest) as tmp:
-            shutil.copyfile(source, tmp)
+        shutil.copyfile(source, dest)
         return
     with open(source) as f:
         config = json.load(f)
@@ -242,5 +255,5 @@ def _copy_config_file(source: str, dest: str, out_dtype: torch.dtype | None) -> 
     # transformers reads "torch_dtype" (and, since 4.56, "dtype"): say what the files hold.
     for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
         config[key] = name
-    with _replacing(dest) as tmp, open(tmp, "w") as f:
+    with open(dest, "w") as f:
         json.dump(config, f, indent=2)

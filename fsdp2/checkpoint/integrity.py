@@ -9,9 +9,12 @@ multiplies: 87 and 66 GB/s on 1 MiB windows here, against 33 GB/s), else the ``c
 All release the GIL while they hash, so reader threads hash in parallel; since each release and
 re-acquire is a hand-off between a rank's reader threads, several readers hash a whole window per
 call and check it against the blocks' checksums combined (:func:`combined`). Before use, each is
-checked against CRC32C's check value and against the ``crc32c`` package on buffers long enough
-to take its vector paths, with every tail length, so a broken build or CPU dispatch falls back
-instead of writing or accepting wrong checksums.
+checked against CRC32C's check value, against the ``crc32c`` package on buffers of up to 4 KiB
+with every tail length, and on 1 MiB buffers at every alignment against itself continued over
+the buffer's 4 KiB pieces, so that the vector paths of long buffers run too. An implementation that
+fails to import or fails any check (wrong values, or any exception) is skipped: a broken build
+or CPU dispatch falls back instead of writing or accepting wrong checksums, or breaking
+``import fsdp2.checkpoint``. The checks cost about 1.5 ms at import (the 2-core CI machine).
 
 Blocks (:class:`BlockGrid`): a chunk (one stored box of a tensor, row-major) is cut into runs
 of whole dim-0 rows, a power of two of them per block, with block edges at *global* row
@@ -63,32 +66,60 @@ IMPLEMENTATIONS: dict[str, Callable[[], Callable[[object, int], int]]] = {
 REFERENCE = "crc32c"  # the core dependency: what the faster ones must agree with
 
 
-def _agrees_with(fn: Callable[[object, int], int], reference: Callable[[object, int], int]) -> bool:
-    """``fn`` equals ``reference`` on buffers that take vector paths (up to 4 KiB + 257 bytes, so
+_SEED = 0x5EED  # every check continues from a value, as readers continuing a checksum do
+_SHORT = 4096  # short buffers: lengths up to _SHORT + 256 are compared with the reference
+_LONG = (1 << 20) + 257  # past the 64 KiB and larger blocks of the vector paths, with an odd tail
+
+
+def _test_data() -> memoryview:
+    """Random bytes, the same every run (a bit generator's raw stream is stable across numpy versions)."""
+    return memoryview(np.random.PCG64(24).random_raw((_LONG + 7) // 8 + 1).view(np.uint8))
+
+
+def _agrees_with(fn: Callable[[object, int], int], reference: Callable[[object, int], int], data: memoryview) -> bool:
+    """``fn`` equals ``reference`` on buffers that take vector paths (up to 4 KiB + 256 bytes, so
     folds of 64-256 bytes and every tail length 0-256 run), at odd alignments, continued from a value."""
-    data = memoryview(np.random.default_rng(24).integers(0, 256, 4096 + 257 + 3, dtype=np.uint8))
-    for length in (4096, 1024, 512, 256):
+    for length in (_SHORT, 1024, 512, 256):
         for tail in range(257):
             for start in (0, 3) if tail % 64 == 1 else (tail % 4,):
                 piece = data[start:start + length + tail]
-                if fn(piece, 0x5EED) != reference(piece, 0x5EED):
+                if fn(piece, _SEED) != reference(piece, _SEED):
                     return False
+    return True
+
+
+def _long_buffers_agree(fn: Callable[[object, int], int], data: memoryview) -> bool:
+    """``fn`` of a 1 MiB + 257 byte buffer, at each alignment 0-7, equals ``fn`` continued over the
+    buffer's 4 KiB pieces one after the other: the long buffer takes the paths the short checks
+    never reach, the pieces take the ones they checked."""
+    for start in range(8):
+        piece = data[start:start + _LONG]
+        chained = _SEED
+        for i in range(0, _LONG, _SHORT):
+            chained = fn(piece[i:i + _SHORT], chained)
+        if fn(piece, _SEED) != chained:
+            return False
     return True
 
 
 def choose_implementation(names=None) -> tuple[str, Callable[[object, int], int]]:
     """``(name, function)`` of the first of ``names`` (default: all, fastest first) that imports,
-    computes CRC32C's check value whole and continued from a prefix, and agrees with the ``crc32c``
-    package (:func:`_agrees_with`; the package itself only by the check value)."""
-    reference = None
+    computes CRC32C's check value whole and continued from a prefix, agrees with the ``crc32c``
+    package (:func:`_agrees_with`; the package itself only by the check value) and with itself
+    on long buffers (:func:`_long_buffers_agree`). Any exception while importing or checking one
+    skips it, as a wrong value does."""
+    reference, data = None, None
     for name in names or IMPLEMENTATIONS:
         try:
             fn = IMPLEMENTATIONS[name]()
             ok = fn(_CHECK_INPUT, 0) == _CHECK_VALUE and fn(_CHECK_INPUT[4:], fn(_CHECK_INPUT[:4], 0)) == _CHECK_VALUE
-            if ok and name != REFERENCE:
-                reference = reference or IMPLEMENTATIONS[REFERENCE]()
-                ok = _agrees_with(fn, reference)
-        except (ImportError, AttributeError, TypeError):
+            if ok:
+                data = data if data is not None else _test_data()
+                if name != REFERENCE:
+                    reference = reference or IMPLEMENTATIONS[REFERENCE]()
+                    ok = _agrees_with(fn, reference, data)
+                ok = ok and _long_buffers_agree(fn, data)
+        except Exception:  # an optional extension that fails to load or to run: the next one
             continue
         if ok:
             return name, fn

@@ -10,7 +10,8 @@ Commit protocol (why a reader never sees a half-written checkpoint):
    once) and a JSON sidecar with the file's size, header checksum and chunk list
    (with each chunk's block checksums, integrity.py) into the staging dir, each fsynced.
 3. Barrier that also tells every rank whether all writes succeeded. If one failed
-   (a full disk), rank 0 deletes the staging dir: the disk is not left full.
+   (a full disk, or any other error a rank raised between steps 1 and 3), rank 0 deletes
+   the staging dir: the disk is not left full, the lock is released.
 4. Rank 0 reads the sidecars, checks that chunks tile every tensor, renames
    ``gen-g.partial`` -> ``gen-g``, writes ``manifest.json.tmp``, fsyncs it and
    atomically ``os.replace``s it over ``manifest.json``. That rename is the commit:
@@ -260,6 +261,13 @@ class _SaveJob:
         self.stage = _Stage.WRITTEN
         _maybe_crash("after_write", self.rank)
 
+    def record_failure(self, error: BaseException) -> None:
+        """This rank's part failed outside ``write`` (its files may be missing): ``commit`` reports ``error``."""
+        if self.error is None:
+            self.error = error
+        self.shards = []
+        self.stage = _Stage.WRITTEN
+
     def commit(self) -> None:
         """Publish (collective). Raises ``CheckpointError`` on every rank if any rank failed."""
         try:
@@ -317,15 +325,17 @@ class AsyncSave:
     save's error on every call once it failed.
     """
 
-    def __init__(self, job: _SaveJob):
+    def __init__(self, job: _SaveJob, start: bool = True):
         self._job = job
         self.path = job.path
         self._thread = threading.Thread(target=job.write, name="fsdp2-checkpoint-writer", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def finish_writing(self) -> None:
         """Block until this rank's files are on disk (no commit: that is ``wait()``'s, collective)."""
-        self._thread.join()
+        if self._thread.ident is not None:  # never started when the save failed before writing
+            self._thread.join()
 
     def done_writing(self) -> bool:
         """True once this rank's files are on disk (``wait()`` is then quick)."""
@@ -357,6 +367,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     allocated once and reused by later saves (pinned, on a side stream, for CUDA
     tensors: see ``staging.py``), written and checksummed by a background thread, and
     the returned handle's ``wait()`` (collective) commits.
+    Whatever fails on any rank fails the save on every rank with that rank's reason (a
+    ``CheckpointError``; once the files are being written, from an async save's ``wait()``),
+    and the directory is left as it was: the previous checkpoint, no lock, no partial data.
     Gathered (unsharded) fsdp2 groups are resharded first; values do not change.
     """
     path = os.fspath(path)
@@ -369,17 +382,32 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     # others at the commit. Not over an async save's background write: that runs beside training.
     with gc_pause.paused():
         job = _prepare(path, model, optimizer, extra, rank_extra)
+        # From here rank 0 holds the lock and gen-N.partial exists. Whatever fails on one rank (not only
+        # I/O) is kept as that rank's write error, so the commit reports it on every rank and cleans up:
+        # raising here instead would leave the other ranks waiting in the commit's collective.
         if async_save:
-            # Copies: training may keep updating parameters while the thread writes.
-            job.snapshot = process_staging()
-            for s, copy in zip(job.shards, job.snapshot.stage([s.data for s in job.shards])):
-                s.data = copy
-            handle = AsyncSave(job)
+            try:
+                # Copies: training may keep updating parameters while the thread writes.
+                staging = process_staging()
+                copies = staging.stage([s.data for s in job.shards])  # on failure it holds nothing
+                job.snapshot = staging
+                for s, copy in zip(job.shards, copies):
+                    s.data = copy
+                handle = AsyncSave(job)
+            except BaseException as e:  # wait() reports it on every rank, as it would a failed write
+                if job.snapshot is not None:
+                    job.snapshot.release()
+                    job.snapshot = None
+                job.record_failure(e)
+                handle = AsyncSave(job, start=False)
             _pending[_pending_key(path)] = handle
             return handle
-        # Async saves show no progress: their thread writes while training prints its own lines.
-        with ByteProgress("save", path, sum(s.nbytes for s in job.shards)) as progress:
-            job.write(progress)
+        try:
+            # Async saves show no progress: their thread writes while training prints its own lines.
+            with ByteProgress("save", path, sum(s.nbytes for s in job.shards)) as progress:
+                job.write(progress)
+        except BaseException as e:
+            job.record_failure(e)
         job.commit()
     return None
 

@@ -28,7 +28,7 @@ class _OneLineErrors(argparse.ArgumentParser):
     """Bad arguments: one line naming the argument (not the usage block), exit 2."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (--help lists the arguments)\n")
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
 
 
 def _check_output(path: str | None, flag: str) -> None:
@@ -42,6 +42,38 @@ def _check_output(path: str | None, flag: str) -> None:
         raise PlanInputError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise PlanInputError(f"{flag} {path} is not writable; choose another path")
+
+
+def _check_device(value: str | None, flag: str, fix: str, types: tuple[str, ...] | None = None) -> None:
+    """Refuse a device this machine does not have before planning, not after the model was read."""
+    if value is None:
+        return
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise PlanInputError(f"{flag} {value!r} is not a device; {fix}") from None
+    if device.type == "meta" or (types is not None and device.type not in types):
+        raise PlanInputError(f"{flag} {value}: not a device to run on here; {fix}")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # AssertionError: torch built without CUDA
+        raise PlanInputError(f"{flag} {value}: this machine has no such device ({e}); {fix}") from None
+
+
+def _check_plot(path: str | None) -> None:
+    """Refuse an image format matplotlib cannot write before planning, not after the table is printed."""
+    if path is None or path.endswith(".txt"):
+        return
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if not suffix:
+        return  # matplotlib writes its default format, PNG
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # the text chart is shown instead, with the extra to install
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise PlanInputError(f"--plot {path}: matplotlib cannot write .{suffix} files; name it .png, .svg or .pdf, "
+                             "or .txt for the text chart")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_output(args.json, "--json")
         _check_output(args.plot, "--plot")
+        _check_plot(args.plot)
+        _check_device(args.calibrate, "--calibrate", "use --calibrate cuda on a GPU machine, or --calibrate cpu",
+                      types=("cpu", "cuda"))
+        _check_device(args.kernel_scratch, "--kernel-scratch",
+                      "name a device this machine has (cpu, cuda), or leave --kernel-scratch out")
         precision = Precision(_DTYPES[args.param_dtype], _DTYPES[args.reduce_dtype], args.low_precision_all_gather)
         cluster = Cluster(
             gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib,
@@ -96,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps,
         )
         source = model_source(args.model, block=args.block)
-        if args.calibrate:
+        if args.calibrate is not None:
             from fsdp2.plan.calibrate import calibrate
 
             cal = calibrate(source, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=precision,
@@ -112,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel_scratch=args.kernel_scratch,
         )
     except (PlanInputError, ValueError) as e:
-        print(f"fsdp2.plan: {e}", file=sys.stderr)
+        print(f"fsdp2.plan: error: {e}", file=sys.stderr)
         return 2
     if args.json == "-":
         json.dump(result.to_json(), sys.stdout, indent=2)
@@ -133,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"plot: {save_plot(result, args.plot)}", file=sys.stderr)
             except PlotUnavailable as e:
                 # The plan itself is done; give the chart as text rather than fail the run.
-                print(f"fsdp2.plan: {e} (or --plot NAME.txt for the text chart, shown here)", file=sys.stderr)
+                print(f"fsdp2.plan: error: {e} (or --plot NAME.txt for the text chart, shown here)", file=sys.stderr)
                 if not args.ascii_plot:
                     print(ascii_plot(result), file=sys.stderr if args.json == "-" else sys.stdout)
     except OSError as e:  # checked before planning, but a disk can fill or a folder vanish
-        print(f"fsdp2.plan: cannot write {flag}: {e}", file=sys.stderr)
+        print(f"fsdp2.plan: error: cannot write {flag}: {e}", file=sys.stderr)
         return 2
     return 0
 

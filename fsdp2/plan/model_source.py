@@ -190,40 +190,99 @@ def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: li
 
 _LLAMA_TYPES = ("llama", "mistral")
 _GPT_TYPES = ("gpt2", "gpt_neox")
+# Far beyond any published model (widths ~16k-50k, vocabularies ~250k, ~130 layers), and small enough
+# that every weight's element and byte counts stay exact in int64 on the meta device.
+_MAX_SIZE = 1 << 24
+_MAX_LAYERS = 1 << 12  # the planner builds every block on meta: 4096 take about 20 s
+
+
+def _read_json(path: str) -> Any:
+    """The JSON of ``path``, which must be a regular file: a FIFO or device would block or never end."""
+    from fsdp2.checkpoint.errors import CheckpointError
+    from fsdp2.checkpoint.paths import open_regular, read_text
+
+    fix = "pass the model's config.json (or its folder)"
+    try:
+        fd, _ = open_regular(path, fix)
+        try:
+            text = read_text(fd, path, fix)
+        finally:
+            os.close(fd)
+        return json.loads(text)
+    except CheckpointError as e:
+        raise PlanInputError(str(e)) from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or a number of more than 4300 digits
+        raise PlanInputError(f"cannot read Hugging Face config {path}: {e}") from None
+    except RecursionError:
+        raise PlanInputError(f"cannot read Hugging Face config {path}: nested too deeply to be a model "
+                             "config") from None
+
+
+def _size(hf: dict, key: str, path: str, default: Any = None, limit: int = _MAX_SIZE) -> int:
+    """``hf[key]`` (or ``default`` if absent) as a size: a whole number from 1 to ``limit``."""
+    if key not in hf and default is None:
+        raise KeyError(key)
+    value = hf.get(key, default)
+    if value is None and default is not None:
+        value = default  # "n_inner": null means the default, as in transformers
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanInputError(f"{path}: {key} must be a whole number, got {json.dumps(value)}")
+    if not 1 <= value <= limit:
+        raise PlanInputError(f"{path}: {key}={value} is out of range: it must be from 1 to {limit}")
+    return value
+
+
+def _divides(part: int, part_key: str, whole: int, whole_key: str, path: str) -> None:
+    if whole % part:
+        raise PlanInputError(f"{path}: {part_key}={part} does not divide {whole_key}={whole}; fix the config")
 
 
 def from_hf_config(path: str) -> ModelSource:
-    """A Hugging Face ``config.json`` of a decoder, as the fsdp2 model with the same shapes."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanInputError(f"cannot read Hugging Face config {path}: {e}") from e
+    """A Hugging Face ``config.json`` of a decoder, as the fsdp2 model with the same shapes.
+
+    Every size is checked (a whole number in range, heads dividing the width) before anything is built.
+    """
+    hf = _read_json(path)
+    if not isinstance(hf, dict):
+        raise PlanInputError(f"{path} holds a JSON {type(hf).__name__}, not an object: not a model config")
     kind = hf.get("model_type")
-    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or kind
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or str(kind)
     try:
         if kind in _LLAMA_TYPES:
-            heads = hf["num_attention_heads"]
-            dim = hf["hidden_size"]
+            heads = _size(hf, "num_attention_heads", path)
+            dim = _size(hf, "hidden_size", path)
+            _divides(heads, "num_attention_heads", dim, "hidden_size", path)
+            kv_heads = _size(hf, "num_key_value_heads", path, default=heads)
+            _divides(kv_heads, "num_key_value_heads", heads, "num_attention_heads", path)
             if hf.get("head_dim") not in (None, dim // heads):
                 raise PlanInputError(f"{path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; not supported")
             cfg = LlamaConfig(
-                vocab_size=hf["vocab_size"], seq_len=hf.get("max_position_embeddings", 2048), dim=dim,
-                n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=hf.get("num_key_value_heads"),
-                hidden_dim=hf["intermediate_size"], tie_weights=bool(hf.get("tie_word_embeddings", False)),
+                vocab_size=_size(hf, "vocab_size", path),
+                seq_len=_size(hf, "max_position_embeddings", path, 2048, 1 << 31), dim=dim,
+                n_layers=_size(hf, "num_hidden_layers", path, limit=_MAX_LAYERS), n_heads=heads,
+                n_kv_heads=kv_heads, hidden_dim=_size(hf, "intermediate_size", path),
+                tie_weights=bool(hf.get("tie_word_embeddings", False)),
             )
             return from_config(cfg, name, [f"{path}: model_type {kind!r} built as fsdp2's Llama (RMSNorm, rotary, SwiGLU, GQA)"])
         if kind in _GPT_TYPES:
             if kind == "gpt2":
-                dim, layers, heads = hf["n_embd"], hf["n_layer"], hf["n_head"]
-                inner, tie, positions = hf.get("n_inner") or 4 * dim, bool(hf.get("tie_word_embeddings", True)), hf.get("n_positions", 1024)
+                dim, heads = _size(hf, "n_embd", path), _size(hf, "n_head", path)
+                _divides(heads, "n_head", dim, "n_embd", path)
+                layers = _size(hf, "n_layer", path, limit=_MAX_LAYERS)
+                inner = _size(hf, "n_inner", path, default=4 * dim)
+                tie = bool(hf.get("tie_word_embeddings", True))
+                positions = _size(hf, "n_positions", path, 1024, 1 << 31)
             else:
-                dim, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-                inner, tie, positions = hf["intermediate_size"], bool(hf.get("tie_word_embeddings", False)), hf.get("max_position_embeddings", 2048)
+                dim, heads = _size(hf, "hidden_size", path), _size(hf, "num_attention_heads", path)
+                _divides(heads, "num_attention_heads", dim, "hidden_size", path)
+                layers = _size(hf, "num_hidden_layers", path, limit=_MAX_LAYERS)
+                inner = _size(hf, "intermediate_size", path)
+                tie = bool(hf.get("tie_word_embeddings", False))
+                positions = _size(hf, "max_position_embeddings", path, 2048, 1 << 31)
             if inner % dim:
                 raise PlanInputError(f"{path}: MLP width {inner} is not a multiple of the model width {dim}; not supported")
-            cfg = GPTConfig(vocab_size=hf["vocab_size"], seq_len=positions, dim=dim, n_layers=layers, n_heads=heads,
-                            mlp_ratio=inner // dim, tie_weights=tie)
+            cfg = GPTConfig(vocab_size=_size(hf, "vocab_size", path), seq_len=positions, dim=dim, n_layers=layers,
+                            n_heads=heads, mlp_ratio=inner // dim, tie_weights=tie)
             return from_config(cfg, name, [
                 f"{path}: model_type {kind!r} built as fsdp2's GPT (learned positions, LayerNorm, GELU MLP; "
                 "q/k/v biases and rotary embeddings not modelled: < 0.1% of the parameters)"

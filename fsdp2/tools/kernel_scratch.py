@@ -21,8 +21,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from fsdp2.compat import tree_flatten, tree_map
 from fsdp2.tools.memory_meter import PeakMemory
 
 # (device, settings that pick kernels, op, argument signature) -> scratch bytes, for every op
@@ -41,7 +41,10 @@ class KernelScratch:
     """Measures, on ``device``, the scratch of the ops a meta dry run dispatches."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:  # torch's own message lists every device type it knows
+            raise ValueError(f"kernel scratch: {device!r} is not a device ({e}); use e.g. 'cpu' or 'cuda'") from None
         if self.device.type == "meta":
             raise ValueError("kernel scratch is measured on a real device (e.g. 'cpu' or 'cuda'), not 'meta'")
         try:
