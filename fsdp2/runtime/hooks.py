@@ -185,6 +185,7 @@ class FSDPState:
 
     @torch._dynamo.disable
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ends_at_inputs = False
         with compat.outside_functorch():
             if self.root is None:
                 self.lazy_init()
@@ -199,8 +200,9 @@ class FSDPState:
                 except BaseException:
                     self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
                     raise
-                if self.group.backward_end is BackwardEnd.INPUT_GRADS and torch.is_grad_enabled():
-                    args, kwargs = _EndBackwardAtInputs.wrap(self.group, args, kwargs)
+                ends_at_inputs = self.group.backward_end is BackwardEnd.INPUT_GRADS and torch.is_grad_enabled()
+        if ends_at_inputs:  # inside any functorch transform: the inputs are its tensors
+            args, kwargs = _EndBackwardAtInputs.wrap(self.group, args, kwargs)
         return self._cast_inputs(args, kwargs)
 
     def _begin_group_forward(self) -> None:
