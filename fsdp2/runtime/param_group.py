@@ -211,9 +211,13 @@ class ParamGroup:
     def pre_forward(self, *, gathers_run_ahead: bool) -> None:
         """Gather before the module's forward."""
         self.phase = Phase.FORWARD
-        # requires_grad may change between steps (freezing a base model after fully_shard).
-        at_inputs = schedule.backward_ends_at_inputs([p.sharded_param.requires_grad for p in self.params])
-        self.backward_end = BackwardEnd.INPUT_GRADS if at_inputs else BackwardEnd.GRADS_READY
+        # requires_grad may change between steps (freezing a base model after fully_shard). The rule
+        # is schedule.backward_ends_at_inputs (any frozen parameter), as a loop without a Python call.
+        self.backward_end = BackwardEnd.GRADS_READY
+        for p in self.params:
+            if not p.sharded_param.requires_grad:
+                self.backward_end = BackwardEnd.INPUT_GRADS
+                break
         self.unshard(async_op=True, wait_for_compute=not gathers_run_ahead)
         self.wait_for_unshard()
 
