@@ -19,11 +19,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "RESULTS.md")
 
 # Where each chart's numbers come from: RESULTS.md headings (a section, then a sub-heading in it).
-STEP_SECTION = "## Training step after side streams, fused copies and the one-rank shortcut (2026-11-22, later)"
-STEP_TABLE = "#### fake process group, world size {n}"  # column "step ms (median)", rows fsdp2/torch/unsharded
-HOST_SECTION = "## Simulated worlds on a no-op process group; the optimizer on local shards; the floor at world size 1"
+STEP_SECTION = "## Training step on CPU: fsdp2 vs PyTorch FSDP2 vs unsharded"
+STEP_TABLE = "### fake process group, world size {n}"  # column "step ms (median)", rows fsdp2/torch/unsharded
+HOST_SECTION = "## CPU time per step by world size"
 HOST_TABLE = "### Scaling with N, small GPT (4.24M params), CPU ms per step, paired"  # rows "N, noop"
-CKPT_SECTION = "## Checkpoint throughput against size (issue 25)"
+CKPT_SECTION = "## Checkpoint throughput against size"
 CKPT_TABLE = "### GiB/s of state saved or loaded, 2 ranks, warm page cache"
 SOURCES = {
     "chart_scaling.png": [f"{STEP_SECTION} / {STEP_TABLE}", f"{HOST_SECTION} / {HOST_TABLE}"],
@@ -107,7 +107,7 @@ def plot_scaling(plt, data, path: str) -> None:
         ax.grid(alpha=0.3)
     ax_step.set_ylabel("ms per step")
     ax_host.legend()
-    fig.suptitle("small GPT (4.24M params) on a 2-core CPU: RESULTS.md, issue 5 and issue 12 tables")
+    fig.suptitle("small GPT (4.24M params) on a 2-core CPU: RESULTS.md, training step and CPU time by world size")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -137,7 +137,7 @@ def plot_checkpoint(plt, rows, path: str) -> None:
         ax.legend()
     ax_save.set_ylabel("GiB/s (slowest rank)")
     ax_save.set_ylim(bottom=0)
-    fig.suptitle("checkpoint throughput, 2 CPU ranks, shared 2-core machine: RESULTS.md, issue 25 table")
+    fig.suptitle("checkpoint throughput, 2 CPU ranks, shared 2-core machine: RESULTS.md, throughput against size")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -116,7 +116,7 @@ def load_outcome(path: str, model: nn.Module, load=None) -> tuple[str, bool]:
     return outcome, all(torch.equal(v, before[k]) for k, v in full_state(model).items())
 
 
-# ---------------------------------------------------------------- untrusted files (issue 24)
+# ---------------------------------------------------------------- untrusted files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -255,7 +255,7 @@ def test_save_consolidate_load_hf_on_another_world_size(worlds, tmp_path):
         assert_same_state(state, saved)
 
 
-# ---------------------------------------------------------------- untrusted files (issue 24)
+# ---------------------------------------------------------------- untrusted files
 
 _LOAD_HF_IN_A_SUBPROCESS = """
 import json

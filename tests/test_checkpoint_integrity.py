@@ -368,7 +368,7 @@ def test_format_1_verify_and_corruption(tmp_path, capsys):
         ck.load(copy, make_model(1))
 
 
-# ---------------------------------------------------------------- checksum implementations (issue 24)
+# ---------------------------------------------------------------- checksum implementations
 
 
 def _crc32c_bitwise(data: bytes, value: int = 0) -> int:

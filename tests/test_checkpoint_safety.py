@@ -1,6 +1,6 @@
 """Checkpoints that never restore or publish the wrong state, and misuse that changes nothing.
 
-Each test here failed before its fix (issue 11). Single-process cases run in the pytest
+Each test here failed before its fix. Single-process cases run in the pytest
 process (no process group: a 1-rank job); multi-rank cases use the shared gloo worlds.
 """
 
@@ -816,7 +816,7 @@ def test_from_pretrained_loads_the_export(tmp_path, tied):
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
 
 
-# ================================================================ fault and misuse probe (issue 24)
+# ================================================================ fault and misuse probe
 
 def _make_lock_hazard(path: str, kind: str) -> None:
     """Put ``kind`` where the save lock goes: what a probe (or a careless user) leaves there."""

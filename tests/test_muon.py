@@ -187,7 +187,7 @@ def test_parity_options_and_meshes(worlds, case):
 
 
 def test_torch_muon_on_the_shards_fails_the_parity_check(worlds):
-    """What the issue reports, and proof that the check can fail: torch.optim.Muon stepping the
+    """Why fsdp2.optim.Muon exists, and proof that the check can fail: torch.optim.Muon stepping the
     DTensor shards of the same model, on the same gradients, is already off after one step."""
     diffs = worlds.run(2, train_side_by_side, Case(), 1, "torch")[0]["diffs"]
     with pytest.raises(AssertionError, match="step 0"):

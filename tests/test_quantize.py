@@ -228,7 +228,7 @@ def test_shorter_shard_reads_as_zero_padded():
 def test_wire_bytes(scale_dtype, ratio):
     policy = AllGatherPolicy(torch.int8, scale_dtype=scale_dtype)  # default block size
     n = 2**20
-    assert wire_bytes(n, policy) <= 0.53 * 2 * n  # the issue's target, against bf16
+    assert wire_bytes(n, policy) <= 0.53 * 2 * n  # the promised bound: about half of bf16's bytes
     assert wire_bytes(n, policy) <= ratio * 2 * n
     for numel in [1, 127, 128, 129, 1000, 4097]:
         nblocks = math.ceil(numel / 128)

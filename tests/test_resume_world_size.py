@@ -1,4 +1,4 @@
-"""Resume on another world size with the input pipeline's position (issue 23):
+"""Resume on another world size with the input pipeline's position:
 examples/resume_any_world.py saves on 4 ranks mid-epoch and resumes on 2 and on 3."""
 
 import sys

@@ -6,7 +6,7 @@ views, decoded state) that die by reference counting when it returns. With autom
 collection on, they cross the young generations' thresholds dozens of times per load, survivors
 are promoted, and every few loads that tips a *full* collection, which walks every object of
 the process (~300k in a process that imported torch: 0.14-0.18 s on the 2-core CI machine,
-as long as the whole read of a 1.5 GB rank; benchmarks/RESULTS.md, issue 24). In a multi-rank
+as long as the whole read of a 1.5 GB rank). In a multi-rank
 load the other ranks wait for it at the all-ranks agreement. Paused, the load's objects are
 freed before any collection sees them: at most one young collection follows, as collection
 resumes, and it finds only what the load returned.

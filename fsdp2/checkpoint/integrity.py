@@ -146,7 +146,7 @@ def checksum_function() -> Callable[[object, int], int]:
 # reader hash a whole window of blocks with ONE call and check it against the manifest's block
 # checksums folded together: each call of a hash that releases the GIL is a GIL hand-off, and with
 # several reader threads per rank those hand-offs, not the hashing, capped a verified read
-# (benchmarks/RESULTS.md, issue 24 on a 16-core host).
+# (benchmarks/RESULTS.md, "Checkpoint loads on a 16-core host").
 
 _POLY_REFLECTED = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected: x^0 is bit 31
 

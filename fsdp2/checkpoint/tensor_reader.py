@@ -30,7 +30,7 @@ the CPU cache hashes faster (``crc32c-rs``: 87 GB/s in cache, ~32 GB/s from memo
 CI machine, one rank reading the 1.6 GB benchmark state with two threads paid +21.6 ms for 1 MiB
 windows against +27.5 ms for whole tasks (medians of 5 paired runs; 2.9 GB: +17.8 against
 +46.8 ms), and one thread per rank on 2 ranks pays 0.06-0.14x of the unverified load at
-13 MB-2.9 GB (benchmarks/RESULTS.md, issue 24).
+13 MB-2.9 GB (benchmarks/RESULTS.md, "Checkpoint loads by size vs DCP").
 """
 
 from __future__ import annotations
