@@ -17,7 +17,7 @@ Each runs in a fresh process, rounds alternate the order, and we report the medi
 timed steps of wall ms and process CPU ms (on a shared machine CPU time moves less). In a fake
 process group collectives do nothing (buffers keep garbage; denormals are flushed), so this
 measures rank 0's compute and overhead, not communication; we also print rank 0's share of
-the Newton-Schulz flops and the bytes it hands to all_to_all per step (fsdp2.comm_stats).
+the Newton-Schulz flops and the bytes it hands to all_to_all per step (fsdp2.tools.comm_stats).
 """
 
 from __future__ import annotations

@@ -1,25 +1,35 @@
 """Every private PyTorch API fsdp2 relies on, in one place.
 
-These are underscore names of DTensor, DeviceMesh and autograd that have no public equivalent in
-torch 2.11 and 2.13. Keeping them here means a torch release that moves one breaks one file, and
-reading this file tells what fsdp2 assumes beyond the public API.
+These are underscore names of DTensor, DeviceMesh, nn.Module, c10d, the dispatcher and autograd
+that have no public equivalent in torch 2.11 and 2.13. Keeping them here means a torch release
+that moves one breaks one file, and reading this file tells what fsdp2 assumes beyond the public
+API. tests/test_private_api.py keeps every other module of fsdp2 from naming one.
+
+Where a training step uses one per parameter, this module binds the private accessor itself
+(``operator.attrgetter``, or torch's own function object) rather than a ``def`` around it: calling
+it adds no Python frame, so moving a use here changes no step's host work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.distributed.fsdp as torch_fsdp
+from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 
 # fully_shard on a tensor-parallel parameter split along the same dim: "every tp-th block".
 StridedShard = _StridedShard
@@ -76,6 +86,14 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
 def local_tensors(dtensors: list[DTensor]) -> list[torch.Tensor]:
     """``local_tensor`` of each (one call for a whole group, not one per parameter)."""
     return [d._local_tensor for d in dtensors]
+
+
+# ``local_tensor`` and a DTensor's spec (placements, mesh and tensor meta in one object, shared by
+# DTensors laid out alike: compared by identity) as C accessors, for eager loops over every
+# parameter on every step (the local-shard optimizer step): no Python frame per call. Dynamo
+# cannot call an attrgetter: code a trace may reach uses the ``def`` forms.
+local_tensor_of: Callable[[DTensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+spec_of: Callable[[DTensor], DTensorSpec] = operator.attrgetter("_spec")
 
 
 def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = False) -> DTensor:
@@ -194,3 +212,123 @@ def premul_sum_op(scale: float) -> "torch.distributed.ReduceOp":
     if callable(premul):
         return premul(scale)
     return dist._make_nccl_premul_sum(scale)
+
+
+# -- nn.Module and tensors ------------------------------------------------------------------------
+
+def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter registry, name -> parameter (None entries included, no
+    submodule's): assigning into it swaps a registered tensor without nn.Module.__setattr__'s
+    checks, reading it walks no module tree."""
+    return module._parameters
+
+
+def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffer registry, name -> buffer (as ``module_parameters``)."""
+    return module._buffers
+
+
+def module_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s own child registry, name -> module (None entries included, a child registered
+    under two names listed twice: ``named_children`` drops both)."""
+    return module._modules
+
+
+# ``module_parameters`` as a C accessor, for the eager loops that swap every parameter on every
+# unshard and reshard: no Python frame per parameter (dynamo cannot call it; traced code uses the def).
+parameter_registry: Callable[[nn.Module], dict[str, nn.Parameter | None]] = operator.attrgetter("_parameters")
+
+
+def apply_past_torch_fsdp_module(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` (what ``to()``, ``cuda()``, ``float()`` and ``to_empty()`` go through,
+    with no public hook) as ``module``'s own class runs it, past PyTorch's ``FSDPModule._apply``,
+    which reads PyTorch's FSDP state."""
+    return super(TorchFSDPModule, module)._apply(fn, recurse)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (None when it is not a view): a view keeps its base's
+    whole storage alive."""
+    return tensor._base
+
+
+# Fake tensors (torch.compile's tracing, FakeTensorMode): they have no storage, hence no data_ptr.
+FakeTensor = _FakeTensor
+
+# torch's multi-tensor kernels, one op for a whole list (torch.optim's foreach paths run on them),
+# and the chunk-and-concatenate kernel PyTorch's FSDP2 packs reduce-scatter inputs with: ``out``
+# row i holds chunk i (along ``dim``, of ``num_chunks``) of every tensor side by side.
+foreach_copy_ = torch._foreach_copy_
+foreach_zero_ = torch._foreach_zero_
+foreach_mul_ = torch._foreach_mul_
+chunk_cat = torch._chunk_cat
+
+
+# -- the dispatcher ----------------------------------------------------------------------------------
+
+# The base class of ``__torch_dispatch__`` modes, which see every ATen op (counters, the dry run).
+TorchDispatchMode = _TorchDispatchMode
+
+# torch's pytree over nested lists, tuples, named tuples and dicts (no public module in torch 2.11).
+tree_flatten = _pytree.tree_flatten
+tree_map = _pytree.tree_map
+tree_map_only = _pytree.tree_map_only
+
+# ATen's flash-attention kernels behind F.scaled_dot_product_attention: underscore ops, renamed
+# when torch's attention kernels change. The estimator's dry run calls the CPU one and counts the
+# FLOPs of each.
+aten_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention
+aten_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+aten_cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+aten_cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def op_name(op: torch._ops.OpOverload) -> str:
+    """An op's name without namespace and overload: ``copy_`` for ``aten::copy_.default``."""
+    return op._opname
+
+
+def op_schema(op: torch._ops.OpOverload) -> torch.FunctionSchema:
+    """An op's schema: its arguments and returns, with which of them it writes (alias info)."""
+    return op._schema
+
+
+def functional_all_reduce() -> torch._ops.OpOverload:
+    """The functional collectives' all-reduce op (``_c10d_functional``): what DTensor's reductions
+    (a tensor-parallel Linear's partial sums) dispatch."""
+    return torch.ops._c10d_functional.all_reduce.default
+
+
+# -- c10d: a simulated world (fsdp2.tools.noop_pg) ---------------------------------------------------
+
+# A c10d Work that completes with ``future``.
+work_from_future: Callable[[torch.futures.Future], Any] = _create_work_from_future
+
+
+def fake_process_group_backend(rank: int, size: int) -> Any:
+    """c10d's FakeProcessGroup (no communication) as a backend: it keeps a group's name,
+    description and sequence numbers. On torch 2.13 it refuses collectives (none should reach it)."""
+    options = FakeProcessGroup.Options()
+    if hasattr(options, "error_on_collective"):  # torch 2.13; older fakes cannot refuse
+        options.error_on_collective = True
+    create = getattr(FakeProcessGroup, "_create_internal", None) or FakeProcessGroup
+    return create(rank, size, options)
+
+
+def register_process_group_backend(group: Any, device: torch.device, backend_type: Any, backend: Any) -> None:
+    """Give the ProcessGroup ``group`` ``backend`` for ``device`` (``ProcessGroup._register_backend``)."""
+    group._register_backend(device, backend_type, backend)
+
+
+def backend_registered(name: str) -> bool:
+    """Whether ``dist.Backend.register_backend`` knows ``name`` (c10d keeps no public list)."""
+    import torch.distributed as dist
+
+    return name.upper() in dist.Backend._plugins
+
+
+def default_process_group() -> Any:
+    """The process group ``init_process_group`` made, as a ProcessGroup object."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group()

@@ -72,7 +72,7 @@ def work_by_world():
 
 def test_ops_per_step_are_flat_in_the_world_size(work_by_world):
     """Padding (every tensor one row per rank at 1024) adds no per-parameter copies or slices:
-    the padded reduce-scatter copy-in is fused per bucket like the even one (issue 21)."""
+    the padded reduce-scatter copy-in is fused per bucket like the even one."""
     even, padded = work_by_world[8].ops, work_by_world[1024].ops
     assert padded <= 1.02 * even, f"ops per step: {padded} at 1024 ranks vs {even} at 8"
 
@@ -85,8 +85,8 @@ def forward_backward_work_by_world():
 def test_padding_is_not_zeroed_for_the_reduce_scatter(forward_backward_work_by_world):
     """The reduce-scatter's padding lands only in padding of the reduced shards, which nothing
     reads without a user's hook: at 1024 ranks (every parameter padded to one row per rank)
-    backward zeroes no more bytes than at 8 (no padding), where it zeroed 33x the gradients'
-    bytes before (issue 21)."""
+    backward zeroes no more bytes than at 8 (no padding); zeroing the padding cost 33x the
+    gradients' bytes."""
     even, padded = (
         sum(forward_backward_work_by_world[n].bytes_by_op.get(op, 0) for op in ("fill_", "zero_", "_foreach_zero_"))
         for n in (8, 1024)
@@ -97,7 +97,7 @@ def test_padding_is_not_zeroed_for_the_reduce_scatter(forward_backward_work_by_w
 def test_padding_adds_no_bytes_copied(forward_backward_work_by_world):
     """Copy-out writes only the rank slots holding real rows into the unsharded parameters, so
     a forward + backward at 1024 ranks (every parameter padded to one row per rank) writes no
-    more bytes than at 8 (no padding); it wrote 13x as many before (issue 21)."""
+    more bytes than at 8 (no padding); writing every padded slot wrote 13x as many."""
     even, padded = (forward_backward_work_by_world[n].bytes_written for n in (8, 1024))
     assert padded <= even, f"bytes written per forward + backward: {padded} at 1024 ranks vs {even} at 8"
 

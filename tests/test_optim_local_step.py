@@ -422,3 +422,46 @@ def test_the_default_leaves_step_hooks_the_dtensors_pytorch_shows_them(worlds):
         for where, (seen, local_steps) in results.items():
             assert seen == [True, True], where
             assert local_steps == 2, where  # step 2 (before the hook) and step 5 (after it) went local
+
+
+def _switched_off_and_on(rank, world_size):
+    from fsdp2.optim import set_local_shard_steps, step_on_local_shards
+    from fsdp2.optim.local_step import _HANDLE_ATTR
+
+    running_model = shard(make_model(0), mesh_1d(world_size))
+    running = torch.optim.AdamW(running_model.parameters(), lr=1e-2)
+    _train(running_model, running, 2, 0, rank)  # the default is installed by now, step 2 went local
+    handle = getattr(running, _HANDLE_ATTR)
+    set_local_shard_steps(False)
+    try:
+        later_model = shard(make_model(1), mesh_1d(world_size))  # a fully_shard call while off
+        later = torch.optim.AdamW(later_model.parameters(), lr=1e-2)
+        explicit_model = shard(make_model(2), mesh_1d(world_size))
+        explicit = torch.optim.AdamW(explicit_model.parameters(), lr=1e-2)
+        asked = step_on_local_shards(explicit)
+        for model, opt in ((running_model, running), (later_model, later), (explicit_model, explicit)):
+            _train(model, opt, 2, 2, rank)
+        off = (handle.local_steps, getattr(later, _HANDLE_ATTR, None) is None, asked.local_steps)
+    finally:
+        set_local_shard_steps(True)
+    _train(running_model, running, 1, 4, rank)
+    _train(later_model, later, 2, 4, rank)  # the default sees it at the first, steps the second locally
+    later_handle = getattr(later, _HANDLE_ATTR, None)
+    on = (handle.local_steps, later_handle is not None and later_handle.by_default and later_handle.local_steps)
+    return off, on
+
+
+def test_set_local_shard_steps_turns_the_default_off_and_on_process_wide(worlds):
+    """Off: no optimizer gets the local-shard step by default (also after a fully_shard call made
+    while off), one that had it steps on DTensors, an explicit step_on_local_shards still works;
+    on again: the default resumes for both."""
+    for off, on in worlds.run(2, _switched_off_and_on):
+        assert off == (1, True, 2)
+        assert on == (2, 1)
+
+
+def test_set_local_shard_steps_takes_a_bool():
+    from fsdp2.optim import set_local_shard_steps
+
+    with pytest.raises(TypeError, match="True or False"):
+        set_local_shard_steps(0)

@@ -2,7 +2,7 @@
 predicted bytes against counted ones (4 gloo ranks), the step-time replay on hand-computed
 schedules, the verdict, model sources, calibration and the CLI.
 
-Tolerance: predicted peak within 2% of the CPU allocator's measured peak (the issue's target is
+Tolerance: predicted peak within 2% of the CPU allocator's measured peak (the planner promises
 5%; without activation checkpointing the prediction is exact to the byte, with it within 0.6%);
 fsdp2's communication bytes equal count_comm's exactly, as do the modelled DDP and TP bytes
 against what torch DDP and DTensor hand to their collectives.
@@ -348,7 +348,7 @@ def test_cli(tmp_path):
     data = json.loads(out)
     assert code == 0 and data["recommended"] == "FSDP"
     fsdp = data["results"][0]
-    assert fsdp["comm"]["muon_all_to_all"] > 0 and any("issue 16" in n for n in data["notes"])
+    assert fsdp["comm"]["muon_all_to_all"] > 0 and any("Muon is modelled" in n for n in data["notes"])
     code, _, err = _cli("--model", "nope", "--gpus", "8", "--seq-len", "32")
     assert code == 2 and "unknown model 'nope'" in err
 
@@ -400,7 +400,7 @@ def test_strategies_are_laid_out_on_the_nodes():
     ("--json", "/proc/self/fsdp2-plan.json"),
 ], ids=" ".join)
 def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path, bad):
-    """Issue 24: --tolerance -1 said "min() arg is an empty sequence", nan/inf rates gave verdicts,
+    """Each was once wrong: --tolerance -1 said "min() arg is an empty sequence", nan/inf rates gave verdicts,
     an unwritable --json printed a traceback."""
     argv = ["--model", "tests.test_plan:tiny_factory", "--gpus", "8", "--seq-len", "32", "--strategies", "DDP,FSDP",
             *bad]

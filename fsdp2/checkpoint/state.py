@@ -195,7 +195,7 @@ def reshard_model(model: nn.Module) -> None:
     ``named_parameters()`` show those instead of the shards the optimizer updates. Like
     ``load_state_dict`` in PyTorch, save and load reshard first.
     """
-    from fsdp2 import FSDPModule
+    from fsdp2.runtime.fsdp_module import FSDPModule
 
     kinds: tuple[type, ...] = (FSDPModule,)
     try:  # models sharded with PyTorch's own fully_shard

@@ -4,11 +4,15 @@
   parameters, each matrix transformed once on an owner rank of its shard group.
 - ``step_on_local_shards``: any element-wise ``torch.optim`` optimizer steps the local shards as
   plain tensors (no DTensor dispatch), state and state-dict names unchanged; the default for the
-  element-wise ``torch.optim`` classes over fully_shard parameters (``step_on_dtensors`` opts out).
+  element-wise ``torch.optim`` classes over fully_shard parameters (``step_on_dtensors`` opts one
+  optimizer out, ``set_local_shard_steps(False)`` turns the default off process-wide).
 """
 
-from fsdp2.optim.local_step import LocalShardStep, step_on_dtensors, step_on_local_shards
+from fsdp2.optim.local_step import LocalShardStep, set_local_shard_steps, step_on_dtensors, step_on_local_shards
 from fsdp2.optim.muon import Muon, muon_param_groups
 from fsdp2.optim.whole_matrix import WholeMatrixSchedule, gather_apply
 
-__all__ = ["LocalShardStep", "Muon", "WholeMatrixSchedule", "gather_apply", "muon_param_groups", "step_on_dtensors", "step_on_local_shards"]
+__all__ = [
+    "LocalShardStep", "Muon", "WholeMatrixSchedule", "gather_apply", "muon_param_groups", "set_local_shard_steps",
+    "step_on_dtensors", "step_on_local_shards",
+]

@@ -45,5 +45,5 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in grads_by_mesh.values():
         locals_ = [compat.local_tensor(g) if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+        compat.foreach_mul_(locals_, coef.to(locals_[0].device))
     return total

@@ -26,7 +26,8 @@ By default (no call needed) it is installed on every optimizer that is exactly o
 classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
 still runs on DTensors), through torch.optim's public global step pre-hook, registered once by
 the first ``fully_shard`` call. No torch.optim class or function is patched; other optimizers
-only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out. A step
+only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out;
+``set_local_shard_steps(False)`` turns the default off for the whole process. A step
 during which other code would see the parameters (step hooks on the optimizer, or global ones
 other than the default's) runs on DTensors, as on PyTorch's FSDP2: the default changes nothing
 that anyone can observe, only the time.
@@ -74,6 +75,7 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool 
     existing = getattr(optimizer, _HANDLE_ATTR, None)
     if existing is not None and existing.active:
         if existing.by_default:
+            existing.requested = True  # asked for now: it stays when the default is switched off
             return existing  # the default installed it already: the same step
         raise ValueError("step_on_local_shards: this optimizer already steps on local shards (remove() the first one)")
     return LocalShardStep(optimizer)
@@ -90,15 +92,42 @@ def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
 
 # -- the default ------------------------------------------------------------------------------
 
-_default_hook = None  # the global step pre-hook's handle, once registered
+_default_hook = None  # the global step pre-hook's handle, while registered
+_default_on = True  # set_local_shard_steps
+_default_wanted = False  # fully_shard has run: fsdp2 parameters may exist
 
 
 def step_on_local_shards_by_default() -> None:
     """Register (once per process) the step pre-hook that installs the local-shard step on
-    optimizers for which it is known to give the same result (called by ``fully_shard``)."""
+    optimizers for which it is known to give the same result (called by every ``fully_shard``,
+    through the package's wiring in fsdp2/__init__.py), unless the default is switched off."""
+    global _default_wanted
+    _default_wanted = True
+    _sync_default_hook()
+
+
+def set_local_shard_steps(enabled: bool) -> None:
+    """Turn the default local-shard step on or off for the whole process (it is on).
+
+    Off: no optimizer gets the local-shard step by default any more (the global step pre-hook
+    is removed), and the ones the default already gave it step on DTensors again, as on
+    PyTorch's FSDP2; ``step_on_local_shards(optimizer)`` still installs it on one optimizer.
+    On again: the default resumes, for those optimizers too. Call it on every rank.
+    """
+    global _default_on
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_local_shard_steps: expected True or False, got {enabled!r}")
+    _default_on = enabled
+    _sync_default_hook()
+
+
+def _sync_default_hook() -> None:
     global _default_hook
-    if _default_hook is None:
+    if _default_on and _default_wanted and _default_hook is None:
         _default_hook = register_optimizer_step_pre_hook(_install_where_identical)
+    elif not _default_on and _default_hook is not None:
+        _default_hook.remove()
+        _default_hook = None
 
 
 def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -132,6 +161,7 @@ class LocalShardStep:
         self.optimizer = optimizer
         self.active = True
         self.by_default = by_default  # installed by the default, not by step_on_local_shards
+        self.requested = not by_default  # step_on_local_shards asked for it (set_local_shard_steps leaves it on)
         self._inner_step = optimizer.step  # bound method, or an lr scheduler's wrapper of it
         self._presentation: _Presentation | None = None
         self.local_steps = 0  # steps taken on local shards (the rest fell back to DTensors)
@@ -154,9 +184,12 @@ class LocalShardStep:
         closure = kwargs.get("closure", args[0] if args else None)
         if not self.active or closure is not None:
             return self._inner_step(*args, **kwargs)
-        if self.by_default and compat.has_step_hooks_besides(self.optimizer, _install_where_identical):
-            # Hooks see the parameters during step(): on PyTorch's FSDP2 they are DTensors, so the
-            # default, which must change nothing anyone can observe, steps on DTensors here.
+        if self.by_default and (
+            (not _default_on and not self.requested)
+            or compat.has_step_hooks_besides(self.optimizer, _install_where_identical)
+        ):
+            # Switched off; or hooks see the parameters during step(): on PyTorch's FSDP2 they are
+            # DTensors, so the default, which must change nothing anyone can observe, steps on DTensors.
             return self._inner_step(*args, **kwargs)
         opt = self.optimizer
         presentation = self._presentation
@@ -207,10 +240,11 @@ class _Presentation:
         known = {} if previous is None else {id(p): (p, local, alias) for p, local, alias, _ in previous.dtensors}
         aliases: dict[int, torch.Tensor] = {}  # by id(param): no Python __hash__ call per lookup
         self.dtensors = []
+        local_of = compat.local_tensor_of
         for param in params:
             if not isinstance(param, DTensor) or id(param) in aliases:
                 continue
-            local = param._local_tensor
+            local = local_of(param)
             p, cached_local, alias = known.get(id(param), (None, None, None))
             if p is not param or cached_local is not local or alias.requires_grad != param.requires_grad:
                 alias = local.detach().requires_grad_(param.requires_grad)
@@ -234,7 +268,7 @@ class _Presentation:
                 continue
             translated = self.local_state[alias]
             for key, value in entries.items():
-                shown = value._local_tensor if isinstance(value, DTensor) else value
+                shown = local_of(value) if isinstance(value, DTensor) else value
                 translated[key] = shown
                 self.entries.append((entries, translated, key, value, shown))
         self.local_dicts = list(self.local_state.values())
@@ -256,8 +290,9 @@ class _Presentation:
                 if param is not params[i]:
                     return False
                 i += 1
+        local_of = compat.local_tensor_of  # a C accessor: no Python call per parameter
         for param, local, alias, _ in self.dtensors:
-            if param._local_tensor is not local or alias.requires_grad != param.requires_grad:
+            if local_of(param) is not local or alias.requires_grad != param.requires_grad:
                 return False
         for (param, entries), (held_param, held_entries) in zip(opt.state.items(), self.state_items):
             if param is not held_param or entries is not held_entries:
@@ -267,7 +302,7 @@ class _Presentation:
         try:
             for entries, translated, key, value, shown in self.entries:
                 if entries[key] is not value or translated[key] is not shown or (
-                    shown is not value and value._local_tensor is not shown
+                    shown is not value and local_of(value) is not shown
                 ):
                     return False
         except KeyError:
@@ -278,13 +313,14 @@ class _Presentation:
         """Each alias's ``.grad``: its parameter's local gradient. False (nothing handed over): a
         gradient this step cannot take on local shards."""
         matched = self.grad_specs
+        local_of, spec_of = compat.local_tensor_of, compat.spec_of  # C accessors: no Python call per parameter
         for i, (param, _, alias, scalar) in enumerate(self.dtensors):
             grad = param.grad
             if grad is None:
                 alias.grad = None
                 continue
-            spec = grad._spec if type(grad) is DTensor else None
-            if spec is not param._spec and spec is not matched[i]:
+            spec = spec_of(grad) if type(grad) is DTensor else None
+            if spec is not spec_of(param) and spec is not matched[i]:
                 if not _grad_matches(param, grad):
                     self.drop_grads()
                     return False
@@ -292,7 +328,7 @@ class _Presentation:
             if scalar and not opt.state.get(param):  # its new state could not be told apart from 'step'
                 self.drop_grads()
                 return False
-            alias.grad = grad._local_tensor
+            alias.grad = local_of(grad)
         return True
 
     def fold_back_unchanged(self) -> bool:

@@ -46,7 +46,8 @@ HSDP+TP) whose step time is within ``tolerance`` (5%) of the fastest, with one l
 
 from fsdp2.plan.cluster import Cluster
 from fsdp2.plan.model_source import PRESETS, ModelSource, PlanInputError, model_source
-from fsdp2.plan.planner import Plan, Precision, StrategyResult, Workload, plan
+from fsdp2.plan.planner import plan
+from fsdp2.plan.results import Plan, Precision, StrategyResult, Workload
 from fsdp2.plan.strategies import Kind, Strategy
 
 __all__ = [

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp2 import AllGatherPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp2 import compat
+from fsdp2.compat import TorchDispatchMode
 from fsdp2.plan.model_source import ModelSource
 from fsdp2.plan.strategies import Kind, Strategy
+from fsdp2.policies import AllGatherPolicy, MixedPrecisionPolicy
+from fsdp2.runtime.fully_shard import fully_shard
 
 
 def device_mesh(strategy: Strategy, device_type: str) -> DeviceMesh:
@@ -148,7 +150,7 @@ class _FunctionalAllReduceBytes(TorchDispatchMode):
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
+        if func is compat.functional_all_reduce():
             self.bytes += args[0].numel() * args[0].element_size()
         return func(*args, **(kwargs or {}))
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fsdp2.plan.apply import apply, device_mesh
 from fsdp2.plan.cluster import Cluster
 from fsdp2.plan.model_source import ModelSource
-from fsdp2.plan.planner import Precision
+from fsdp2.plan.results import Precision
 from fsdp2.plan.strategies import Kind, Strategy
 from fsdp2.tools.estimate import estimate_memory, trace_step
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from fsdp2.policies import AllGatherPolicy, MixedPrecisionPolicy
+from fsdp2.policies import MixedPrecisionPolicy
 from fsdp2.plan.cluster import Cluster
 from fsdp2.plan.model_source import (
     ModelSource,
@@ -25,146 +25,18 @@ from fsdp2.plan.model_source import (
     tensor_parallel_local,
     tensor_parallel_traffic,
 )
+from fsdp2.plan.results import CommPerStep, MemoryPerRank, Plan, Precision, StepTime, StrategyResult, Workload
 from fsdp2.plan.strategies import Kind, Strategy, enumerate_strategies, tp_candidates
 from fsdp2.plan.timeline import Collective, GroupComm, MicroStep, ring_seconds, simulate
 from fsdp2.runtime import schedule
 from fsdp2.tools.estimate import MemoryEstimate, add_step_profile, estimate_memory, group_bytes, trace_step
+from fsdp2.tools.kernel_scratch import KernelScratch
 from fsdp2.tools.meta_step import StepTrace, repeat_blocks, replay_step
 
 OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "muon")
 
-# Muon (issue 16, modelled): Newton-Schulz iterations per update of a matrix.
+# Muon (modelled, not run in the dry run): Newton-Schulz iterations per update of a matrix.
 MUON_NS_STEPS = 5
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Mixed precision as fully_shard's MixedPrecisionPolicy (master weights stay fp32)."""
-
-    param_dtype: torch.dtype | None = torch.bfloat16  # compute and all-gather dtype (None: fp32)
-    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduction dtype (None: param_dtype)
-    low_precision_all_gather: bool = False  # AllGatherPolicy(torch.int8) on every group (float8: same bytes)
-
-    def policy(self) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
-
-    def all_gather_policy(self) -> AllGatherPolicy | None:
-        return AllGatherPolicy(torch.int8) if self.low_precision_all_gather else None
-
-    @property
-    def compute_bytes(self) -> int:
-        return (self.param_dtype or torch.float32).itemsize
-
-    def describe(self) -> str:
-        name = lambda d: str(d or torch.float32).replace("torch.", "")  # noqa: E731
-        text = f"params {name(self.param_dtype)}, reduce {name(self.reduce_dtype or self.param_dtype)}"
-        return text + (", int8 all-gather (AllGatherPolicy)" if self.low_precision_all_gather else "")
-
-
-@dataclass(frozen=True)
-class Workload:
-    seq_len: int
-    global_batch: int  # sequences per optimizer step, over the whole cluster
-    micro_batch: int = 1  # sequences per data-parallel rank per forward/backward
-    optimizer: str = "adamw"
-    precision: Precision = Precision()
-    activation_checkpointing: bool = False
-
-    def accumulation(self, strategy: Strategy) -> int | None:
-        """Micro-batches per step for ``strategy`` (None: the global batch does not split evenly)."""
-        per_step = strategy.data_parallel * self.micro_batch
-        return self.global_batch // per_step if self.global_batch % per_step == 0 else None
-
-    @property
-    def tokens(self) -> int:
-        return self.global_batch * self.seq_len
-
-
-@dataclass
-class MemoryPerRank:
-    """Bytes on one GPU. ``peak`` is the predicted allocator peak of a step (everything at once)."""
-
-    params: int
-    grads: int
-    optimizer: int
-    gathered_peak: int  # fsdp2's gathered parameters + all-gather buffers at their own peak
-    activations: int  # saved for backward (one micro-batch)
-    peak: int
-    peak_phase: str
-    extra: int = 0  # DDP: its gradient buckets
-
-
-@dataclass
-class CommPerStep:
-    """Bytes per optimizer step on one rank."""
-
-    fsdp: dict[str, int]  # buffer bytes as fsdp2.tools.comm_stats counts them (all_gather/reduce_scatter/all_reduce)
-    ddp_all_reduce: int = 0  # modelled: torch DDP's bucket all-reduces
-    tensor_parallel: int = 0  # modelled: DTensor's all-reduces of activations (not counted by count_comm)
-    muon_all_to_all: int = 0  # modelled (issue 16)
-    wire: dict[str, int] = field(default_factory=dict)  # bytes through this rank's link, per link ("intra"/"inter")
-    micro_batches: int = 1  # per step: fsdp2 and TP communicate in each, DDP in the last only
-
-    def per_micro_step(self) -> dict[str, int]:
-        """Bytes of one forward + backward, keyed as fsdp2.plan.apply.count_bytes counts them."""
-        a = self.micro_batches
-        return {**{k: v // a for k, v in self.fsdp.items()}, "tensor_parallel": self.tensor_parallel // a,
-                "ddp_all_reduce": self.ddp_all_reduce}
-
-
-@dataclass
-class StepTime:
-    seconds: float  # one optimizer step
-    compute: float  # FLOPs / rate, all micro-batches
-    tensor_parallel: float
-    exposed_comm: float  # collectives compute had to wait for
-    optimizer: float  # optimizer step (HBM-bound; Muon adds its Newton-Schulz FLOPs and all-to-all)
-    accumulation: int  # micro-batches per step
-    flops_per_gpu: int  # per step
-
-
-@dataclass
-class StrategyResult:
-    strategy: Strategy
-    skipped: str | None = None  # why it was not evaluated
-    fits: bool = False
-    memory: MemoryPerRank | None = None
-    comm: CommPerStep | None = None
-    time: StepTime | None = None
-    tokens_per_second: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.strategy.name
-
-
-@dataclass
-class Plan:
-    model: str
-    num_params: int
-    workload: Workload
-    cluster: Cluster
-    results: list[StrategyResult]
-    recommended: StrategyResult | None
-    reason: str
-    tolerance: float
-    notes: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        from fsdp2.plan.report import render_table
-
-        return render_table(self)
-
-    def to_json(self) -> dict:
-        from fsdp2.plan.report import to_json
-
-        return to_json(self)
-
-    def result(self, name: str) -> StrategyResult:
-        for r in self.results:
-            if r.name == name:
-                return r
-        raise KeyError(f"no strategy named {name!r}; have {[r.name for r in self.results]}")
 
 
 # -- per-TP-degree model: one recording each -----------------------------------------------------
@@ -457,6 +329,8 @@ def plan(
     global_batch = micro_batch * cluster.gpus if global_batch is None else global_batch
     if global_batch < 1:
         raise PlanInputError(f"global_batch must be >= 1, got {global_batch}")
+    if kernel_scratch is not None:
+        KernelScratch(kernel_scratch)  # a device this machine has, checked before any dry run
     source = model_source(model, block=block, tp_plan=tp_plan)
     workload = Workload(seq_len, global_batch, micro_batch, optimizer, precision, activation_checkpointing)
     base = source.meta_model(seq_len)
@@ -494,6 +368,6 @@ def plan(
         results.append(_evaluate(strategy, variants[strategy.tp], source, workload, cluster))
     recommended, reason = _verdict(results, tolerance, cluster)
     if optimizer == "muon":
-        notes.append("Muon is modelled (issue 16): one momentum buffer; all-to-all of 2x the matrix shards; "
+        notes.append("Muon is modelled, not replayed: one momentum buffer; all-to-all of 2x the matrix shards; "
                      f"{MUON_NS_STEPS} Newton-Schulz steps per matrix, split over the shard group")
     return Plan(source.name, count_params(base), workload, cluster, results, recommended, reason, tolerance, notes)

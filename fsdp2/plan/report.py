@@ -1,127 +1,14 @@
-"""A plan as a table, as JSON, and as a plot of memory and step time per strategy."""
+"""A plan as a plot of memory and step time per strategy: text (``ascii_plot``) or an image
+(``save_plot``, matplotlib). Its table and JSON are fsdp2.plan.results's."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from typing import TYPE_CHECKING
-
+from fsdp2.plan.results import GiB, Plan, _ms
 from fsdp2.tools.plotting import pyplot
-
-if TYPE_CHECKING:
-    from fsdp2.plan.planner import Plan, StrategyResult
-
-GiB = 2**30
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.1f}"
-
-
-def _memory_unit(plan: "Plan") -> tuple[str, float]:
-    """GiB, or MiB for models whose peaks are all below 1 GiB."""
-    peaks = [r.memory.peak for r in plan.results if r.memory is not None]
-    return ("GiB", GiB) if not peaks or max(peaks) >= GiB else ("MiB", 2**20)
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f}"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
-
-
-def _tokens(rate: float) -> str:
-    return f"{rate / 1e3:.1f}k" if rate < 1e6 else f"{rate / 1e6:.2f}M"
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def _header(plan: "Plan") -> list[str]:
-    w = plan.workload
-    ac = ", activation checkpointing" if w.activation_checkpointing else ""
-    return [
-        f"fsdp2 plan: {plan.model}, {_params(plan.num_params)} params",
-        f"workload: global batch {w.global_batch} x {w.seq_len} tokens, micro-batch {w.micro_batch} per data-parallel rank, "
-        f"{w.optimizer}, {w.precision.describe()}{ac}",
-        f"cluster: {plan.cluster.describe()}",
-    ]
-
-
-def _columns(unit: str) -> tuple[str, ...]:
-    return ("strategy", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ.", "NVLink GB", "network GB",
-            "compute+TP ms", "exposed comm ms", "step ms", "tokens/s")
-
-
-def _row(r: "StrategyResult", scale: float, width: int) -> tuple[str, ...]:
-    if r.skipped is not None:
-        return (r.name, "-", "skipped: " + r.skipped) + ("",) * (width - 3)
-    m, c, t = r.memory, r.comm, r.time
-    mem = lambda nbytes: f"{nbytes / scale:.1f}"  # noqa: E731
-    return (
-        r.name, "yes" if r.fits else "NO", mem(m.peak), mem(m.params), mem(m.grads + m.extra), mem(m.optimizer),
-        mem(m.gathered_peak), mem(m.activations), _gb(c.wire.get("intra", 0)), _gb(c.wire.get("inter", 0)),
-        _ms(t.compute + t.tensor_parallel), _ms(t.exposed_comm), _ms(t.seconds), _tokens(r.tokens_per_second),
-    )
-
-
-def render_table(plan: "Plan") -> str:
-    unit, scale = _memory_unit(plan)
-    columns = _columns(unit)
-    rows = [columns] + [_row(r, scale, len(columns)) for r in plan.results]
-    skipped = [r for r in rows[1:] if r[2].startswith("skipped")]
-    shown = [rows[0]] + [r for r in rows[1:] if r not in skipped]
-    widths = [max(len(r[i]) for r in shown) for i in range(len(columns))]
-    lines = _header(plan) + [""]
-    for index, row in enumerate(shown):
-        cells = [cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells))
-        if index == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    lines += [f"{r[0]}: {r[2]}" for r in skipped]
-    lines.append("")
-    if plan.recommended is not None:
-        lines.append(f"verdict: {plan.recommended.name}. {plan.reason}.")
-    else:
-        lines.append(f"verdict: {plan.reason}.")
-    lines += [
-        "",
-        "peak = predicted allocator peak per GPU (fsdp2.tools.estimate's meta dry run: params, grads, optimizer state, "
-        "gathered params, activations, buffers); grads include DDP's buckets; NVLink/network GB = bytes through one "
-        "GPU's link per step (ring collectives); exposed comm = time compute waits for collectives under fsdp2's "
-        "schedule; step = micro-batches x (compute + TP all-reduces + exposed comm) + optimizer step.",
-        "DDP is torch DDP (modelled); TP all-reduce bytes are modelled (count_comm counts fsdp2's collectives only).",
-    ]
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
-
-
-def _plain(value):
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if hasattr(value, "name") and "name" not in out:
-            out["name"] = value.name
-        return out
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)  # dtypes
-
-
-def to_json(plan: "Plan") -> dict:
-    out = _plain(plan)
-    out["recommended"] = plan.recommended.name if plan.recommended is not None else None
-    out["units"] = {"memory": "bytes per GPU", "comm": "bytes per step per GPU", "time": "seconds per step",
-                    "tokens_per_second": "whole cluster"}
-    return out
 
 
 def ascii_plot(plan: "Plan", width: int = 40) -> str:

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
+
+from fsdp2 import compat
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -58,5 +59,5 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if torch.compiler.is_compiling():
         # torch.compile cannot compare containers by identity (map_tensors' "unchanged" check);
         # pytree's containers only (a dataclass output is not cast under compile).
-        return pytree.tree_map_only(torch.Tensor, cast, value)
+        return compat.tree_map_only(torch.Tensor, cast, value)
     return map_tensors(cast, value)

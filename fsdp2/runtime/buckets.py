@@ -3,26 +3,25 @@
 A buffer is ``world x numel_per_rank``: row ``r`` is shard rank ``r``'s slot, and each parameter
 owns column blocks of it. Gradients (:class:`FlatBucket`) take one block of ``padded_shard_numel``
 per parameter, per reduce dtype (see fsdp2.layout.shard_layout for how a tensor maps to its padded
-shards). The all-gather (:class:`GatherBucket`) takes whatever :class:`Column` s each parameter's
-gather codec (fsdp2.runtime.codecs) asks for, all of a group in one buffer.
+shards). The all-gather (:class:`GatherBucket`) takes whatever columns
+(fsdp2.runtime.codecs.Column) each parameter's gather codec asks for, all of a group in one buffer.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from fsdp2.runtime.sharded_param import ShardedParam
+from fsdp2.runtime.codecs import CodecParam, Column
 
 
 @dataclass
 class FlatBucket:
     dtype: torch.dtype
-    params: list[ShardedParam]
+    params: list[CodecParam]
     sizes: list[int] = field(init=False)  # padded shard numel per parameter
     offsets: list[int] = field(init=False)
     numel_per_rank: int = field(init=False)
@@ -36,33 +35,20 @@ class FlatBucket:
         self.all_dim0 = all(p.layout.dim == 0 for p in self.params)
         self.all_dim0_even = self.all_dim0 and all(p.layout.is_even for p in self.params)
 
-    def columns(self, buffer_2d: torch.Tensor) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
+    def columns(self, buffer_2d: torch.Tensor) -> Iterator[tuple[CodecParam, torch.Tensor]]:
         """(param, its ``world x padded_shard_numel`` block of a ``world x numel_per_rank`` buffer)."""
         for p, off, size in zip(self.params, self.offsets, self.sizes):
             yield p, buffer_2d[:, off : off + size]
 
 
-def buckets_by_dtype(params: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype]) -> list[FlatBucket]:
-    by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+def buckets_by_dtype(params: list[CodecParam], dtype_of: Callable[[CodecParam], torch.dtype]) -> list[FlatBucket]:
+    by_dtype: dict[torch.dtype, list[CodecParam]] = {}
     for p in params:
         by_dtype.setdefault(dtype_of(p), []).append(p)
     return [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
 
 
 # -- all-gather ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Column:
-    """One tensor a parameter contributes to its group's all-gather: ``numel`` elements of
-    ``dtype`` per rank (the default codec: its padded shard in ``param_dtype``)."""
-
-    dtype: torch.dtype
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 # In a buffer of mixed dtypes every column starts this many bytes apart at least, so a column
@@ -95,7 +81,7 @@ class GatherBucket:
     each be one fused copy over ``widths`` (one column per parameter).
     """
 
-    params: list[ShardedParam]
+    params: list[CodecParam]
     columns: list[tuple[Column, ...]]  # per parameter
     dtype: torch.dtype = field(init=False)
     widths: list[int] = field(init=False)  # per column, all parameters' in order
@@ -111,7 +97,7 @@ class GatherBucket:
         self.plain = all(c.plain for c in codecs) and len({c.dtype for c in flat}) <= 1
         self.kept_from_unsharded = all(c.kept_from_unsharded for c in codecs)
 
-    def pieces(self, buffer: torch.Tensor) -> Iterator[tuple[ShardedParam, list[torch.Tensor]]]:
+    def pieces(self, buffer: torch.Tensor) -> Iterator[tuple[CodecParam, list[torch.Tensor]]]:
         """(param, its columns of ``buffer`` viewed as their dtypes) for a 1-D rank slot
         (``numel_per_rank``) or a 2-D ``rows x numel_per_rank`` buffer."""
         split = torch.split_with_sizes(buffer, self.widths, dim=-1)

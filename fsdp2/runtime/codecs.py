@@ -19,19 +19,53 @@ still copies everything in (and out) with one fused ``_foreach_copy_``; what is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from fsdp2.layout.shard_layout import ShardLayout
 from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime import quantize
-from fsdp2.runtime.buckets import Column
-
-if TYPE_CHECKING:
-    from fsdp2.runtime.sharded_param import ShardedParam
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class CodecParam(Protocol):
+    """What codecs and the communication buckets (fsdp2.runtime.buckets) use of a parameter.
+
+    fsdp2.runtime.sharded_param.ShardedParam is the one there is; it sits above both (every
+    parameter starts on :class:`PlainCodec`), so they name this protocol, not it.
+    """
+
+    layout: ShardLayout
+    param_dtype: torch.dtype
+    device: torch.device
+    codec: GatherCodec
+
+    @property
+    def local_shard(self) -> torch.Tensor: ...
+
+    def copy_in_pair(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def copy_gathered_out(self, gathered: torch.Tensor) -> None: ...
+
+    def unsharded_storage(self) -> torch.Tensor: ...
+
+    def gather_target(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor a parameter contributes to its group's all-gather: ``numel`` elements of
+    ``dtype`` per rank (the default codec: its padded shard in ``param_dtype``)."""
+
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 class GatherCodec:
@@ -50,7 +84,7 @@ class GatherCodec:
     prepares = False  # its columns are known only after prepare()
     holds_memory = False  # release() has something to free (else the group skips calling it)
 
-    def __init__(self, param: ShardedParam):
+    def __init__(self, param: CodecParam):
         self.param = param
 
     def same_as(self, other: "GatherCodec") -> bool:
@@ -122,7 +156,7 @@ class QuantizedCodec(GatherCodec):
     backward dequantizes exactly what forward did, without quantizing dequantized values again.
     """
 
-    def __init__(self, param: ShardedParam, policy: AllGatherPolicy):
+    def __init__(self, param: CodecParam, policy: AllGatherPolicy):
         super().__init__(param)
         self.policy = policy
 

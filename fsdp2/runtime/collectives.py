@@ -49,15 +49,6 @@ def all_reduce(tensor: torch.Tensor, group, async_op: bool, op: dist.ReduceOp):
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-# The SUM-only names of the old ``fsdp2.collectives`` import path (fsdp2/moved.py keeps it for a release).
-def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    return reduce_scatter(output, input, group, async_op, dist.ReduceOp.SUM)
-
-
-def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool):
-    return all_reduce(tensor, group, async_op, dist.ReduceOp.SUM)
-
-
 # Backends known to take ReduceOp.PREMUL_SUM (gloo raises on it).
 _PREMUL_SUM_BACKENDS = {"nccl"}
 

@@ -32,8 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError, FSDPUsageNotImplementedError
-from fsdp2.runtime.buckets import Column
-from fsdp2.runtime.codecs import GatherCodec, Pairs
+from fsdp2.runtime.codecs import Column, GatherCodec, Pairs
 
 if TYPE_CHECKING:
     from fsdp2.runtime.dp_mesh import DataParallelMesh

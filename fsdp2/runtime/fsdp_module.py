@@ -257,7 +257,7 @@ class FSDPModule(compat.TorchFSDPModule):
         for state in states:
             state.group.reshard()
         # Past PyTorch's FSDPModule._apply (it reads PyTorch's state) to the module's own class.
-        result = super(compat.TorchFSDPModule, self)._apply(fn, recurse)
+        result = compat.apply_past_torch_fsdp_module(self, fn, recurse)
         for state in states:
             state.group.refresh_params()
         return result

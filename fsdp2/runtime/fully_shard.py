@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp2 import compat, torch_switch
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError, FSDPUsageNotImplementedError
 from fsdp2.layout.regions import local_part_like
 from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -26,6 +26,24 @@ from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
 from fsdp2.runtime.torch_view import TorchStateView
 
 _FSDP_CLASSES: dict[type, type] = {}
+
+# The package's layers above the runtime that every fully_shard calls (PyTorch's fully_shard
+# guards in fsdp2.torch_switch, the optimizer default in fsdp2.optim): fsdp2/__init__.py registers
+# them once through on_fully_shard, so the runtime imports none of them.
+_checks: list[Callable[[tuple[nn.Module, ...], str], None]] = []
+_before_change: list[Callable[[], None]] = []
+
+
+def on_fully_shard(
+    *, check: Callable[[tuple[nn.Module, ...], str], None] | None = None, before_change: Callable[[], None] | None = None
+) -> None:
+    """Package wiring: every later ``fully_shard`` calls ``check(modules, name)`` before its own
+    validation (it may refuse: nothing is changed yet) and ``before_change()`` once validation is
+    over, just before the modules change; each in the order registered, a function once."""
+    if check is not None and check not in _checks:
+        _checks.append(check)
+    if before_change is not None and before_change not in _before_change:
+        _before_change.append(before_change)
 
 
 @dataclass
@@ -63,8 +81,8 @@ def fully_shard(
     for m in modules:
         if isinstance(m, FSDPModule):
             raise FSDPUsageAssertionError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
-    torch_switch.refuse_mixed_implementations(modules, name)
-    torch_switch.guard_pytorch_fully_shard()  # fsdp2 modules may exist from here on
+    for check in _checks:
+        check(modules, name)
     _check_policies(mp_policy, offload_policy, name)
     dp = DataParallelMesh.from_mesh(mesh, name, dp_mesh_dims)
     _check_reshard_after_forward(reshard_after_forward, dp, name)
@@ -81,9 +99,8 @@ def fully_shard(
             subgroup = Subgroup(group, position, reshard_after_forward)
 
     # Validation is over: from here on we change the module.
-    from fsdp2.optim.local_step import step_on_local_shards_by_default  # fsdp2.optim imports the runtime
-
-    step_on_local_shards_by_default()
+    for prepare in _before_change:
+        prepare()
     sharded = [
         ShardedParam(
             p.managed.fqn, p.managed.param, [ParamSlot(m, n) for m, n in p.managed.places], dp, p.shard_dim,
@@ -268,9 +285,10 @@ def _placement_on_this_mesh(result: Any, dp: DataParallelMesh, fqn: str, name: s
 
 def _move_buffers(module: nn.Module, dp: DataParallelMesh) -> None:
     for mod in module.modules():
-        for bname, buf in mod._buffers.items():
+        buffers = compat.module_buffers(mod)
+        for bname, buf in buffers.items():
             if buf is not None and buf.device.type not in ("meta", dp.device.type):
-                mod._buffers[bname] = buf.to(dp.device)
+                buffers[bname] = buf.to(dp.device)
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:

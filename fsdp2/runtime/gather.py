@@ -68,7 +68,7 @@ class KeptGatherOutput(KeptBuffer):
         self.release()
 
     def copy_out(self, params: list[ShardedParam]) -> None:
-        torch._foreach_copy_(gather_real_row_targets(params), self._sources)
+        compat.foreach_copy_(gather_real_row_targets(params), self._sources)
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _copy_pairs(pairs) -> None:
     if pairs:
         destinations, shards = zip(*pairs)
         # Pinned CPU shards (offload) copy host-to-device without blocking the host.
-        torch._foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
+        compat.foreach_copy_(list(destinations), list(shards), non_blocking=shards[0].is_pinned())
 
 
 def _check_not_meta(params: list[ShardedParam]) -> None:

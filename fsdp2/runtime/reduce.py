@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fsdp2 import compat
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
@@ -53,7 +54,7 @@ class PaddedScatterInput(KeptBuffer):
         """
         self.allocate()
         if zero_padding and self._padding:
-            torch._foreach_zero_(self._padding)
+            compat.foreach_zero_(self._padding)
         sources = []
         for views, grad in zip(self._views, grads):
             if views.takes_whole:  # one row per rank (the common padded case): no view per step
@@ -61,7 +62,7 @@ class PaddedScatterInput(KeptBuffer):
             else:
                 sources += views.sources(grad)
         if sources:
-            torch._foreach_copy_(self._destinations, sources)
+            compat.foreach_copy_(self._destinations, sources)
         return self.buffer
 
 
@@ -85,7 +86,7 @@ def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -
     if bucket.all_dim0_even and all([g is not None for g in grads]):
         # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
         # rank (ShardLayout's dim-0 layout). Only without padding (see PaddedScatterInput).
-        torch._chunk_cat(grads, 0, world, out=inp)
+        compat.chunk_cat(grads, 0, world, out=inp)
         return inp
     for (p, block), grad in zip(bucket.columns(inp), grads):
         if grad is not None:

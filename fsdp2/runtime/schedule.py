@@ -14,6 +14,8 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch.nn as nn
 
+from fsdp2 import compat
+
 # Reduce-scatters of this many groups may still be running when the next group issues its
 # own; then the oldest is waited on. Bounds reduce-scatter buffer memory at MAX + 1 groups.
 # ``FSDPModule.set_reduce_scatter_max_input_buffers`` overrides it per root.
@@ -57,7 +59,7 @@ def managed_params(
         stack: list[tuple[str, nn.Module]] = [(prefix, root)]
         while stack:
             path, module = stack.pop()
-            for name, param in module._parameters.items():
+            for name, param in compat.module_parameters(module).items():
                 if param is None or param in ignored:
                     continue
                 entry = found.get(id(param))
@@ -65,7 +67,7 @@ def managed_params(
                     found[id(param)] = ManagedParam(f"{path}{name}", param, [(module, name)])
                 else:
                     entry.places.append((module, name))
-            for child_name, child in reversed(list(module._modules.items())):
+            for child_name, child in reversed(list(compat.module_children(module).items())):
                 if child is not None and not is_other_group(child):
                     stack.append((f"{path}{child_name}.", child))
     return sorted(found.values(), key=lambda m: order.get(id(m.param), len(order)))

@@ -9,7 +9,6 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp2 import compat
@@ -34,11 +33,11 @@ class ParamSlot:
     name: str
 
     def hold(self, tensor: nn.Parameter) -> None:
-        # Straight into _parameters: setattr would re-run nn.Module's checks on every swap.
-        self.module._parameters[self.name] = tensor
+        # Straight into the registry: setattr would re-run nn.Module's checks on every swap.
+        compat.module_parameters(self.module)[self.name] = tensor
 
     def current(self) -> nn.Parameter:
-        return self.module._parameters[self.name]
+        return compat.module_parameters(self.module)[self.name]
 
 
 # Attribute naming the module whose fully_shard call manages a parameter; catches a parameter
@@ -195,7 +194,7 @@ class ShardedParam:
                 f"{tuple(ours.shape)}."
             )
         # Own the memory: a view (a box of a full tensor) would keep the whole tensor alive.
-        if local._base is not None or not local.is_contiguous():
+        if compat.view_base(local) is not None or not local.is_contiguous():
             local = local.clone(memory_format=torch.contiguous_format)
         local = self._to_storage(local.detach())
         dtensor = compat.dtensor_like(ours, local)
@@ -215,7 +214,7 @@ class ShardedParam:
         self.traced_source = shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
-            real = shard.device.type != "meta" and not isinstance(shard, FakeTensor)  # fakes have no data_ptr
+            real = shard.device.type != "meta" and not isinstance(shard, compat.FakeTensor)  # fakes have no data_ptr
             if real and leaf.data_ptr() == shard.data_ptr():
                 return  # still the shard's memory (and no new tensor inside a functorch transform)
         self.traced_leaf = shard.detach()
@@ -370,28 +369,30 @@ class ShardedParam:
 #
 # The verbs a group applies to all its parameters on every unshard and reshard, each one loop
 # with no Python call per parameter in the common case, so that host work per step grows with
-# the number of groups rather than of parameters (issue 21). The per-parameter methods above
+# the number of groups rather than of parameters. The per-parameter methods above
 # call these with one parameter.
 
 
 def hold_all_sharded(params: Sequence[ShardedParam]) -> None:
     """Put every parameter's sharded form in all the places it is registered."""
+    parameters_of = compat.parameter_registry  # a C accessor: no Python call per parameter
     for p in params:
         tensor = p.sharded_param
         for slot in p.slots:
-            slot.module._parameters[slot.name] = tensor  # as ParamSlot.hold, inlined
+            parameters_of(slot.module)[slot.name] = tensor  # as ParamSlot.hold, inlined
         p.state = ParamState.SHARDED
 
 
 def hold_all_unsharded(params: Sequence[ShardedParam]) -> None:
     """Put every parameter's unsharded form in all its places, with the shard's requires_grad."""
+    parameters_of = compat.parameter_registry
     for p in params:
         tensor = p.unsharded_param
         wanted = p.sharded_param.requires_grad
         if tensor.requires_grad != wanted or (wanted and not p._grad_hook_registered):
             p._sync_requires_grad()
         for slot in p.slots:
-            slot.module._parameters[slot.name] = tensor
+            parameters_of(slot.module)[slot.name] = tensor
         p.state = ParamState.UNSHARDED
 
 

@@ -61,7 +61,7 @@ _OPTIMIZERS = {
     "adam": (2, True),
     "sgd": (0, False),
     "sgd_momentum": (1, False),
-    # Muon keeps one momentum buffer per parameter (issue 16; modelled here, not run by fsdp2).
+    # Muon keeps one momentum buffer per parameter (modelled here: its whole-matrix exchange is not in the dry run).
     "muon": (1, False),
     "none": (0, False),
 }
@@ -244,7 +244,7 @@ def estimate_memory(
     The step modelled is the eager one. A step compiled whole (``torch.compile(model,
     fullgraph=True)``, fsdp2's traced path) is not modelled: the compiler reuses buffers, fuses
     kernels and re-gathers in backward. On the benchmark GPT the compiled peak measured 2.8% below
-    this prediction (benchmarks/RESULTS.md, issue 22); other models are not measured.
+    this prediction (benchmarks/RESULTS.md, "The whole step compiled"); other models are not measured.
     """
     if sample_input is not None and step_trace is not None:
         raise ValueError("estimate_memory: pass sample_input or step_trace, not both")

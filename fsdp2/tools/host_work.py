@@ -25,7 +25,9 @@ from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp2 import compat
+from fsdp2.compat import TorchDispatchMode
 
 # Files whose path contains one of these (and none of the ``excluded``) are that code's.
 FSDP_CODE = (("/fsdp2/", "/_fully_shard/"), ("/fsdp2/models/",))  # fsdp2's or PyTorch FSDP2's, not our test models
@@ -40,7 +42,7 @@ _WRITE_NOTHING = frozenset(
 
 def _nbytes(value) -> int:
     if isinstance(value, DTensor):
-        value = value._local_tensor  # this rank's bytes (the mode sees DTensor ops, not their local ones)
+        value = compat.local_tensor(value)  # this rank's bytes (the mode sees DTensor ops, not their local ones)
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
@@ -54,15 +56,16 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional
 
 def _op_name(func) -> str:
     """``copy_`` for ATen ops, ``fsdp::chunk_cat`` for others."""
-    return func._opname if func.namespace == "aten" else f"{func.namespace}::{func._opname}"
+    name = compat.op_name(func)
+    return name if func.namespace == "aten" else f"{func.namespace}::{name}"
 
 
 def _bytes_written(func, args, kwargs, out) -> int:
     """What ``func`` wrote: its mutated arguments (in-place and ``out=`` ops), else its fresh outputs."""
-    schema = func._schema
-    if func.namespace in _COLLECTIVE_NAMESPACES or (func.namespace == "aten" and func._opname in _WRITE_NOTHING):
+    schema, name = compat.op_schema(func), compat.op_name(func)
+    if func.namespace in _COLLECTIVE_NAMESPACES or (func.namespace == "aten" and name in _WRITE_NOTHING):
         return 0
-    if func.namespace == "fsdp" and func._opname == "all_gather_copy_in":
+    if func.namespace == "fsdp" and name == "all_gather_copy_in":
         # PyTorch FSDP2's copy-in writes its own slot, returned first; the all-gather output it
         # also returns is only allocated (or passed in: an alias its schema does not declare).
         return _nbytes(out[0])

@@ -39,11 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2 import compat
+from fsdp2.compat import TorchDispatchMode, tree_flatten, tree_map
 from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.tools.kernel_scratch import KernelScratch
@@ -114,21 +113,19 @@ class StepTrace:
 
 # -- FLOPs --------------------------------------------------------------------------------------
 
-_aten = torch.ops.aten
-
 
 def _causal_share(is_causal: bool) -> float:
     return 0.5 if is_causal else 1.0
 
 
 def _cpu_flash_forward_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs) -> int:
-    full = flop_registry[_aten._scaled_dot_product_flash_attention](query, key, value, out_val=out_val)
+    full = flop_registry[compat.aten_flash_attention](query, key, value, out_val=out_val)
     return int(full * _causal_share(is_causal))
 
 
 def _cpu_flash_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
                               *args, out_val=None, **kwargs) -> int:
-    full = flop_registry[_aten._scaled_dot_product_flash_attention_backward](grad_out, query, key, value, out_val=out_val)
+    full = flop_registry[compat.aten_flash_attention_backward](grad_out, query, key, value, out_val=out_val)
     return int(full * _causal_share(is_causal))
 
 
@@ -136,8 +133,8 @@ def _cpu_flash_backward_flops(grad_out, query, key, value, out, logsumexp, dropo
 # torch.utils.flop_counter; it computes what the CUDA flash kernel does.
 _FLOP_FORMULAS = {
     **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+    compat.aten_cpu_flash_attention: _cpu_flash_forward_flops,
+    compat.aten_cpu_flash_attention_backward: _cpu_flash_backward_flops,
 }
 
 
@@ -178,7 +175,7 @@ class _ObserveOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        formula = _FLOP_FORMULAS.get(func.overloadpacket)
         if formula is not None:
             self.recorder.flops += int(formula(*args, **kwargs, out_val=out))
         for t in tree_flatten(out)[0]:
@@ -316,7 +313,7 @@ class _FusedAttention(TorchFunctionMode):
     def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if enable_gqa or query.dim() != 4 or key.shape != query.shape or value.shape != query.shape:
             return None  # shapes the flash kernel does not take: keep the default path
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return compat.aten_cpu_flash_attention(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )[0]
 
@@ -329,11 +326,12 @@ def meta_copy(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     if param_dtype is not None:
         cast: dict[int, nn.Parameter] = {}  # tied parameters stay tied
         for module in twin.modules():
-            for name, p in list(module._parameters.items()):
+            parameters = compat.module_parameters(module)
+            for name, p in list(parameters.items()):
                 if p is not None and p.is_floating_point():
                     if id(p) not in cast:
                         cast[id(p)] = nn.Parameter(p.detach().to(param_dtype), requires_grad=p.requires_grad)
-                    module._parameters[name] = cast[id(p)]
+                    parameters[name] = cast[id(p)]
     return twin
 
 

@@ -10,7 +10,7 @@ reduce-scatter's output, an all-reduce's tensor and a broadcast's tensor are lef
 Values are therefore meaningless; shapes, memory and the caller's own work are what they would be
 on rank 0 of N.
 
-    from fsdp2.noop_pg import init_noop_process_group
+    from fsdp2.tools.noop_pg import init_noop_process_group
     pg = init_noop_process_group(1024)        # this process is rank 0 of 1024
     mesh = init_device_mesh("cpu", (1024,))   # any mesh shape; sub-groups are no-op groups too
     ...
@@ -29,8 +29,9 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
 from torch.futures import Future
+
+from fsdp2 import compat
 
 BACKEND_NAME = "noop"
 
@@ -63,15 +64,7 @@ _groups: "weakref.WeakSet[NoopProcessGroup]" = weakref.WeakSet()  # the live no-
 def _completed_work():
     future = Future()
     future.set_result(None)
-    return _create_work_from_future(future)
-
-
-def _underlying_fake_backend(rank: int, size: int):
-    options = FakeProcessGroup.Options()
-    if hasattr(options, "error_on_collective"):  # torch 2.13; older fakes cannot refuse
-        options.error_on_collective = True
-    create = getattr(FakeProcessGroup, "_create_internal", None) or FakeProcessGroup
-    return create(rank, size, options)
+    return compat.work_from_future(future)
 
 
 class NoopProcessGroup(dist.ProcessGroup):
@@ -82,9 +75,9 @@ class NoopProcessGroup(dist.ProcessGroup):
         self.calls: collections.Counter[str] = collections.Counter()
         # c10d keeps the group's name, description and sequence numbers on a backend; give it the
         # fake one for that bookkeeping (its collectives are never reached: see _COLLECTIVES).
-        backend = _underlying_fake_backend(rank, size)
+        backend = compat.fake_process_group_backend(rank, size)
         for device in ("cpu", "cuda"):
-            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+            compat.register_process_group_backend(self, torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
         _groups.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d name
@@ -120,7 +113,7 @@ def _create(store, rank: int, world_size: int, timeout) -> NoopProcessGroup:
 
 def register_backend() -> None:
     """Make ``dist.init_process_group("noop", ...)`` and ``new_group(backend="noop")`` available (idempotent)."""
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    if not compat.backend_registered(BACKEND_NAME):
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
@@ -136,7 +129,7 @@ def init_noop_process_group(world_size: int, rank: int = 0) -> NoopProcessGroup:
     register_backend()
     _groups.clear()  # noop_calls() counts the groups of this world only
     dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
-    return dist.distributed_c10d._get_default_group()
+    return compat.default_process_group()
 
 
 def noop_calls() -> collections.Counter[str]:
