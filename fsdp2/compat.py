@@ -332,3 +332,48 @@ def default_process_group() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_group()
+
+
+# -- the compiled whole step (fsdp2.runtime.traced) -------------------------------------------------
+
+# Functional collectives: the graph ops dynamo traces a step's all-gathers and reduce-scatters
+# into (c10d's own collectives break the graph). No public name exists for them.
+functional_collectives = torch.ops._c10d_functional
+
+
+def held_parameter_registry(module: nn.Module) -> dict:
+    """``module``'s ``_parameters`` dict object itself, read as the compiled step reads it (through
+    the instance dict: a trace reaches this ``def``)."""
+    return module.__dict__["_parameters"]
+
+
+def set_parameter_registry(module: nn.Module, registry: dict) -> None:
+    """Give ``module`` another ``_parameters`` dict object: while a trace runs, the modules see the
+    gathered parameters without the DTensor parameters being read (dynamo would guard on each)."""
+    module.__dict__["_parameters"] = registry
+
+
+# -- PyTorch's own FSDP2, where fsdp2 meets it (torch_switch, ft) ------------------------------------
+
+# Where PyTorch's FSDP2 functions are importable from besides torch.distributed.fsdp: private
+# module paths that code written for PyTorch may import them through.
+TORCH_FSDP2_PRIVATE_IMPORT_PATHS = (
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+)
+
+
+def torch_fully_shard_module_lookup() -> Callable | None:
+    """The helper PyTorch's ``fully_shard`` looks up the modules and their states with (None on a
+    torch that lays its implementation out otherwise)."""
+    return torch_fully_shard_home().__dict__.get("_get_modules_and_states")
+
+
+def set_torch_fully_shard_module_lookup(lookup: Callable) -> None:
+    torch_fully_shard_home()._get_modules_and_states = lookup
+
+
+def torch_fsdp_mp_policy(state: object) -> Any:
+    """The mixed-precision policy of a module PyTorch's FSDP2 sharded (its ``FSDPState``)."""
+    return state._mp_policy

@@ -195,7 +195,7 @@ class _Unit:
 
         if not self.params:
             return str(None)  # nothing to reduce, no all-reduce
-        mp = self.state._state.mp_policy if isinstance(self.state, TorchStateView) else self.state._mp_policy
+        mp = self.state._state.mp_policy if isinstance(self.state, TorchStateView) else compat.torch_fsdp_mp_policy(self.state)
         trainable = [p for _, p in self.params if p.requires_grad] or [p for _, p in self.params]
         return str(mp.reduce_dtype or mp.param_dtype or trainable[0].dtype)
 

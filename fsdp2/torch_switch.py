@@ -45,14 +45,7 @@ from fsdp2 import compat
 
 # PyTorch's public names of FSDP2's functions, and the modules that re-export them.
 SWITCHED_FUNCTIONS = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
-TORCH_IMPORT_PATHS = frozenset(
-    {
-        "torch.distributed.fsdp",
-        "torch.distributed.fsdp._fully_shard",
-        "torch.distributed._composable.fsdp",
-        "torch.distributed._composable.fsdp.fully_shard",
-    }
-)
+TORCH_IMPORT_PATHS = frozenset({"torch.distributed.fsdp", *compat.TORCH_FSDP2_PRIVATE_IMPORT_PATHS})
 
 
 def _fsdp2_functions() -> dict[str, Callable[..., Any]]:
@@ -229,8 +222,7 @@ def guard_pytorch_fully_shard() -> None:
     if _guarded_pytorch_fully_shard:
         return
     _guarded_pytorch_fully_shard = True
-    home = compat.torch_fully_shard_home()
-    original = home.__dict__.get("_get_modules_and_states")
+    original = compat.torch_fully_shard_module_lookup()
     if original is None:  # another torch layout: PyTorch's own error stands
         return
 
@@ -240,7 +232,7 @@ def guard_pytorch_fully_shard() -> None:
         return result
 
     _get_modules_and_states.__wrapped__ = original  # type: ignore[attr-defined]
-    home._get_modules_and_states = _get_modules_and_states
+    compat.set_torch_fully_shard_module_lookup(_get_modules_and_states)
 
 
 def _refuse_fsdp2_inside(arg: Any, managed_modules: list[nn.Module], params: list[nn.Parameter]) -> None:

@@ -55,25 +55,6 @@ PRIVATE_MEMBERS = {
     **dict.fromkeys(("_mp_policy", "_get_modules_and_states"), "PyTorch's FSDP2"),
 }
 
-# Private PyTorch APIs left outside compat.py in files this change could not edit: to be moved
-# into compat. file -> the names this test reports for it. An entry that no longer occurs fails
-# (delete it once moved).
-ALLOWED_OUTSIDE_COMPAT = {
-    # to be moved into compat: torch._dynamo.disable on the eager hooks (compiled code must not trace them)
-    "fsdp2/runtime/hooks.py": {"torch._dynamo"},
-    # to be moved into compat: the traced path's functional collectives, DTensor local shards, and
-    # the modules' parameter registries it swaps (module.__dict__["_parameters"])
-    "fsdp2/runtime/traced.py": {"torch.ops._c10d_functional", "._local_tensor", "._parameters"},
-    # to be moved into compat: PyTorch's private import paths of FSDP2 and the helper its
-    # fully_shard looks modules up with (rebound by guard_pytorch_fully_shard)
-    "fsdp2/torch_switch.py": {
-        "torch.distributed.fsdp._fully_shard",
-        "torch.distributed._composable",
-        "._get_modules_and_states",
-    },
-    # to be moved into compat: PyTorch's FSDPState._mp_policy, read for a module PyTorch sharded
-    "fsdp2/ft.py": {"._mp_policy"},
-}
 
 _TORCH_PATH = re.compile(r"torch(\.\w+)+")
 _ATTRIBUTE_BUILTINS = ("getattr", "hasattr", "setattr", "delattr")
@@ -178,16 +159,8 @@ def test_private_pytorch_apis_are_named_only_in_compat():
         f"{file}:{lines[0]}: {name}" + (f" (also lines {', '.join(map(str, lines[1:]))})" if lines[1:] else "")
         for file, names in _package_uses().items()
         for name, lines in sorted(names.items())
-        if name not in ALLOWED_OUTSIDE_COMPAT.get(file, set())
     ]
     assert not outside, "private PyTorch APIs outside fsdp2/compat.py (give each a named home there):\n" + "\n".join(outside)
-
-
-def test_the_allowlist_has_no_entry_already_moved():
-    uses = _package_uses()
-    moved = sorted(f"{file}: {name}" for file, names in ALLOWED_OUTSIDE_COMPAT.items() for name in names
-                   if name not in uses.get(file, {}))
-    assert not moved, f"no longer used there: delete from ALLOWED_OUTSIDE_COMPAT: {moved}"
 
 
 def test_compat_is_where_they_are():

@@ -183,7 +183,7 @@ class FSDPState:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ends_at_inputs = False
         with compat.outside_functorch():
@@ -231,7 +231,7 @@ class FSDPState:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _eager_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
@@ -262,7 +262,7 @@ class FSDPState:
 
     # -- backward -----------------------------------------------------------------------------------
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.root.begin_backward()
         if not self.group.pre_backward():

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
-_c10d = torch.ops._c10d_functional
+_c10d = compat.functional_collectives
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class _GradHandOff:
         dtensors = self.dtensors
         fresh = self.packed
         for p, dtensor in zip(self.params, dtensors):
-            if dtensor._local_tensor is not p.traced_source:
+            if compat.local_tensor_of(dtensor) is not p.traced_source:
                 raise _swapped_shard_error(p)
             if dtensor.grad is not None or not dtensor.requires_grad:
                 fresh = False
@@ -404,18 +404,18 @@ class TracedGroup:
             for slot in p.slots:
                 by_module.setdefault(slot.module, {})[slot.name] = tensor
         for module, gathered in by_module.items():
-            original = module.__dict__["_parameters"]
+            original = compat.held_parameter_registry(module)
             # Only the parameters fsdp2 does not manage (ignored ones) are read from the original.
-            module.__dict__["_parameters"] = {
-                name: gathered[name] if name in gathered else original[name] for name in original
-            }
+            compat.set_parameter_registry(
+                module, {name: gathered[name] if name in gathered else original[name] for name in original}
+            )
             self._held_dicts.append((module, original))
 
     def release(self) -> None:
         self.held = None
         self.modules_left = 0
         for module, original in self._held_dicts:
-            module.__dict__["_parameters"] = original
+            compat.set_parameter_registry(module, original)
         self._held_dicts = []
 
     # -- the group's forward in a trace -------------------------------------------------------
