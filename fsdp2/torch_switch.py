@@ -49,9 +49,14 @@ TORCH_IMPORT_PATHS = frozenset({"torch.distributed.fsdp", *compat.TORCH_FSDP2_PR
 
 
 def _fsdp2_functions() -> dict[str, Callable[..., Any]]:
-    import fsdp2
+    from fsdp2.runtime import fsdp_module
+    from fsdp2.runtime.fully_shard import fully_shard
 
-    return {name: getattr(fsdp2, name) for name in SWITCHED_FUNCTIONS}
+    return {
+        "fully_shard": fully_shard,
+        "register_fsdp_forward_method": fsdp_module.register_fsdp_forward_method,
+        "share_comm_ctx": fsdp_module.share_comm_ctx,
+    }
 
 
 def _may_rebind(module_name: str) -> bool:

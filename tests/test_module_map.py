@@ -58,14 +58,6 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
     "fsdp2.compat": (),
 }
 
-# (importer, imported): arrows known to go the wrong way, in files this change could not edit.
-# Each one must still exist (a fixed one is deleted from here).
-KNOWN_WRONG_WAY = {
-    # To be fixed in torch_switch.py: _fsdp2_functions() imports the package for fully_shard,
-    # register_fsdp_forward_method and share_comm_ctx, while the package imports torch_switch (a
-    # circle); import them from fsdp2.runtime.fully_shard and fsdp2.runtime.fsdp_module instead.
-    ("fsdp2.torch_switch", "fsdp2"),
-}
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
@@ -177,10 +169,6 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return cycles
 
 
-def _without_known(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {m: {t: line for t, line in edges.items() if (m, t) not in KNOWN_WRONG_WAY} for m, edges in graph.items()}
-
-
 def test_the_graph_sees_every_kind_of_import():
     """The graph holds the imports a looser reading would miss: relative, inside functions,
     ``from package import module``."""
@@ -192,7 +180,7 @@ def test_the_graph_sees_every_kind_of_import():
 
 
 def test_no_import_circle():
-    cycles = _cycles(_without_known(import_graph()))
+    cycles = _cycles(import_graph())
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -207,7 +195,7 @@ def test_imports_go_down_the_map():
         f"{module} -> {imported} (line {line})"
         for module, edges in sorted(graph.items())
         for imported, line in sorted(edges.items())
-        if (module, imported) not in KNOWN_WRONG_WAY and not _allowed(_unit(module), imported)
+        if not _allowed(_unit(module), imported)
     ]
     assert not wrong, "imports against the module map:\n" + "\n".join(wrong)
 
@@ -236,8 +224,3 @@ def test_geometry_sits_below_the_runtime_and_checkpoints():
     assert {"fsdp2.runtime", "fsdp2.checkpoint"} <= users
 
 
-def test_known_wrong_way_arrows_still_exist():
-    """An arrow fixed in its file leaves KNOWN_WRONG_WAY too."""
-    graph = import_graph()
-    gone = sorted(edge for edge in KNOWN_WRONG_WAY if edge[1] not in graph.get(edge[0], {}))
-    assert not gone, f"fixed: remove from KNOWN_WRONG_WAY: {gone}"
