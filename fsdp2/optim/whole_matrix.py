@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives
 from fsdp2.layout.shard_layout import ShardLayout
 
@@ -56,7 +57,7 @@ class Sharding:
         sharded = [dim for dim, p in enumerate(placements) if not p.is_replicate()]
         unsupported = [p for p in placements if not p.is_replicate() and type(p) is not Shard]
         if unsupported or len(sharded) > 1:
-            raise ValueError(
+            raise FSDPUsageError(
                 f"fsdp2.optim: {name} has placements {placements} on mesh dims {mesh.mesh_dim_names or mesh.shape}. "
                 "Whole-matrix transforms gather a tensor within one shard group, so they support FSDP "
                 "(Shard(d),) and HSDP (Replicate(), Shard(d)) parameters only; tensor-parallel + FSDP "

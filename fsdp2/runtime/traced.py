@@ -532,8 +532,10 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "CPUOffloadPolicy"
     elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):
         problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
-    elif any(not p.codec.plain for p in group.params) or group.all_gather_policy is not None:
-        problem = "an all-gather extension (fsdp_pre_all_gather) or set_all_gather_policy"
+    elif group.all_gather_policy is not None:
+        problem = "set_all_gather_policy (fsdp2's quantized all-gather)"
+    elif any(not p.codec.plain for p in group.params):
+        problem = "a tensor subclass's own all-gather (fsdp_pre_all_gather, e.g. torchao's float8 all-gather)"
     elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif group.reduce.all_reduce_hook is not None:
