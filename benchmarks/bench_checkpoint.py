@@ -182,8 +182,12 @@ def _trained(name, mesh, device, args, rank):
 
     step()  # creates the AdamW state
     local = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
-    local += sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                 if hasattr(v, "to_local"))
+    local += sum(
+        v.to_local().numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if hasattr(v, "to_local")
+    )
     total = torch.tensor([float(local)], device=device)
     dist.all_reduce(total)
     return model, opt, step, total.item()
@@ -217,8 +221,7 @@ def _worker(rank, world, port, args, out):
         r["dcp save"] = b.timed(lambda: dcp.save(dcp_state(), checkpoint_id=theirs))
         os.sync()  # the saves' writeback would otherwise slow whichever load runs first
         r["fsdp2 load, verified"] = b.timed(lambda: ck.load(ours, model, opt, stats=stats[0]), evict)
-        r["fsdp2 load, verify=False"] = b.timed(lambda: ck.load(ours, model, opt, verify=False, stats=stats[1]),
-                                                evict)
+        r["fsdp2 load, verify=False"] = b.timed(lambda: ck.load(ours, model, opt, verify=False, stats=stats[1]), evict)
         r["dcp load"] = b.timed(lambda: dcp.load(dcp_state(), checkpoint_id=theirs), evict)
         for name, value in r.items():
             rows.setdefault(name, []).append(value)
@@ -234,9 +237,17 @@ def _worker(rank, world, port, args, out):
     hf_dir = _hf_export(b, args, model) if args.hf else None
     dist.barrier()
     if rank == 0:
-        out.put(dict(total_bytes=total, rows=rows, stats=stats_rows,
-                     async_rows=async_rows, allocations=process_staging().allocations, hf_dir=hf_dir,
-                     last=os.path.join(last, "fsdp2")))
+        out.put(
+            dict(
+                total_bytes=total,
+                rows=rows,
+                stats=stats_rows,
+                async_rows=async_rows,
+                allocations=process_staging().allocations,
+                hf_dir=hf_dir,
+                last=os.path.join(last, "fsdp2"),
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -250,8 +261,13 @@ BASELINE_GC = "fsdp2 verified, GC on"  # --gc-baseline: verified, automatic garb
 
 def _kinds(args) -> tuple[str, ...]:
     loads = tuple(k for k in LOADS if k != "DCP") if args.no_dcp else LOADS
-    return (loads + ((BASELINE_HASH,) if args.hash_baseline else ()) + ((BASELINE_PAGES,) if args.page_baseline else ())
-            + ((BASELINE_THREADS,) if args.thread_baseline else ()) + ((BASELINE_GC,) if args.gc_baseline else ()))
+    return (
+        loads
+        + ((BASELINE_HASH,) if args.hash_baseline else ())
+        + ((BASELINE_PAGES,) if args.page_baseline else ())
+        + ((BASELINE_THREADS,) if args.thread_baseline else ())
+        + ((BASELINE_GC,) if args.gc_baseline else ())
+    )
 
 
 def _with_checksum_implementation(name: str, fn):
@@ -267,6 +283,7 @@ def _with_checksum_implementation(name: str, fn):
             fn()
         finally:
             integrity._crc32c = kept
+
     return run
 
 
@@ -283,11 +300,13 @@ def _with_gc_running(fn):
             fn()
         finally:
             gc_pause.paused = kept
+
     return run
 
 
 def _with_env(name: str, value: str | None, fn):
     """``fn`` run with environment variable ``name`` set to ``value`` (None: unset)."""
+
     def run():
         kept = os.environ.get(name)
         if value is None:
@@ -301,6 +320,7 @@ def _with_env(name: str, value: str | None, fn):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = kept
+
     return run
 
 
@@ -329,8 +349,9 @@ def _sweep_worker(rank, world, port, args, out):
             "fsdp2 verified": lambda: ck.load(ours, model, opt),
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
-            BASELINE_HASH: _with_checksum_implementation(args.hash_baseline or "crc32c",
-                                                         lambda: ck.load(ours, model, opt)),
+            BASELINE_HASH: _with_checksum_implementation(
+                args.hash_baseline or "crc32c", lambda: ck.load(ours, model, opt)
+            ),
             # fsdp2.checkpoint.fresh_memory.ENV: load buffers left to 4 KiB pages
             BASELINE_PAGES: _with_env("FSDP2_LOAD_HUGEPAGES", "0", lambda: ck.load(ours, model, opt)),
             # without LOCAL_WORLD_SIZE a rank reads with at least 2 threads, as before it was used
@@ -362,7 +383,7 @@ def _sweep_worker(rank, world, port, args, out):
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)
-        del model, opt, loads
+        model = opt = loads = None  # free this size before the next
         gc.collect()
     if rank == 0:
         out.put(results)
@@ -401,8 +422,16 @@ def _hash_floor_seconds(nbytes: int, window_bytes: int = 1 << 20) -> float:
     return best
 
 
-_VMSTAT_FIELDS = ("pgmajfault", "pgpgin", "thp_fault_alloc", "thp_fault_fallback", "compact_stall",
-                  "pgsteal_kswapd", "pgsteal_direct", "workingset_refault_file")
+_VMSTAT_FIELDS = (
+    "pgmajfault",
+    "pgpgin",
+    "thp_fault_alloc",
+    "thp_fault_fallback",
+    "compact_stall",
+    "pgsteal_kswapd",
+    "pgsteal_direct",
+    "workingset_refault_file",
+)
 
 
 def _vmstat() -> dict[str, int]:
@@ -441,6 +470,7 @@ class _LoadTracer:
                     return fn(*a, **k)
                 finally:
                     self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - t
+
             return wrapper
 
         for phase, names in self.PHASES.items():
@@ -448,6 +478,7 @@ class _LoadTracer:
                 self._patched.append((reader, n, getattr(reader, n)))
                 setattr(reader, n, timed(phase, getattr(reader, n)))
         from fsdp2.checkpoint import _dist
+
         self._patched.append((_dist, "first_failure", _dist.first_failure))
         _dist.first_failure = timed("agree", _dist.first_failure)
         import gc
@@ -459,20 +490,26 @@ class _LoadTracer:
                 key = f"gc{info['generation']}"
                 self.phase_s[key] = self.phase_s.get(key, 0.0) + time.perf_counter() - self._gc_start
                 self._gc_start = None
+
         gc.callbacks.append(gc_timer)
         self._gc_timer = gc_timer
         self._patched.append((torch.optim.Optimizer, "load_state_dict", torch.optim.Optimizer.load_state_dict))
         torch.optim.Optimizer.load_state_dict = timed("optim.load_state_dict", torch.optim.Optimizer.load_state_dict)
         if rank == 0:
-            print(f"{'size':<6}{'round':>6} {'load':<28}{'s':>7}  per rank: phases (s), minor/major faults, "
-                  "MB from storage | machine: vmstat deltas", flush=True)
+            print(
+                f"{'size':<6}{'round':>6} {'load':<28}{'s':>7}  per rank: phases (s), minor/major faults, "
+                "MB from storage | machine: vmstat deltas",
+                flush=True,
+            )
 
     def wrap(self, fn):
         """``fn``, adding its whole time on this rank as the phase "rank total"."""
+
         def run():
             t = time.perf_counter()
             fn()
             self.phase_s["rank total"] = time.perf_counter() - t
+
         return run
 
     def begin(self) -> None:
@@ -488,17 +525,23 @@ class _LoadTracer:
 
         ru = resource.getrusage(resource.RUSAGE_SELF)
         vm = _vmstat()
-        mine = dict(phases={k: round(v, 3) for k, v in self.phase_s.items()},
-                    faults=(ru.ru_minflt - self._ru.ru_minflt, ru.ru_majflt - self._ru.ru_majflt),
-                    storage_mb=round((_io_read_bytes() - self._io) / 1e6, 1))
+        mine = dict(
+            phases={k: round(v, 3) for k, v in self.phase_s.items()},
+            faults=(ru.ru_minflt - self._ru.ru_minflt, ru.ru_majflt - self._ru.ru_majflt),
+            storage_mb=round((_io_read_bytes() - self._io) / 1e6, 1),
+        )
         every = [None] * self.dist.get_world_size()
         self.dist.all_gather_object(every, mine)
         if self.rank == 0:
             moved = {k: vm[k] - self._vm[k] for k in vm if vm[k] != self._vm[k]}
-            ranks = " ; ".join(f"{r['phases']} flt {r['faults'][0]}/{r['faults'][1]} disk {r['storage_mb']}"
-                               for r in every)
-            print(f"{self.size:<6}{rep:>6} {kind:<28}{seconds:>7.3f}  {ranks} | {moved} "
-                  f"load avg {os.getloadavg()[0]:.1f}", flush=True)
+            ranks = " ; ".join(
+                f"{r['phases']} flt {r['faults'][0]}/{r['faults'][1]} disk {r['storage_mb']}" for r in every
+            )
+            print(
+                f"{self.size:<6}{rep:>6} {kind:<28}{seconds:>7.3f}  {ranks} | {moved} "
+                f"load avg {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
 
     def close(self) -> None:
         import gc
@@ -516,16 +559,20 @@ def _sweep_report(args, results) -> None:
     kinds = _kinds(args)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
-    print(f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
-          f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in shuffled "
-          f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
-          f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}")
+    print(
+        f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
+        f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in shuffled "
+        f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
+        f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}"
+    )
     extra = f"{args.hash_baseline + ' (s)':>16}{'its / DCP':>11}{'its cost':>10}" if args.hash_baseline else ""
     extra += f"{'4 KiB pages (s)':>17}{'its / DCP':>11}" if args.page_baseline else ""
     extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     extra += f"{'GC on (s)':>11}{'its / DCP':>11}{'its cost':>10}" if args.gc_baseline else ""
-    print(f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
-          f"{'verified / DCP':>16}{'verify cost':>13}{'its 90% CI':>14}{'hash floor':>12}{extra}")
+    print(
+        f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
+        f"{'verified / DCP':>16}{'verify cost':>13}{'its 90% CI':>14}{'hash floor':>12}{extra}"
+    )
 
     def cost_of(rounds, verified="fsdp2 verified"):
         return statistics.median((x[verified] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"] for x in rounds)
@@ -541,9 +588,11 @@ def _sweep_report(args, results) -> None:
         low, high = _bootstrap_interval(rounds, cost_of)
         dcp_s = "-" if math.isnan(vs_dcp) else f"{med['DCP']:.3f}"
         vs_dcp_x = _times(vs_dcp)
-        line = (f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
-                f"{med['fsdp2 verify=False']:>14.3f}{dcp_s:>9}{vs_dcp_x:>16}{cost:>12.2f}x"
-                f"{f'{low:.2f}-{high:.2f}x':>14}{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x")
+        line = (
+            f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
+            f"{med['fsdp2 verify=False']:>14.3f}{dcp_s:>9}{vs_dcp_x:>16}{cost:>12.2f}x"
+            f"{f'{low:.2f}-{high:.2f}x':>14}{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x"
+        )
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
             line += f"{med[BASELINE_HASH]:>16.3f}{_times(base_dcp):>11}{base_cost:>9.2f}x"
@@ -555,13 +604,18 @@ def _sweep_report(args, results) -> None:
             gc_dcp, gc_cost = ratios(rounds, BASELINE_GC)
             line += f"{med[BASELINE_GC]:>11.3f}{_times(gc_dcp):>11}{gc_cost:>9.2f}x"
         print(line)
-    print("verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
-          "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
-          "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank "
-          "verifies, in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
-          "verify cost when each reader thread hashes what it reads"
-          + (f"; {args.hash_baseline}: verified with that CRC32C implementation instead of fsdp2's default"
-             if args.hash_baseline else ""))
+    print(
+        "verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
+        "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "
+        "(how far this run's noise leaves it uncertain); hash floor: the CRC32C alone over the bytes a rank "
+        "verifies, in the CPU cache, shared by its reader threads (_hash_floor_seconds), / verify=False: the least "
+        "verify cost when each reader thread hashes what it reads"
+        + (
+            f"; {args.hash_baseline}: verified with that CRC32C implementation instead of fsdp2's default"
+            if args.hash_baseline
+            else ""
+        )
+    )
 
 
 def _times(ratio: float) -> str:
@@ -630,9 +684,13 @@ def _async_round(b: _Bench, base, model, opt, step, dcp_state) -> dict:
         t = time.perf_counter()
         handle.wait() if name == "fsdp2" else handle.result()
         wait = time.perf_counter() - t
-        result[name] = dict(call=b.slowest(call), blocked=b.slowest(blocked),
-                            overlap_steps=overlapped, wait=b.slowest(wait),
-                            total=b.slowest(time.perf_counter() - t0))
+        result[name] = dict(
+            call=b.slowest(call),
+            blocked=b.slowest(blocked),
+            overlap_steps=overlapped,
+            wait=b.slowest(wait),
+            total=b.slowest(time.perf_counter() - t0),
+        )
     return result
 
 
@@ -680,8 +738,9 @@ def _hf_worker(rank, world, port, args, hf_dir, out):
     stats = ck.LoadStats()
     seconds, _ = b.timed(lambda: ck.load_hf(hf_dir, model, stats=stats))
     peak = _vm("VmHWM") - rss0
-    result = dict(seconds=seconds, shard_bytes=shard_bytes, peak_rss_growth=peak, read=stats.bytes_read,
-                  owned=stats.bytes_owned)
+    result = dict(
+        seconds=seconds, shard_bytes=shard_bytes, peak_rss_growth=peak, read=stats.bytes_read, owned=stats.bytes_owned
+    )
     try:
         if args.cold and rank == 0:
             _evict(hf_dir)
@@ -773,7 +832,7 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
 
     data = np.random.default_rng(0).integers(0, 255, size=mib << 20, dtype=np.uint8)
     view = memoryview(data)
-    block, window = 4 << 20, view[:1 << 20]
+    block, window = 4 << 20, view[: 1 << 20]
     cands = {"zlib.crc32 (format 1)": lambda m, c: zlib.crc32(m, c)}
     for name in integrity.IMPLEMENTATIONS:  # fsdp2's CRC32C implementations, fastest first
         try:
@@ -830,7 +889,7 @@ def hash_table(mib: int = 256) -> list[tuple[str, float, float, float]]:
         def from_memory():
             c = 0
             for i in range(0, len(view), block):
-                c = fn(view[i:i + block], c)
+                c = fn(view[i : i + block], c)
 
         rows.append((name, 64 / in_cache / 1024, len(data) / best(from_memory, 3) / 2**30, stall(fn)))
     return rows
@@ -871,16 +930,16 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, tuple[float,
         view = memoryview(buf.numpy())
         step = window if fn else piece
         for off in range(0, n, step):
-            os.preadv(fd, [view[off:off + step]], off)
+            os.preadv(fd, [view[off : off + step]], off)
             if fn:
                 for b in range(off, off + step, block):
-                    fn(view[b:b + block], 0)
+                    fn(view[b : b + block], 0)
 
     def fresh_huge():
         buf = torch.empty(n + huge, dtype=torch.uint8)
         start = -buf.data_ptr() % huge
         libc.madvise(buf.data_ptr() + start, n, getattr(mmap, "MADV_HUGEPAGE", 14))
-        read(buf[start:start + n])
+        read(buf[start : start + n])
 
     def load_buffers(setting: str):
         os.environ[fresh_memory.ENV] = setting
@@ -889,13 +948,12 @@ def first_touch_table(mib: int = 256, rounds: int = 9) -> dict[str, tuple[float,
             nbytes = int(size * (1 << 20)) // 4 * 4
             view = memoryview(fresh_memory.empty((nbytes // 4,), torch.float32).view(torch.uint8).numpy())
             for at in range(0, nbytes, piece):
-                os.preadv(fd, [view[at:at + piece]], off + at)
+                os.preadv(fd, [view[at : at + piece]], off + at)
             off += nbytes
 
     cases = {
         "fresh memory": lambda: read(torch.empty(n, dtype=torch.uint8)),
-        f"fresh memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(torch.empty(n, dtype=torch.uint8),
-                                                                            fastest),
+        f"fresh memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(torch.empty(n, dtype=torch.uint8), fastest),
         "fresh memory, hashed (crc32c pkg)": lambda: read(torch.empty(n, dtype=torch.uint8), package),
         "touched memory": lambda: read(touched),
         f"touched memory, hashed ({integrity.IMPLEMENTATION})": lambda: read(touched, fastest),
@@ -947,8 +1005,10 @@ def hash_threads_table(thread_counts: list[int], mib: int = 2048, rounds: int = 
         for _ in range(reps):
             crc(view, 0)
 
-    cached = {n: max(n * 2000 * (256 << 10) / in_threads(n, hash_hot, *[(hot[i],) for i in range(n)]) / 1e9
-                     for _ in range(3)) for n in thread_counts}
+    cached = {
+        n: max(n * 2000 * (256 << 10) / in_threads(n, hash_hot, *[(hot[i],) for i in range(n)]) / 1e9 for _ in range(3))
+        for n in thread_counts
+    }
     with tempfile.TemporaryDirectory(prefix="bench_hash_threads_") as d:
         path = os.path.join(d, "data")
         with open(path, "wb") as f:
@@ -964,11 +1024,11 @@ def hash_threads_table(thread_counts: list[int], mib: int = 2048, rounds: int = 
 
             def read(lo, hi, mode):
                 for off in range(lo, hi, window):
-                    v = view[off:min(hi, off + window)]
+                    v = view[off : min(hi, off + window)]
                     os.preadv(fd, [v], off)
                     if mode == "per block":
                         for b in range(0, len(v), block):
-                            crc(v[b:b + block], 0)
+                            crc(v[b : b + block], 0)
                     elif mode == "per window":
                         crc(v, 0)
 
@@ -978,8 +1038,9 @@ def hash_threads_table(thread_counts: list[int], mib: int = 2048, rounds: int = 
                 parts = [(i * step, (i + 1) * step) for i in range(n)]
                 rates = {}
                 for mode in ("plain", "per block", "per window"):
-                    seconds = statistics.median(in_threads(n, read, *[(lo, hi, mode) for lo, hi in parts])
-                                                for _ in range(rounds))
+                    seconds = statistics.median(
+                        in_threads(n, read, *[(lo, hi, mode) for lo, hi in parts]) for _ in range(rounds)
+                    )
                     rates[mode] = size / seconds / 1e9
                 rows.append((n, cached[n], rates))
         finally:
@@ -1000,28 +1061,65 @@ def main():
     parser.add_argument("--reshard", default="", help="comma-separated world sizes to load the checkpoint on")
     parser.add_argument("--hf", action="store_true", help="also measure load_hf (and DCP's HF reader)")
     parser.add_argument("--hashes", action="store_true", help="only print the checksum speed table")
-    parser.add_argument("--first-touch", action="store_true", help="only print where a warm load's time goes: "
-                        "reading into fresh vs touched memory, hashed or not")
+    parser.add_argument(
+        "--first-touch",
+        action="store_true",
+        help="only print where a warm load's time goes: reading into fresh vs touched memory, hashed or not",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--hash-baseline", nargs="?", const="crc32c", default=None, metavar="NAME",
-                        choices=list(integrity.IMPLEMENTATIONS), help="with --sizes: also load verified with CRC32C "
-                        "implementation NAME (default: crc32c, the package), paired with fsdp2's default")
-    parser.add_argument("--page-baseline", action="store_true", help="with --sizes: also load verified with the "
-                        "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default")
-    parser.add_argument("--thread-baseline", action="store_true", help="with --sizes: also load verified with "
-                        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the "
-                        "default")
-    parser.add_argument("--gc-baseline", action="store_true", help="with --sizes: also load verified with "
-                        "automatic garbage collection left running during the load (as before fsdp2 paused it), "
-                        "paired with the default")
-    parser.add_argument("--no-dcp", action="store_true", help="with --sizes: leave DCP out of the rotation (only "
-                        "verification's cost: more rounds in the same time, a narrower interval)")
-    parser.add_argument("--trace", action="store_true", help="with --sizes: print every timed load (phases inside "
-                        "fsdp2's load, page faults, bytes from storage, /proc/vmstat deltas)")
-    parser.add_argument("--hash-threads", default="", help="only print what reader threads pay to hash, for "
-                        "these comma-separated thread counts (e.g. 1,2,8,16): GIL hand-offs per call")
-    parser.add_argument("--sizes", default="", help="only time loads, for these comma-separated model presets "
-                        f"({', '.join(MODELS)}), against DCP")
+    parser.add_argument(
+        "--hash-baseline",
+        nargs="?",
+        const="crc32c",
+        default=None,
+        metavar="NAME",
+        choices=list(integrity.IMPLEMENTATIONS),
+        help="with --sizes: also load verified with CRC32C "
+        "implementation NAME (default: crc32c, the package), paired with fsdp2's default",
+    )
+    parser.add_argument(
+        "--page-baseline",
+        action="store_true",
+        help="with --sizes: also load verified with the "
+        "load buffers left to 4 KiB pages (FSDP2_LOAD_HUGEPAGES=0), paired with the default",
+    )
+    parser.add_argument(
+        "--thread-baseline",
+        action="store_true",
+        help="with --sizes: also load verified with "
+        "LOCAL_WORLD_SIZE unset (at least 2 reader threads per rank, as before), paired with the "
+        "default",
+    )
+    parser.add_argument(
+        "--gc-baseline",
+        action="store_true",
+        help="with --sizes: also load verified with "
+        "automatic garbage collection left running during the load (as before fsdp2 paused it), "
+        "paired with the default",
+    )
+    parser.add_argument(
+        "--no-dcp",
+        action="store_true",
+        help="with --sizes: leave DCP out of the rotation (only "
+        "verification's cost: more rounds in the same time, a narrower interval)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --sizes: print every timed load (phases inside "
+        "fsdp2's load, page faults, bytes from storage, /proc/vmstat deltas)",
+    )
+    parser.add_argument(
+        "--hash-threads",
+        default="",
+        help="only print what reader threads pay to hash, for "
+        "these comma-separated thread counts (e.g. 1,2,8,16): GIL hand-offs per call",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help=f"only time loads, for these comma-separated model presets ({', '.join(MODELS)}), against DCP",
+    )
     args = parser.parse_args()
     if args.hashes:
         from fsdp2.checkpoint import integrity
@@ -1030,27 +1128,38 @@ def main():
         print(f"{'hash':<38}{'GiB/s, 1 MiB in cache':>23}{'GiB/s, 256 MiB':>16}{'GIL stall':>11}")
         for name, cached, memory, stalled in hash_table():
             print(f"{name:<38}{cached:>23.1f}{memory:>16.1f}{stalled:>11.2f}")
-        print("GIL stall: longest pause of a Python loop while another thread hashes 256 MiB per call, as a "
-              "fraction of one call (~0: the GIL is released; ~1: held)")
+        print(
+            "GIL stall: longest pause of a Python loop while another thread hashes 256 MiB per call, as a "
+            "fraction of one call (~0: the GIL is released; ~1: held)"
+        )
         return
     if args.hash_threads:
         from fsdp2.checkpoint import integrity
 
         counts = [int(n) for n in args.hash_threads.split(",")]
-        print(f"CRC32C {integrity.IMPLEMENTATION}, {len(os.sched_getaffinity(0))} CPUs, load average "
-              f"{os.getloadavg()[0]:.1f}; read: a warm 2 GiB file into touched memory in 1 MiB windows")
-        print(f"{'threads':>7}{'hash in cache GB/s':>20}{'read GB/s':>11}{'+ call per 128 KiB':>20}{'+ call per 1 MiB':>18}")
+        print(
+            f"CRC32C {integrity.IMPLEMENTATION}, {len(os.sched_getaffinity(0))} CPUs, load average "
+            f"{os.getloadavg()[0]:.1f}; read: a warm 2 GiB file into touched memory in 1 MiB windows"
+        )
+        print(
+            f"{'threads':>7}{'hash in cache GB/s':>20}{'read GB/s':>11}"
+            f"{'+ call per 128 KiB':>20}{'+ call per 1 MiB':>18}"
+        )
         for n, cached, rates in hash_threads_table(counts):
             plain = rates["plain"]
-            print(f"{n:>7}{cached:>20.1f}{plain:>11.1f}"
-                  f"{rates['per block']:>11.1f} ({plain / rates['per block'] - 1:.2f}x)"
-                  f"{rates['per window']:>10.1f} ({plain / rates['per window'] - 1:.2f}x)")
+            print(
+                f"{n:>7}{cached:>20.1f}{plain:>11.1f}"
+                f"{rates['per block']:>11.1f} ({plain / rates['per block'] - 1:.2f}x)"
+                f"{rates['per window']:>10.1f} ({plain / rates['per window'] - 1:.2f}x)"
+            )
         print("(x): verification cost, the hashed read's time over the plain read's, minus 1")
         return
     if args.first_touch:
         mib = 256
-        print(f"read {mib} MiB from the page cache, one thread, load average {os.getloadavg()[0]:.1f}; "
-              "medians (and maxima) of 9 interleaved rounds")
+        print(
+            f"read {mib} MiB from the page cache, one thread, load average {os.getloadavg()[0]:.1f}; "
+            "medians (and maxima) of 9 interleaved rounds"
+        )
         for name, (ms, worst) in first_touch_table(mib).items():
             size = sum(LOAD_BUFFER_MIB) if name.startswith("load buffers") else mib
             print(f"{name:<48}{ms:>9.1f} ms{size / 1024 / (ms / 1e3):>7.1f} GiB/s   max {worst:>7.1f} ms")
@@ -1099,9 +1208,11 @@ def _report(args, res, reshard):
     gib, mb = 2**30, 1e6
     total = res["total_bytes"]
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"model {args.model} {MODELS[args.model]} + AdamW: {total / gib:.2f} GiB of state, {args.ranks} rank(s), "
-          f"{device}, torch {torch.__version__}, {'cold' if args.cold else 'warm'} page cache for loads, "
-          f"median of {args.repeats}")
+    print(
+        f"model {args.model} {MODELS[args.model]} + AdamW: {total / gib:.2f} GiB of state, {args.ranks} rank(s), "
+        f"{device}, torch {torch.__version__}, {'cold' if args.cold else 'warm'} page cache for loads, "
+        f"median of {args.repeats}"
+    )
     med = {name: statistics.median(s for s, _ in vals) for name, vals in res["rows"].items()}
     rchar = {name: statistics.median(r for _, r in vals) for name, vals in res["rows"].items()}
     print(f"{'operation':<28}{'time (s)':>10}{'GiB/s':>8}{'vs DCP':>9}{'rank0 read() MB':>17}")
@@ -1110,34 +1221,47 @@ def _report(args, res, reshard):
         print(f"{name:<28}{seconds:>10.3f}{total / gib / seconds:>8.2f}{seconds / ref:>8.2f}x{rchar[name] / mb:>17.1f}")
     print("vs DCP = fsdp2 time / DCP time (<1: fsdp2 faster)")
     read, owned, verified = res["stats"][-1]
-    print(f"fsdp2 verified load, rank 0: read {read / mb:.1f} MB for {owned / mb:.1f} MB owned "
-          f"(ratio {read / owned:.4f}), checksummed {verified / mb:.1f} MB")
+    print(
+        f"fsdp2 verified load, rank 0: read {read / mb:.1f} MB for {owned / mb:.1f} MB owned "
+        f"(ratio {read / owned:.4f}), checksummed {verified / mb:.1f} MB"
+    )
     if reshard:
         for world, (r, o, worst) in reshard.items():
-            print(f"reshard {args.ranks} -> {world} ranks, verified: bytes read / owned = {r / o:.4f} over all ranks, "
-                  f"worst rank {worst:.4f}")
+            print(
+                f"reshard {args.ranks} -> {world} ranks, verified: bytes read / owned = {r / o:.4f} over all ranks, "
+                f"worst rank {worst:.4f}"
+            )
     print()
     print(f"async save (staging buffer allocations in this run: {res['allocations']})")
-    print(f"{'':<8}{'round':<7}{'call (s)':>10}{'blocked (s)':>13}{'overlap steps':>15}{'step / normal':>15}"
-          f"{'wait (s)':>10}{'total (s)':>11}")
+    print(
+        f"{'':<8}{'round':<7}{'call (s)':>10}{'blocked (s)':>13}{'overlap steps':>15}{'step / normal':>15}"
+        f"{'wait (s)':>10}{'total (s)':>11}"
+    )
     for i, rnd in enumerate(res["async_rows"]):
         normal = rnd["normal step"]
         for name in ("fsdp2", "dcp"):
             a = rnd[name]
             ratio = statistics.median(a["overlap_steps"]) / normal if a["overlap_steps"] else float("nan")
-            print(f"{name:<8}{i + 1:<7}{a['call']:>10.3f}{a['blocked']:>13.3f}{len(a['overlap_steps']):>15}"
-                  f"{ratio:>14.2f}x{a['wait']:>10.3f}{a['total']:>11.3f}")
+            print(
+                f"{name:<8}{i + 1:<7}{a['call']:>10.3f}{a['blocked']:>13.3f}{len(a['overlap_steps']):>15}"
+                f"{ratio:>14.2f}x{a['wait']:>10.3f}{a['total']:>11.3f}"
+            )
     normal = ", ".join(f"{r['normal step']:.3f}" for r in res["async_rows"])
     print(f"normal step (s), per round: {normal}")
     if res.get("hf"):
         print()
         print("load_hf (save -> consolidate -> load_hf into a fresh sharded model, fresh processes)")
         for rank, h in enumerate(res["hf"]):
-            dcp_part = (f", DCP HuggingFaceStorageReader {h['dcp_seconds']:.3f} s" if "dcp_seconds" in h
-                        else f", DCP HF reader failed: {h.get('dcp_error')}")
-            print(f"rank {rank}: {h['seconds']:.3f} s{dcp_part}; read {h['read'] / mb:.1f} MB "
-                  f"for {h['owned'] / mb:.1f} MB owned; peak RSS growth {h['peak_rss_growth'] / mb:.1f} MB for "
-                  f"{h['shard_bytes'] / mb:.1f} MB of shards (+{(h['peak_rss_growth'] - h['shard_bytes']) / mb:.1f} MB)")
+            dcp_part = (
+                f", DCP HuggingFaceStorageReader {h['dcp_seconds']:.3f} s"
+                if "dcp_seconds" in h
+                else f", DCP HF reader failed: {h.get('dcp_error')}"
+            )
+            print(
+                f"rank {rank}: {h['seconds']:.3f} s{dcp_part}; read {h['read'] / mb:.1f} MB "
+                f"for {h['owned'] / mb:.1f} MB owned; peak RSS growth {h['peak_rss_growth'] / mb:.1f} MB for "
+                f"{h['shard_bytes'] / mb:.1f} MB of shards (+{(h['peak_rss_growth'] - h['shard_bytes']) / mb:.1f} MB)"
+            )
 
 
 if __name__ == "__main__":

@@ -168,7 +168,11 @@ class FloorStep:
         self.parts: dict[str, list[float]] = {}
 
     def part_names(self) -> tuple[str, str, str]:
-        return ("forward+backward", "fp32 masters: 2 casts + grad copy", f"optimizer ({self.optimizer_kind}, plain tensors)")
+        return (
+            "forward+backward",
+            "fp32 masters: 2 casts + grad copy",
+            f"optimizer ({self.optimizer_kind}, plain tensors)",
+        )
 
     def step(self, inputs, targets):
         import torch
@@ -275,7 +279,9 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (ws,))
         mp_policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
         )
         if ours:
             from fsdp2 import MixedPrecisionPolicy as MP
@@ -284,8 +290,13 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             with torch.device("meta"):
                 meta_model = GPT(cfg)
             estimate = estimate_memory(
-                meta_model, mesh, groups=lambda m: isinstance(m, Block), mp_policy=mp_policy if bf16 else MP(),
-                sample_input=(inputs, targets), loss_fn=lambda m, x, y: m.loss(x, y), all_gather_policy=all_gather_policy,
+                meta_model,
+                mesh,
+                groups=lambda m: isinstance(m, Block),
+                mp_policy=mp_policy if bf16 else MP(),
+                sample_input=(inputs, targets),
+                loss_fn=lambda m, x, y: m.loss(x, y),
+                all_gather_policy=all_gather_policy,
                 kernel_scratch=device,  # the measured run uses this device's kernels
             )
             del meta_model
@@ -311,8 +322,12 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
         if all_gather_policy is not None:
             model.set_all_gather_policy(all_gather_policy)
     elif impl == "floor":
-        floor = FloorStep(model, torch.bfloat16 if bf16 else torch.float32, device,
-                          torch.cuda.synchronize if on_gpu else (lambda: None))
+        floor = FloorStep(
+            model,
+            torch.bfloat16 if bf16 else torch.float32,
+            device,
+            torch.cuda.synchronize if on_gpu else (lambda: None),
+        )
     elif bf16:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -447,7 +462,7 @@ def _run_impl(rank: int, args: dict, impl: str, port: int) -> dict:
             comm=estimate.comm_bytes_per_step,
             table=str(estimate),
         )
-    del model, optimizer
+    model = optimizer = None  # freed before the next measurement
     gc.collect()
     if mode != "fake" and ws > 1:
         dist.barrier()
@@ -484,7 +499,10 @@ def _fmt_mib(n: int | None) -> str:
 def render(args: dict, results: dict[str, dict]) -> str:
     on_gpu = args["device"] == "cuda"
     est = results.get("fsdp2", {}).get("estimate")
-    head = "| impl | step ms (median) | step ms (min) | CPU ms/step (median) | state MiB (params+grads+optim) | peak alloc MiB |"
+    head = (
+        "| impl | step ms (median) | step ms (min) | CPU ms/step (median) | state MiB (params+grads+optim) |"
+        " peak alloc MiB |"
+    )
     head += "" if on_gpu else " max RSS delta MiB |"
     head += " predicted peak MiB | measured / predicted | all-gather MiB/step | reduce-scatter MiB/step |"
     lines = [head, "|" + "---|" * head.count(" |")]
@@ -493,11 +511,16 @@ def render(args: dict, results: dict[str, dict]) -> str:
         own = r.get("estimate")
         predicted = own["peak"] if own and own.get("peak") else None
         row = (
-            f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | {1e3 * statistics.median(r['cpu_times']):.1f} | "
+            f"| {impl} | {1e3 * r['median_s']:.1f} | {1e3 * r['min_s']:.1f} | "
+            f"{1e3 * statistics.median(r['cpu_times']):.1f} | "
             f"{_fmt_mib(st['params'] + st['grads'] + st['optimizer'])} | {_fmt_mib(r.get('peak_alloc'))} |"
         )
         row += "" if on_gpu else f" {_fmt_mib(r['rss_delta'])} |"
-        row += f" {_fmt_mib(predicted)} | {r['peak_alloc'] / predicted:.3f} |" if predicted and r.get("peak_alloc") else " - | - |"
+        row += (
+            f" {_fmt_mib(predicted)} | {r['peak_alloc'] / predicted:.3f} |"
+            if predicted and r.get("peak_alloc")
+            else " - | - |"
+        )
         row += f" {_fmt_mib(r['comm']['all_gather'])} | {_fmt_mib(r['comm']['reduce_scatter'])} |"
         lines.append(row)
     out = ["\n".join(lines), ""]
@@ -512,25 +535,42 @@ def render(args: dict, results: dict[str, dict]) -> str:
     c = lambda r: statistics.median(r["cpu_times"])  # noqa: E731
     s = lambda r: sum(r["state"].values())  # noqa: E731
     p = lambda r: r["peak_alloc"]  # noqa: E731
-    out.append(f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, CPU time {ratio('fsdp2', 'torch', c)}, state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}")
-    out.append(f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, peak alloc {ratio('fsdp2', 'unsharded', p)}")
+    out.append(
+        f"fsdp2 / PyTorch FSDP2: step time {ratio('fsdp2', 'torch', t)}, CPU time {ratio('fsdp2', 'torch', c)}, "
+        f"state {ratio('fsdp2', 'torch', s)}, peak alloc {ratio('fsdp2', 'torch', p)}"
+    )
+    out.append(
+        f"fsdp2 / unsharded:     step time {ratio('fsdp2', 'unsharded', t)}, state {ratio('fsdp2', 'unsharded', s)}, "
+        f"peak alloc {ratio('fsdp2', 'unsharded', p)}"
+    )
     if "fsdp2-local" in results:
-        out.append(f"fsdp2-local (fsdp2.optim.step_on_local_shards) / PyTorch FSDP2: step time {ratio('fsdp2-local', 'torch', t)}, "
-                   f"CPU time {ratio('fsdp2-local', 'torch', c)}; / fsdp2: step time {ratio('fsdp2-local', 'fsdp2', t)}")
+        out.append(
+            f"fsdp2-local (fsdp2.optim.step_on_local_shards) / PyTorch FSDP2: "
+            f"step time {ratio('fsdp2-local', 'torch', t)}, "
+            f"CPU time {ratio('fsdp2-local', 'torch', c)}; / fsdp2: step time {ratio('fsdp2-local', 'fsdp2', t)}"
+        )
     if "floor" in results:
         parts = results["floor"]["parts"]
         medians = {name: 1e3 * statistics.median(v) for name, v in parts.items()}
-        out.append("floor parts (median ms): " + ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
-                   + f"; sum {sum(medians.values()):.1f}")
+        out.append(
+            "floor parts (median ms): "
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
+            + f"; sum {sum(medians.values()):.1f}"
+        )
         others = [impl for impl in results if impl != "floor"]
-        out.append("step time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in others)
-                   + "; CPU time / floor: " + ", ".join(f"{impl} {ratio(impl, 'floor', c)}" for impl in others))
+        out.append(
+            "step time / floor: "
+            + ", ".join(f"{impl} {ratio(impl, 'floor', t)}" for impl in others)
+            + "; CPU time / floor: "
+            + ", ".join(f"{impl} {ratio(impl, 'floor', c)}" for impl in others)
+        )
     g = lambda r: r["comm"]["all_gather"]  # noqa: E731
     for q in QUANTIZED:
         if q in results:
             out.append(
                 f"{q} / fsdp2: step time {ratio(q, 'fsdp2', t)}, CPU time {ratio(q, 'fsdp2', c)}, "
-                f"all-gather bytes {ratio(q, 'fsdp2', g)} (predicted {_fmt_mib(results[q]['estimate']['comm']['all_gather'])} MiB)"
+                f"all-gather bytes {ratio(q, 'fsdp2', g)} "
+                f"(predicted {_fmt_mib(results[q]['estimate']['comm']['all_gather'])} MiB)"
             )
     if est:
         f = results["fsdp2"]
@@ -553,31 +593,60 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per rank (default 4)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (CPU: 10, GPU: 20)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the impls this many times, alternating order; step times are pooled")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join((*IMPLS, *EXTRA_IMPLS, *QUANTIZED)))
-    parser.add_argument("--local-step", action="store_true",
-                        help="add fsdp2-local: fsdp2 with fsdp2.optim.step_on_local_shards(optimizer), which steps "
-                             "AdamW on the local shards as plain tensors (no DTensor dispatch), fused where the "
-                             "device has the kernel (the floor's optimizer; the other rows use AdamW's default)")
-    parser.add_argument("--floor", action="store_true",
-                        help="add floor: the compute-dtype model without FSDP, plus what fp32 masters must cost "
-                             "(casts, grad copy) and a fused AdamW step on plain tensors, timed apart (see FloorStep)")
-    parser.add_argument("--pg", choices=["noop", "fake"], default="noop",
-                        help="fake mode's process group: noop (fsdp2.tools.noop_pg, collectives do nothing) or "
-                             "PyTorch's fake (its all-gathers copy the input into every rank's chunk)")
-    parser.add_argument("--force-collectives", action="store_true",
-                        help="fsdp2: all-gather and reduce-scatter even in one-rank shard groups (world size 1)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the impls this many times, alternating order; step times are pooled"
+    )
+    parser.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help="comma-separated subset of " + ",".join((*IMPLS, *EXTRA_IMPLS, *QUANTIZED)),
+    )
+    parser.add_argument(
+        "--local-step",
+        action="store_true",
+        help="add fsdp2-local: fsdp2 with fsdp2.optim.step_on_local_shards(optimizer), which steps "
+        "AdamW on the local shards as plain tensors (no DTensor dispatch), fused where the "
+        "device has the kernel (the floor's optimizer; the other rows use AdamW's default)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add floor: the compute-dtype model without FSDP, plus what fp32 masters must cost "
+        "(casts, grad copy) and a fused AdamW step on plain tensors, timed apart (see FloorStep)",
+    )
+    parser.add_argument(
+        "--pg",
+        choices=["noop", "fake"],
+        default="noop",
+        help="fake mode's process group: noop (fsdp2.tools.noop_pg, collectives do nothing) or "
+        "PyTorch's fake (its all-gathers copy the input into every rank's chunk)",
+    )
+    parser.add_argument(
+        "--force-collectives",
+        action="store_true",
+        help="fsdp2: all-gather and reduce-scatter even in one-rank shard groups (world size 1)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="gpu mode: cuda; else cpu")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bf16 params + fp32 reduce (default: on for 1b, off for small)")
-    parser.add_argument("--compile", choices=["none", "model", "blocks"], default="none",
-                        help="model: fsdp2 under torch.compile(model, fullgraph=True) (its traced path), PyTorch "
-                             "FSDP2 and unsharded with each block compiled (PyTorch FSDP2 cannot run fullgraph); "
-                             "blocks: every implementation with each block compiled")
-    parser.add_argument("--offload", action="store_true",
-                        help="CPUOffloadPolicy (pinned on GPU) for both FSDP implementations (shards and "
-                             "optimizer step on the host; meaningful with --device cuda)")
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 params + fp32 reduce (default: on for 1b, off for small)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=["none", "model", "blocks"],
+        default="none",
+        help="model: fsdp2 under torch.compile(model, fullgraph=True) (its traced path), PyTorch "
+        "FSDP2 and unsharded with each block compiled (PyTorch FSDP2 cannot run fullgraph); "
+        "blocks: every implementation with each block compiled",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPUOffloadPolicy (pinned on GPU) for both FSDP implementations (shards and "
+        "optimizer step on the host; meaningful with --device cuda)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
     parser.add_argument("--json", default="", help="also write raw results here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for one implementation")
@@ -613,7 +682,8 @@ def main(argv=None) -> None:
 
     cfg = MODELS[ns.model]
     print(
-        f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} device={args['device']} model={ns.model} {cfg} "
+        f"# mode={ns.mode}{' pg=' + ns.pg if ns.mode == 'fake' else ''} world_size={args['world_size']} "
+        f"device={args['device']} model={ns.model} {cfg} "
         f"batch/rank={args['batch']} bf16={args['bf16']} steps={args['steps']} warmup={args['warmup']} "
         f"threads/proc={args['threads']} force_collectives={args['force_collectives']} compile={ns.compile} "
         f"torch={torch.__version__}",
@@ -625,7 +695,11 @@ def main(argv=None) -> None:
         for impl in impls if round_ % 2 == 0 else impls[::-1]:
             t0 = time.perf_counter()
             res = _launch(args, impl)
-            print(f"#   round {round_ + 1} {impl}: median {1e3 * res['median_s']:.1f} ms, done in {time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"#   round {round_ + 1} {impl}: median {1e3 * res['median_s']:.1f} ms, "
+                f"done in {time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
             if impl not in results:
                 results[impl] = res  # memory and comm figures: first round
             else:

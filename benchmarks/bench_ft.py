@@ -3,7 +3,7 @@ how fast a restarted one heals.
 
     python benchmarks/bench_ft.py --hidden 65536 1048576 4194304 --repeats 3
 
-Per size: 2 replica groups x 2 shard ranks (tests/ft_job.py: lighthouse in this process,
+Per size: 2 replica groups x 2 shard ranks (tests/ft/ft_job.py: lighthouse in this process,
 heartbeat timeout --heartbeat-ms, loopback, gloo). Group 1 is SIGKILLed between steps 2 and 3;
 the survivors' next committed step is timed from the kill. The survivor then waits at step 5
 for the restarted group, which heals there from a live peer: its begin_step (quorum + state
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.ft_job import FTJob  # noqa: E402
+from tests.ft.ft_job import FTJob  # noqa: E402
 
 KILL_BEFORE, REJOIN_AT, STEPS = 3, 5, 7
 
@@ -44,12 +44,16 @@ def one_run(hidden: int, heartbeat_ms: int) -> dict:
         job.launch(1, 1, worker_args=common)
         job.wait_lighthouse(participants=1, heartbeating=2, timeout=300)
         job.open_gate(REJOIN_AT)
-        assert job.wait_group(0, timeout=300) == [0, 0] and job.wait_group(1, 1, timeout=300) == [0, 0], job.stderr_tails()
+        assert job.wait_group(0, timeout=300) == [0, 0] and job.wait_group(1, 1, timeout=300) == [0, 0], (
+            job.stderr_tails()
+        )
         survivor = [job.result(0, 0, s) for s in range(2)]
         healed = [job.result(1, 1, s) for s in range(2)]
     next_commit = min(e["end"] for r in survivor for e in r["log"] if e["committed"] and e["step"] == KILL_BEFORE)
-    heal = max(h["log"][0]["begin_s"] - next(e["begin_s"] for e in s["log"] if e["step"] == REJOIN_AT)
-               for h, s in zip(healed, survivor))
+    heal = max(
+        h["log"][0]["begin_s"] - next(e["begin_s"] for e in s["log"] if e["step"] == REJOIN_AT)
+        for h, s in zip(healed, survivor)
+    )
     shard_bytes = max(
         sum(t.numel() * t.element_size() for t in r["params"].values())
         + sum(t.numel() * t.element_size() for st in r["optimizer"].values() for t in st.values())
@@ -64,14 +68,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--heartbeat-ms", type=int, default=1000)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, heartbeat timeout {args.heartbeat_ms} ms")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"heartbeat timeout {args.heartbeat_ms} ms"
+    )
     print("| hidden | state per shard rank (GB) | kill -> survivors' next commit (s) | heal (s) | heal per GB (s/GB) |")
     print("|---|---|---|---|---|")
     for hidden in args.hidden:
         runs = [one_run(hidden, args.heartbeat_ms) for _ in range(args.repeats)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"| {hidden} | {med['shard_gb']:.3f} | {med['kill_to_commit_s']:.2f} | {med['heal_s']:.3f} | "
-              f"{med['heal_s'] / med['shard_gb']:.2f} |", flush=True)
+        print(
+            f"| {hidden} | {med['shard_gb']:.3f} | {med['kill_to_commit_s']:.2f} | {med['heal_s']:.3f} | "
+            f"{med['heal_s'] / med['shard_gb']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

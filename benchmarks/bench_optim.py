@@ -73,7 +73,9 @@ def _run(impl: str, args: dict) -> dict:
     g = torch.Generator(device=device).manual_seed(1)
     for p in model.parameters():
         local = torch.randn(p._local_tensor.shape, generator=g, device=device) * 1e-3
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
 
     rule = default_use_muon(model)
     matrices = [p for n, p in model.named_parameters() if rule(n, p)]
@@ -134,20 +136,30 @@ def main() -> None:
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode or not lines:
                 sys.exit(f"{impl} failed:\n{out.stdout}\n{out.stderr}")
-            runs[impl].append(json.loads(lines[-1][len("RESULT "):]))
+            runs[impl].append(json.loads(lines[-1][len("RESULT ") :]))
 
-    med = {impl: {k: 1e3 * statistics.median(x for r in rs for x in r[k]) for k in ("wall", "cpu")} for impl, rs in runs.items()}
-    print(f"optimizer step, fake world {ns.world_size}, {ns.model} GPT, {ns.device}, {ns.threads} thread(s); "
-          f"median of {ns.rounds} x {ns.steps} steps")
+    med = {
+        impl: {k: 1e3 * statistics.median(x for r in rs for x in r[k]) for k in ("wall", "cpu")}
+        for impl, rs in runs.items()
+    }
+    print(
+        f"optimizer step, fake world {ns.world_size}, {ns.model} GPT, {ns.device}, {ns.threads} thread(s); "
+        f"median of {ns.rounds} x {ns.steps} steps"
+    )
     print(f"{'':14s} {'wall ms':>10s} {'CPU ms':>10s}   vs torch Muon (wall, CPU)   vs AdamW (wall, CPU)")
     for impl in IMPLS:
         m, muon, adamw = med[impl], med["torch Muon"], med["torch AdamW"]
-        print(f"{impl:14s} {m['wall']:10.1f} {m['cpu']:10.1f}   {m['wall'] / muon['wall']:10.2f}x {m['cpu'] / muon['cpu']:6.2f}x"
-              f"   {m['wall'] / adamw['wall']:13.2f}x {m['cpu'] / adamw['cpu']:6.2f}x")
+        print(
+            f"{impl:14s} {m['wall']:10.1f} {m['cpu']:10.1f}   "
+            f"{m['wall'] / muon['wall']:10.2f}x {m['cpu'] / muon['cpu']:6.2f}x"
+            f"   {m['wall'] / adamw['wall']:13.2f}x {m['cpu'] / adamw['cpu']:6.2f}x"
+        )
     ours = runs["fsdp2 Muon"][0]
-    print(f"fsdp2 Muon on rank 0: {ours['ns_share']:.3f} of the Newton-Schulz flops (1/N = {1 / ns.world_size:.3f}); "
-          f"all_to_all {ours['all_to_all'] / 2**20:.2f} MiB/step (the matrices in bf16: "
-          f"{ours['matrix_bytes_bf16'] / 2**20:.2f} MiB)")
+    print(
+        f"fsdp2 Muon on rank 0: {ours['ns_share']:.3f} of the Newton-Schulz flops (1/N = {1 / ns.world_size:.3f}); "
+        f"all_to_all {ours['all_to_all'] / 2**20:.2f} MiB/step (the matrices in bf16: "
+        f"{ours['matrix_bytes_bf16'] / 2**20:.2f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -83,7 +83,11 @@ def _build(impl: str, world_size: int, model_name: str, backend: str = "inductor
 
         step_on_dtensors(opt)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    run = torch.compile(model, backend=backend, fullgraph=True) if impl.endswith("-compiled") and "block" not in impl else model
+    run = (
+        torch.compile(model, backend=backend, fullgraph=True)
+        if impl.endswith("-compiled") and "block" not in impl
+        else model
+    )
 
     def loss_of(tokens):
         logits = run(tokens[:, :-1])
@@ -148,8 +152,17 @@ def _counts(loss_of, opt, tokens, compiled: bool = False) -> dict[str, int | str
     return counts
 
 
-def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: int, pg: str, model_name: str,
-         counts: bool = False, backend: str = "inductor") -> dict:
+def _run(
+    impls: list[str],
+    world_size: int,
+    steps: int,
+    warmup: int,
+    threads: int,
+    pg: str,
+    model_name: str,
+    counts: bool = False,
+    backend: str = "inductor",
+) -> dict:
     """Median CPU ms per phase of each impl; several impls in one process take turns step by step."""
     warnings.filterwarnings("ignore")
     import torch
@@ -172,11 +185,15 @@ def _run(impls: list[str], world_size: int, steps: int, warmup: int, threads: in
                 faults[impl].append(_page_faults() - before)
                 for name, value in zip(phases[impl], seconds):
                     phases[impl][name].append(value)
-    result = {impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()}
+    result = {
+        impl: {name: 1e3 * statistics.median(v) for name, v in by_phase.items()} for impl, by_phase in phases.items()
+    }
     if counts:
         for impl in impls:
-            result[impl]["counts"] = {"page faults (median)": round(statistics.median(faults[impl])),
-                                      **_counts(*built[impl], compiled="compiled" in impl)}
+            result[impl]["counts"] = {
+                "page faults (median)": round(statistics.median(faults[impl])),
+                **_counts(*built[impl], compiled="compiled" in impl),
+            }
     if "torch-block-compiled" in impls:
         result["torch-fullgraph"] = torch_fsdp2_under_fullgraph(world_size, model_name, backend)
     dist.destroy_process_group()
@@ -199,45 +216,92 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pg", choices=["noop", "fake"], default="noop", help="see bench_fsdp.py --pg")
     parser.add_argument("--model", default="small", help="a model name of bench_fsdp.py")
-    parser.add_argument("--paired", action="store_true",
-                        help="all implementations in one process, taking turns step by step: load from other "
-                             "jobs hits each alike (the default gives each a fresh process of its own)")
-    parser.add_argument("--counts", action="store_true",
-                        help="also count one step's ops and Python calls per implementation (independent of load)")
-    parser.add_argument("--malloc", choices=["default", "caching"], default="default",
-                        help="caching: glibc keeps freed memory in its heap (see above)")
-    parser.add_argument("--compiled", action="store_true",
-                        help="compiled steps: fsdp2 whole-model fullgraph vs eager fsdp2, PyTorch FSDP2 eager and "
-                             "block-compiled, and the unsharded model compiled")
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="all implementations in one process, taking turns step by step: load from other "
+        "jobs hits each alike (the default gives each a fresh process of its own)",
+    )
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="also count one step's ops and Python calls per implementation (independent of load)",
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=["default", "caching"],
+        default="default",
+        help="caching: glibc keeps freed memory in its heap (see above)",
+    )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="compiled steps: fsdp2 whole-model fullgraph vs eager fsdp2, PyTorch FSDP2 eager and "
+        "block-compiled, and the unsharded model compiled",
+    )
     parser.add_argument("--backend", default="inductor", help="torch.compile backend with --compiled")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # child process: comma-separated impls
     ns = parser.parse_args(argv)
     if ns.impl:
-        print(json.dumps(_run(ns.impl.split(","), ns.world_size, ns.steps, ns.warmup, ns.threads, ns.pg, ns.model,
-                              ns.counts, ns.backend)))
+        print(
+            json.dumps(
+                _run(
+                    ns.impl.split(","),
+                    ns.world_size,
+                    ns.steps,
+                    ns.warmup,
+                    ns.threads,
+                    ns.pg,
+                    ns.model,
+                    ns.counts,
+                    ns.backend,
+                )
+            )
+        )
         return
     impls_run = COMPILED_IMPLS if ns.compiled else IMPLS
     results = {}
     for impls in [impls_run] if ns.paired else [(impl,) for impl in impls_run]:
-        cmd = [sys.executable, __file__, "--impl", ",".join(impls)] + [f"--{k.replace('_', '-')}={v}" for k, v in
-               dict(world_size=ns.world_size, steps=ns.steps, warmup=ns.warmup, threads=ns.threads,
-                    pg=ns.pg, model=ns.model, backend=ns.backend).items()] + (["--counts"] if ns.counts else [])
+        cmd = (
+            [sys.executable, __file__, "--impl", ",".join(impls)]
+            + [
+                f"--{k.replace('_', '-')}={v}"
+                for k, v in dict(
+                    world_size=ns.world_size,
+                    steps=ns.steps,
+                    warmup=ns.warmup,
+                    threads=ns.threads,
+                    pg=ns.pg,
+                    model=ns.model,
+                    backend=ns.backend,
+                ).items()
+            ]
+            + (["--counts"] if ns.counts else [])
+        )
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_child_env(ns.malloc)).stdout
         results.update(json.loads(out.strip().splitlines()[-1]))
     if ns.compiled:
         _report_compiled(results, ns)
         return
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
-    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
-          f"{ns.malloc} malloc, CPU ms per step (median of {ns.steps}; {how})")
+    print(
+        f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, "
+        f"{ns.malloc} malloc, CPU ms per step (median of {ns.steps}; {how})"
+    )
     total = _print_phase_table(results, IMPLS, ns.counts)
-    print(f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with the optimizer on DTensors "
-          f"{total['fsdp2-dtensor'] / total['torch']:.2f}x (optimizer phase {results['fsdp2']['optimizer']:.1f} "
-          f"vs {results['fsdp2-dtensor']['optimizer']:.1f} ms)")
+    print(
+        f"fsdp2 / PyTorch FSDP2: {total['fsdp2'] / total['torch']:.2f}x; with the optimizer on DTensors "
+        f"{total['fsdp2-dtensor'] / total['torch']:.2f}x (optimizer phase {results['fsdp2']['optimizer']:.1f} "
+        f"vs {results['fsdp2-dtensor']['optimizer']:.1f} ms)"
+    )
     fwd_bwd = {i: results[i]["forward"] + results[i]["backward"] for i in IMPLS}
     over = {i: fwd_bwd[i] - fwd_bwd["unsharded"] for i in ("fsdp2", "torch")}
-    print(f"forward + backward over unsharded: fsdp2 {over['fsdp2']:.1f} ms, PyTorch FSDP2 {over['torch']:.1f} ms "
-          f"({over['fsdp2'] / over['torch']:.2f}x)" if over["torch"] > 0 else "")
+    print(
+        f"forward + backward over unsharded: fsdp2 {over['fsdp2']:.1f} ms, PyTorch FSDP2 {over['torch']:.1f} ms "
+        f"({over['fsdp2'] / over['torch']:.2f}x)"
+        if over["torch"] > 0
+        else ""
+    )
 
 
 def _print_phase_table(results: dict, impls, counts: bool) -> dict[str, float]:
@@ -256,16 +320,20 @@ def _print_phase_table(results: dict, impls, counts: bool) -> dict[str, float]:
 
 def _report_compiled(results: dict, ns) -> None:
     how = "one process, turns alternating" if ns.paired else "a fresh process each"
-    print(f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, backend "
-          f"{ns.backend}, CPU ms per step (median of {ns.steps} after {ns.warmup} warm-up steps; {how})")
+    print(
+        f"# simulated world {ns.world_size} ({ns.pg} process group), {ns.model} GPT, {ns.threads} threads, backend "
+        f"{ns.backend}, CPU ms per step (median of {ns.steps} after {ns.warmup} warm-up steps; {how})"
+    )
     total = _print_phase_table(results, COMPILED_IMPLS, ns.counts)
     if ns.counts:
         for key in ("python calls", "python calls, forward + backward"):
             ours, unsharded = (results[i]["counts"][key] for i in ("fsdp2-compiled", "unsharded-compiled"))
             print(f"{key} per step, compiled fsdp2 / compiled unsharded: {ours / unsharded:.2f}x")
-    print(f"CPU per step, compiled fsdp2 / eager fsdp2: {total['fsdp2-compiled'] / total['fsdp2']:.2f}x; / PyTorch FSDP2 "
-          f"eager: {total['fsdp2-compiled'] / total['torch']:.2f}x; / PyTorch FSDP2 block-compiled: "
-          f"{total['fsdp2-compiled'] / total['torch-block-compiled']:.2f}x")
+    print(
+        f"CPU per step, compiled fsdp2 / eager fsdp2: {total['fsdp2-compiled'] / total['fsdp2']:.2f}x; / PyTorch FSDP2 "
+        f"eager: {total['fsdp2-compiled'] / total['torch']:.2f}x; / PyTorch FSDP2 block-compiled: "
+        f"{total['fsdp2-compiled'] / total['torch-block-compiled']:.2f}x"
+    )
     if "torch-fullgraph" in results:
         print(f"PyTorch FSDP2 under torch.compile(model, fullgraph=True): {results['torch-fullgraph']}")
 

@@ -47,10 +47,19 @@ MEMORY_CASES = {
 def _measure_memory(world: int, name: str, ac: bool, precision: Precision, source) -> tuple[int, int]:
     from fsdp2.plan.apply import measure_peak
 
-    result = plan(source, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world), strategies=[name],
-                  activation_checkpointing=ac, precision=precision, kernel_scratch="cpu").result(name)
-    measured = measure_peak(result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision,
-                            activation_checkpointing=ac)
+    result = plan(
+        source,
+        seq_len=SEQ,
+        micro_batch=MICRO,
+        cluster=Cluster(gpus=world),
+        strategies=[name],
+        activation_checkpointing=ac,
+        precision=precision,
+        kernel_scratch="cpu",
+    ).result(name)
+    measured = measure_peak(
+        result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision, activation_checkpointing=ac
+    )
     return result.memory.peak, measured
 
 
@@ -72,8 +81,11 @@ def run_memory(ac: bool) -> None:
             finally:
                 dist.destroy_process_group()
                 getattr(debug, "_clear_sharding_prop_cache", debug._clear_python_sharding_prop_cache)()
-            print(f"| {world} | {name} | {precision.describe()} | {predicted / MiB:.2f} | {measured / MiB:.2f} | "
-                  f"{measured / predicted:.4f} |", flush=True)
+            print(
+                f"| {world} | {name} | {precision.describe()} | {predicted / MiB:.2f} | {measured / MiB:.2f} | "
+                f"{measured / predicted:.4f} |",
+                flush=True,
+            )
 
 
 def _comm_worker(rank: int, world: int, port: int, names: list[str], queue) -> None:
@@ -85,8 +97,14 @@ def _comm_worker(rank: int, world: int, port: int, names: list[str], queue) -> N
     precision = Precision(None, None)  # gloo: fp32 activations for TP's all-reduces
     rows = []
     for name in names:
-        result = plan(source, seq_len=SEQ, micro_batch=MICRO, cluster=Cluster(gpus=world, gpus_per_node=2),
-                      strategies=[name], precision=precision).result(name)
+        result = plan(
+            source,
+            seq_len=SEQ,
+            micro_batch=MICRO,
+            cluster=Cluster(gpus=world, gpus_per_node=2),
+            strategies=[name],
+            precision=precision,
+        ).result(name)
         counted = count_bytes(result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision)
         rows.append((name, result.comm.per_micro_step(), counted))
     if rank == 0:
@@ -115,9 +133,13 @@ def run_comm() -> None:
     for name, predicted, counted in rows:
         for kind in ("all_gather", "reduce_scatter", "all_reduce", "tensor_parallel", "ddp_all_reduce"):
             if predicted[kind] or counted[kind]:
-                label = {"tensor_parallel": "TP all-reduce (DTensor)", "ddp_all_reduce": "DDP bucket all-reduce"}.get(kind, kind)
-                print(f"| {name} | {label} | {predicted[kind] / MiB:.3f} | {counted[kind] / MiB:.3f} | "
-                      f"{'yes' if predicted[kind] == counted[kind] else 'NO'} |")
+                label = {"tensor_parallel": "TP all-reduce (DTensor)", "ddp_all_reduce": "DDP bucket all-reduce"}.get(
+                    kind, kind
+                )
+                print(
+                    f"| {name} | {label} | {predicted[kind] / MiB:.3f} | {counted[kind] / MiB:.3f} | "
+                    f"{'yes' if predicted[kind] == counted[kind] else 'NO'} |"
+                )
 
 
 def run_compute(args) -> None:
@@ -127,19 +149,39 @@ def run_compute(args) -> None:
     source = model_source(args.model)
     precision = Precision(None, None) if args.fp32 else Precision()
     micro_batches = [int(m) for m in args.micro_batches.split(",")]
-    cal = calibrate(source, seq_len=args.seq_len, micro_batch=micro_batches[len(micro_batches) // 2], precision=precision,
-                    device=args.device, layers=args.calibrate_layers, steps=args.calibrate_steps)
+    cal = calibrate(
+        source,
+        seq_len=args.seq_len,
+        micro_batch=micro_batches[len(micro_batches) // 2],
+        precision=precision,
+        device=args.device,
+        layers=args.calibrate_layers,
+        steps=args.calibrate_steps,
+    )
     cluster = cal.apply(Cluster(gpus=1, gpus_per_node=1))
     print(f"calibrated: {cal.tflops:.3g} TFLOP/s, optimizer {cal.hbm_gbps:.3g} GB/s ({cal.description})")
     device = torch.device(args.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     strategy = Strategy(K.FSDP, 1, 1)
-    print(f"| model | micro-batch x seq | predicted step ms | measured step ms (median of {args.steps}) | measured / predicted |")
+    print(
+        f"| model | micro-batch x seq | predicted step ms | measured step ms (median of {args.steps}) | "
+        "measured / predicted |"
+    )
     print("|---|---|---:|---:|---:|")
     try:
         for micro in micro_batches:
-            predicted = plan(source, seq_len=args.seq_len, micro_batch=micro, precision=precision, cluster=cluster,
-                             strategies=["FSDP"]).result("FSDP").time.seconds
+            predicted = (
+                plan(
+                    source,
+                    seq_len=args.seq_len,
+                    micro_batch=micro,
+                    precision=precision,
+                    cluster=cluster,
+                    strategies=["FSDP"],
+                )
+                .result("FSDP")
+                .time.seconds
+            )
             with torch.device(device):
                 torch.manual_seed(0)
                 model = source.build(args.seq_len)
@@ -159,8 +201,11 @@ def run_compute(args) -> None:
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
             measured = sorted(times)[len(times) // 2]
-            print(f"| {source.name} | {micro} x {args.seq_len} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
-                  f"{measured / predicted:.3f} |", flush=True)
+            print(
+                f"| {source.name} | {micro} x {args.seq_len} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
+                f"{measured / predicted:.3f} |",
+                flush=True,
+            )
             del model, opt
     finally:
         dist.destroy_process_group()

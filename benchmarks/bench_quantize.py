@@ -80,11 +80,17 @@ def main() -> None:
         f"threads={args.threads} torch={torch.__version__}"
     )
     print(f"bf16 floor: copy-in {copy_in:.3f} ms, copy-out {copy_out:.3f} ms")
-    print("| dtype | mode | quantize ms | vs copy-in | dequantize ms | vs copy-out | both vs both copies | wire / bf16 bytes |")
+    print(
+        "| dtype | mode | quantize ms | vs copy-in | dequantize ms | vs copy-out | both vs both copies | "
+        "wire / bf16 bytes |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     modes = {"eager": (quantize_into, dequantize_from)}
     if not args.no_compile:
-        modes["compiled"] = (torch.compile(quantize_into, fullgraph=True), torch.compile(dequantize_from, fullgraph=True))
+        modes["compiled"] = (
+            torch.compile(quantize_into, fullgraph=True),
+            torch.compile(dequantize_from, fullgraph=True),
+        )
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         policy = AllGatherPolicy(qdtype, args.block_size, getattr(torch, args.scale_dtype))
         w = wire_bytes(n, policy)

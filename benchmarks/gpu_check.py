@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --device cpu      # the same checks on CPU (gloo), as a dry run
 
 CI has no GPU, so the CUDA stream path (fsdp2/runtime/streams.py) is only checked there by
-tests/test_streams.py with recording stand-in streams. Here it runs for real: one rank trains
+tests/runtime/test_streams.py with recording stand-in streams. Here it runs for real: one rank trains
 a small GPT with fsdp2 for a few AdamW steps next to an unsharded copy on the same device, and
 every parameter must match. At world size 1 a shard group normally skips its collectives; the
 ``collectives`` cases turn that shortcut off so the all-gather / reduce-scatter streams, events
@@ -128,13 +128,23 @@ def _fake_world_case(device):
             meta = GPT(GPTConfig(**CFG))
             meta_tokens = torch.zeros(4, CFG["seq_len"], dtype=torch.long)
         est = estimate_memory(
-            meta, 8, groups=lambda m: isinstance(m, Block), mp_policy=mp,
-            sample_input=(meta_tokens, meta_tokens), loss_fn=lambda m, x, y: m.loss(x, y), kernel_scratch=device,
+            meta,
+            8,
+            groups=lambda m: isinstance(m, Block),
+            mp_policy=mp,
+            sample_input=(meta_tokens, meta_tokens),
+            loss_fn=lambda m, x, y: m.loss(x, y),
+            kernel_scratch=device,
         )
         ratio = measured / est.peak
         # On CUDA the allocator rounds blocks up (512 B and more): a looser bound than tests/.
-        return dict(case="fake world 8, bf16 (peak vs estimate)", ok=0.8 <= ratio <= 1.2, measured=measured,
-                    predicted=est.peak, ratio=ratio)
+        return dict(
+            case="fake world 8, bf16 (peak vs estimate)",
+            ok=0.8 <= ratio <= 1.2,
+            measured=measured,
+            predicted=est.peak,
+            ratio=ratio,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -146,7 +156,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1
+    )
     results = [
         _parity_case(device, "fp32, world 1 shortcut", shortcut=True),
         _parity_case(device, "fp32, collectives", shortcut=False),
@@ -155,7 +167,9 @@ def main(argv=None) -> int:
         _parity_case(device, "CPU offload (pinned), collectives", shortcut=False, offload=True),
     ]
     results.append(_fake_world_case(device))
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print(
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    )
     for r in results:
         detail = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items() if k not in ("case", "ok")}
         print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['case']}: {detail}")

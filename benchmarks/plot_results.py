@@ -47,7 +47,7 @@ def section(lines: list[str], heading: str) -> list[str]:
     for i, line in enumerate(lines):
         if _level(line) == level and line.startswith(heading):
             end = next((j for j in range(i + 1, len(lines)) if 0 < _level(lines[j]) <= level), len(lines))
-            return lines[i + 1:end]
+            return lines[i + 1 : end]
     raise ResultsError(f"RESULTS.md has no heading {heading!r}; update {os.path.basename(__file__)}'s SOURCES")
 
 
@@ -81,8 +81,9 @@ def scaling_data(lines: list[str]) -> dict[str, dict[str, list[float]]]:
         for impl in IMPLEMENTATIONS:
             step[impl].append(_number(rows[impl]["step ms (median)"]))
     host_rows = {r["N, process group"]: r for r in table(section(lines, HOST_SECTION), HOST_TABLE)}
-    host = {impl: [_number(host_rows[f"{n}, noop"][label]) for n in WORLD_SIZES]
-            for impl, label in IMPLEMENTATIONS.items()}
+    host = {
+        impl: [_number(host_rows[f"{n}, noop"][label]) for n in WORLD_SIZES] for impl, label in IMPLEMENTATIONS.items()
+    }
     return {"step ms": step, "host CPU ms": host}
 
 
@@ -155,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         plt = pyplot("benchmarks/plot_results.py")
         with open(args.results) as f:
             lines = f.read().splitlines()
-        charts = {"chart_scaling.png": (plot_scaling, scaling_data(lines)),
-                  "chart_checkpoint.png": (plot_checkpoint, checkpoint_data(lines))}
+        charts = {
+            "chart_scaling.png": (plot_scaling, scaling_data(lines)),
+            "chart_checkpoint.png": (plot_checkpoint, checkpoint_data(lines)),
+        }
     except (PlotUnavailable, ResultsError, OSError) as e:
         print(f"plot_results: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
 
 Bytes are exact: ``fsdp2.tools.estimate.estimate_memory`` on a meta model gives each group's
 all-gather and reduce-scatter buffer bytes as fsdp2 lays them out (equal to ``count_comm``,
-tests/test_lowp_gather.py), with bf16 parameters and fp32 gradient reduction, blocks freed after
+tests/runtime/test_lowp_gather.py), with bf16 parameters and fp32 gradient reduction, blocks freed after
 forward and the root kept (fully_shard's default). The rest is a model, per GPU and step:
 
     T(S)      = (W - 1) * a + S * (W - 1) / W / B             one ring collective of buffer S bytes
@@ -13,7 +13,8 @@ forward and the root kept (fully_shard's default). The rest is a model, per GPU 
     fwd       = max(C / 3, sum_blocks T(AG_b))                 block all-gathers overlap forward compute
     bwd       = max(2 C / 3, sum_blocks T(AG_b) + T(RS_b))     re-gathers and reductions overlap backward
     exposed   = T(AG_root) + T(RS_root)                        the root's gather starts the step, its reduction ends it
-    quant     = Q * 3 bytes / HBM                              eager dequantize (7 B/elem) vs the copy it replaces (4 B/elem)
+    quant     = Q * 3 bytes / HBM                              eager dequantize (7 B/elem) vs the copy \
+it replaces (4 B/elem)
     step      = fwd + bwd + exposed + quant
 
 W GPUs at 8 per node; B = 400 Gb/s = 50 GB/s per GPU between nodes (a flat ring's bus bandwidth
@@ -68,9 +69,13 @@ def main() -> None:
     measured = {"1B GPT": args.compute_1b, "8B Llama": args.compute_8b}
     print(
         f"# B={args.link_gbps:g} Gb/s per GPU, hop latency {args.hop_us:g} us, batch {args.batch} x seq per GPU, "
-        f"compute at MFU {args.mfu} of {args.peak_tflops:g} TFLOP/s unless measured; bf16 params, {args.reduce_dtype} reduce"
+        f"compute at MFU {args.mfu} of {args.peak_tflops:g} TFLOP/s unless measured; "
+        f"bf16 params, {args.reduce_dtype} reduce"
     )
-    print("| model | GPUs | all-gather | AG GB/step | RS GB/step | compute s | comm fwd s | comm bwd s | exposed s | quant s | step s | vs bf16 |")
+    print(
+        "| model | GPUs | all-gather | AG GB/step | RS GB/step | compute s | comm fwd s | comm bwd s | exposed s | "
+        "quant s | step s | vs bf16 |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, (build, block, layers, dim, seq) in _models().items():
         with torch.device("meta"):
@@ -84,7 +89,9 @@ def main() -> None:
         for world in (int(w) for w in args.gpus.split(",")):
             base = None
             for setting, policy in settings.items():
-                est = estimate_memory(model, world, groups=lambda m: isinstance(m, block), mp_policy=mp, all_gather_policy=policy)
+                est = estimate_memory(
+                    model, world, groups=lambda m: isinstance(m, block), mp_policy=mp, all_gather_policy=policy
+                )
 
                 def t(nbytes: int) -> float:
                     return (world - 1) * args.hop_us * 1e-6 + nbytes * (world - 1) / world / bandwidth

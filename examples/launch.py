@@ -38,5 +38,7 @@ def init_process_group(rank: int, nproc: int, port: int | None) -> int:
     if port is None:  # torchrun: rendezvous through the environment
         dist.init_process_group("gloo", timeout=TIMEOUT)
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc, timeout=TIMEOUT)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc, timeout=TIMEOUT
+        )
     return dist.get_world_size()

@@ -51,12 +51,13 @@ class GlobalOrder:
         while len(out) < count:
             epoch, offset = divmod(position + len(out), self.num_samples)
             order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-            out += order[offset: offset + count - len(out)].tolist()
+            out += order[offset : offset + count - len(out)].tolist()
         return out
 
 
-def train(rank: int, world_size: int, *, steps: int, ckpt: str = "", save_at: int | None = None,
-          resume: bool = False) -> dict:
+def train(
+    rank: int, world_size: int, *, steps: int, ckpt: str = "", save_at: int | None = None, resume: bool = False
+) -> dict:
     """Train to ``steps`` (from the checkpoint's step if ``resume``); every rank returns, per step,
     the samples the job consumed (all ranks' in rank order) and the job's mean loss."""
     from fsdp2 import checkpoint
@@ -79,7 +80,7 @@ def train(rank: int, world_size: int, *, steps: int, ckpt: str = "", save_at: in
     record = {}
     while step < steps:
         batch = order.take(position, GLOBAL_BATCH)
-        mine = batch[rank * per_rank: (rank + 1) * per_rank]
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
         tokens = data[mine]
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
         loss.backward()  # fsdp2 averages gradients over ranks: the global batch's mean loss

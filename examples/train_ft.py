@@ -62,7 +62,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     ft = FaultTolerantHSDP(
-        model, optimizer, replica_id=f"replica_{args.replica_id}", min_replicas=args.min_replicas,
+        model,
+        optimizer,
+        replica_id=f"replica_{args.replica_id}",
+        min_replicas=args.min_replicas,
         timeout=timedelta(seconds=args.timeout),
     )
     with ft:
@@ -73,8 +76,11 @@ def main() -> None:
             loss.backward()  # gradients averaged over this group's ranks and over the groups
             committed = ft.commit_step()  # the optimizer steps only if the step's all-reduces succeeded
             if dist.get_rank() == 0:
-                print(f"replica {args.replica_id} step {ft.step:4d} loss {loss.item():.4f} "
-                      f"groups {ft.participants} {'committed' if committed else 'NOT committed'}", flush=True)
+                print(
+                    f"replica {args.replica_id} step {ft.step:4d} loss {loss.item():.4f} "
+                    f"groups {ft.participants} {'committed' if committed else 'NOT committed'}",
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 

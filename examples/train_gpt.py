@@ -91,8 +91,10 @@ class ThroughputReport:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         if rank == 0:
-            ranks = "; ".join(f"rank {r}: state {held / MiB:.1f} MiB, peak {peak / MiB:.0f} MiB"
-                              for r, (held, peak) in enumerate(per_rank))
+            ranks = "; ".join(
+                f"rank {r}: state {held / MiB:.1f} MiB, peak {peak / MiB:.0f} MiB"
+                for r, (held, peak) in enumerate(per_rank)
+            )
             print(f"step {step:4d}  {self.every * self.tokens_per_step / seconds:,.0f} tokens/s  {ranks}")
         self.window_start = time.perf_counter()  # the report's own collective is not counted
 
@@ -119,8 +121,9 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
     if args.optimizer == "muon":
         # Hidden matrices by Muon (each orthogonalized once, on its owner rank); embeddings,
         # head, biases and norms by the optimizer's AdamW group with the AdamW run's settings.
-        optimizer = Muon(muon_param_groups(model), lr=args.muon_lr, weight_decay=0.01,
-                         adamw_lr=args.lr, adamw_weight_decay=0.1)
+        optimizer = Muon(
+            muon_param_groups(model), lr=args.muon_lr, weight_decay=0.01, adamw_lr=args.lr, adamw_weight_decay=0.1
+        )
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
@@ -133,7 +136,10 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
 
     corpus = load_corpus(args.corpus_mb * MiB)
     if rank == 0:
-        print(f"corpus: {corpus.numel() / MiB:.1f} MiB of torch's Python sources; model: {cfg.num_params() / 1e6:.2f}M params; {args.nproc} ranks")
+        print(
+            f"corpus: {corpus.numel() / MiB:.1f} MiB of torch's Python sources; "
+            f"model: {cfg.num_params() / 1e6:.2f}M params; {args.nproc} ranks"
+        )
     rows = slice(rank * args.batch, (rank + 1) * args.batch)
     losses = {}
     throughput = ThroughputReport(args.report_every, args.batch * args.nproc * cfg.seq_len)
@@ -163,8 +169,10 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
         for r, m in enumerate(reports):
             held = m["params"] + m["grads"] + m["optimizer"]
             print(
-                f"rank {r}: params {m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + optimizer {m['optimizer'] / MiB:.2f}"
-                f" = {held / MiB:.2f} MiB vs {m['unsharded_total'] / MiB:.2f} MiB unsharded ({held / m['unsharded_total']:.2f}x)"
+                f"rank {r}: params {m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f}"
+                f" + optimizer {m['optimizer'] / MiB:.2f}"
+                f" = {held / MiB:.2f} MiB vs {m['unsharded_total'] / MiB:.2f} MiB unsharded"
+                f" ({held / m['unsharded_total']:.2f}x)"
             )
         if args.losses_out:
             Path(args.losses_out).write_text(json.dumps(losses))
@@ -183,15 +191,24 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (and Muon's AdamW group's)")
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--muon-lr", type=float, default=0.02, help="lr of the Muon matrices")
-    parser.add_argument("--bf16", action="store_true", help="bf16 parameters for compute and all-gather, fp32 reduction")
-    parser.add_argument("--all-gather", choices=["int8", "float8"], help="all-gather parameters quantized (AllGatherPolicy)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 parameters for compute and all-gather, fp32 reduction"
+    )
+    parser.add_argument(
+        "--all-gather", choices=["int8", "float8"], help="all-gather parameters quantized (AllGatherPolicy)"
+    )
     parser.add_argument("--corpus-mb", type=int, default=8)
     parser.add_argument("--ckpt", default="", help="checkpoint directory (save under it, or resume from it)")
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--resume", action="store_true", help="load --ckpt and continue to --steps")
     parser.add_argument("--losses-out", default="", help="write {step: loss} JSON here")
-    parser.add_argument("--report-every", type=int, default=10, metavar="N",
-                        help="every N steps: tokens/s (all ranks) and each rank's memory (default 10; 0: never)")
+    parser.add_argument(
+        "--report-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="every N steps: tokens/s (all ranks) and each rank's memory (default 10; 0: never)",
+    )
     args = parser.parse_args()
     launch(run, args, args.nproc)
 

@@ -58,10 +58,16 @@ def run(rank: int, args: argparse.Namespace, port: int | None) -> None:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         if rank == 0:
-            print(f"step {step + 1:3d}  loss {mean_loss.item() / world:.4f}  grad-norm {norm.item():.3f}  {time.perf_counter() - t0:.2f}s")
+            print(
+                f"step {step + 1:3d}  loss {mean_loss.item() / world:.4f}  grad-norm {norm.item():.3f}  "
+                f"{time.perf_counter() - t0:.2f}s"
+            )
     if rank == 0:
         wq = model.blocks[0].attn.wq.weight
-        print(f"blocks.0.attn.wq.weight: global {tuple(wq.shape)}, placements {wq.placements}, local {tuple(wq.to_local().shape)}")
+        print(
+            f"blocks.0.attn.wq.weight: global {tuple(wq.shape)}, placements {wq.placements}, "
+            f"local {tuple(wq.to_local().shape)}"
+        )
     dist.destroy_process_group()
 
 

@@ -3,7 +3,7 @@
 These are underscore names of DTensor, DeviceMesh, nn.Module, c10d, the dispatcher and autograd
 that have no public equivalent in torch 2.11 and 2.13. Keeping them here means a torch release
 that moves one breaks one file, and reading this file tells what fsdp2 assumes beyond the public
-API. tests/test_private_api.py keeps every other module of fsdp2 from naming one.
+API. tests/docs/test_private_api.py keeps every other module of fsdp2 from naming one.
 
 Where a training step uses one per parameter, this module binds the private accessor itself
 (``operator.attrgetter``, or torch's own function object) rather than a ``def`` around it: calling
@@ -107,7 +107,9 @@ def dtensor_like(template: DTensor, local: torch.Tensor, requires_grad: bool = F
     """
     if local.dtype == template.dtype:
         return DTensor.__new__(DTensor, local, template._spec, requires_grad=requires_grad)
-    return make_dtensor(local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad)
+    return make_dtensor(
+        local, template.device_mesh, template.placements, template.shape, template.stride(), requires_grad
+    )
 
 
 def assign_dtensor_grads(params: Sequence[DTensor], locals_: Sequence[torch.Tensor]) -> None:
@@ -151,7 +153,9 @@ def out_collectives_traceable() -> bool:
 
     ops = torch.ops._c10d_functional
     try:
-        return all(can_auto_functionalize(op.default) for op in (ops.all_gather_into_tensor_out, ops.reduce_scatter_tensor_out))
+        return all(
+            can_auto_functionalize(op.default) for op in (ops.all_gather_into_tensor_out, ops.reduce_scatter_tensor_out)
+        )
     except (AttributeError, RuntimeError):  # a build without distributed or without these ops
         return False
 
@@ -193,7 +197,8 @@ def has_step_hooks_besides(optimizer: torch.optim.Optimizer, ignored: Callable) 
     import torch.optim.optimizer as optimizer_module
 
     if (
-        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
         or optimizer_module._global_optimizer_post_hooks
     ):
         return True
@@ -215,6 +220,7 @@ def premul_sum_op(scale: float) -> "torch.distributed.ReduceOp":
 
 
 # -- nn.Module and tensors ------------------------------------------------------------------------
+
 
 def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     """``module``'s own parameter registry, name -> parameter (None entries included, no

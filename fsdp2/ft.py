@@ -68,10 +68,14 @@ class ReplicaLayout:
     optimizer: _OptimizerLayout = ("", ())
 
     @classmethod
-    def of(cls, model: nn.Module, shard_world_size: int, optimizer: torch.optim.Optimizer | None = None) -> "ReplicaLayout":
+    def of(
+        cls, model: nn.Module, shard_world_size: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> "ReplicaLayout":
         params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters())
         units = tuple(u.layout() for u in _fsdp_units(model)[0])
-        return cls(shard_world_size, params, units, _optimizer_layout(optimizer, model) if optimizer is not None else ("", ()))
+        return cls(
+            shard_world_size, params, units, _optimizer_layout(optimizer, model) if optimizer is not None else ("", ())
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -117,7 +121,9 @@ class ReplicaLayout:
                 )
             if mine[name] != theirs[name]:
                 (s, t), (ps, pt) = mine[name], theirs[name]
-                return f"parameter {name!r} is {list(s)} {t} here, {list(ps)} {pt} on the live groups; run the same model"
+                return (
+                    f"parameter {name!r} is {list(s)} {t} here, {list(ps)} {pt} on the live groups; run the same model"
+                )
         return None
 
     def _units_mismatch(self, peer: "ReplicaLayout") -> str | None:
@@ -157,7 +163,8 @@ class ReplicaLayout:
                 )
             i = next(i for i, (a, b) in enumerate(zip(groups, peer_groups)) if a != b)
             return (
-                f"param group {i} of the optimizer {cls} holds {_names(groups[i])} here, {_names(peer_groups[i])} on the "
+                f"param group {i} of the optimizer {cls} holds {_names(groups[i])} here, "
+                f"{_names(peer_groups[i])} on the "
                 "live groups (its state is loaded by position); build the optimizer with the same parameters, in the "
                 "same order, on every replica group"
             )
@@ -195,7 +202,11 @@ class _Unit:
 
         if not self.params:
             return str(None)  # nothing to reduce, no all-reduce
-        mp = self.state._state.mp_policy if isinstance(self.state, TorchStateView) else compat.torch_fsdp_mp_policy(self.state)
+        mp = (
+            self.state._state.mp_policy
+            if isinstance(self.state, TorchStateView)
+            else compat.torch_fsdp_mp_policy(self.state)
+        )
         trainable = [p for _, p in self.params if p.requires_grad] or [p for _, p in self.params]
         return str(mp.reduce_dtype or mp.param_dtype or trainable[0].dtype)
 
@@ -264,10 +275,18 @@ class QuorumTimeoutError(TimeoutError):
 
 # Arguments torchft's Manager takes that FaultTolerantHSDP sets itself: manager_kwargs must not.
 _MANAGER_ARGUMENTS = {
-    "pg": None, "load_state_dict": None, "state_dict": None, "use_async_quorum": None,
-    "min_replica_size": "min_replicas", "timeout": "timeout", "quorum_timeout": "quorum_timeout",
-    "connect_timeout": "timeout", "lighthouse_addr": "lighthouse", "replica_id": "replica_id",
-    "init_sync": "init_sync", "quorum_retries": "quorum_retries",
+    "pg": None,
+    "load_state_dict": None,
+    "state_dict": None,
+    "use_async_quorum": None,
+    "min_replica_size": "min_replicas",
+    "timeout": "timeout",
+    "quorum_timeout": "quorum_timeout",
+    "connect_timeout": "timeout",
+    "lighthouse_addr": "lighthouse",
+    "replica_id": "replica_id",
+    "init_sync": "init_sync",
+    "quorum_retries": "quorum_retries",
 }
 
 # Each fully_shard'ed module's current FaultTolerantHSDP (its all-reduce hook calls that one).
@@ -315,12 +334,23 @@ class FaultTolerantHSDP:
     ):
         _require_torchft()
         lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
-        _check_arguments(model, optimizer, replica_id, min_replicas, lighthouse, timeout, quorum_timeout,
-                         init_sync, quorum_retries, manager_kwargs)
+        _check_arguments(
+            model,
+            optimizer,
+            replica_id,
+            min_replicas,
+            lighthouse,
+            timeout,
+            quorum_timeout,
+            init_sync,
+            quorum_retries,
+            manager_kwargs,
+        )
         fsdp_modules = [m for m in model.modules() if isinstance(m, compat.TorchFSDPModule)]
         if not fsdp_modules:
             raise FSDPUsageError(
-                "FaultTolerantHSDP: the model has no fully_shard'ed module; call fully_shard(model, mesh=shard_mesh) first"
+                "FaultTolerantHSDP: the model has no fully_shard'ed module; "
+                "call fully_shard(model, mesh=shard_mesh) first"
             )
         _check_every_gradient_is_averaged(model)
         self._shard_world_size = _shard_world_size(model)
@@ -457,22 +487,33 @@ class FaultTolerantHSDP:
         self.optimizer.load_state_dict(optim)
 
 
-def _check_arguments(model, optimizer, replica_id, min_replicas, lighthouse, timeout, quorum_timeout, init_sync,
-                     quorum_retries, manager_kwargs) -> None:
+def _check_arguments(
+    model,
+    optimizer,
+    replica_id,
+    min_replicas,
+    lighthouse,
+    timeout,
+    quorum_timeout,
+    init_sync,
+    quorum_retries,
+    manager_kwargs,
+) -> None:
     where = "FaultTolerantHSDP"
     if not isinstance(model, nn.Module):
         raise FSDPUsageTypeError(f"{where}: model must be a fully_shard'ed nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FSDPUsageTypeError(
-            f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, got {type(optimizer).__name__}"
+            f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, "
+            f"got {type(optimizer).__name__}"
         )
     if not isinstance(replica_id, str):
         raise FSDPUsageTypeError(
             f"{where}: replica_id must be a str naming this replica group (the same across its restarts), got "
-            f"{type(replica_id).__name__} {replica_id!r}; e.g. replica_id=f\"replica_{{index}}\""
+            f'{type(replica_id).__name__} {replica_id!r}; e.g. replica_id=f"replica_{{index}}"'
         )
     if not replica_id:
-        raise FSDPUsageError(f"{where}: replica_id is empty; name this replica group, e.g. replica_id=\"replica_0\"")
+        raise FSDPUsageError(f'{where}: replica_id is empty; name this replica group, e.g. replica_id="replica_0"')
     _check_int(where, "min_replicas", min_replicas, 1, "the number of replica groups a step needs to commit")
     _check_int(where, "quorum_retries", quorum_retries, 0, "how often to ask the lighthouse again")
     if lighthouse is None or lighthouse == "":
@@ -481,12 +522,16 @@ def _check_arguments(model, optimizer, replica_id, min_replicas, lighthouse, tim
             "(start one with torchft_lighthouse)"
         )
     if not isinstance(lighthouse, str):
-        raise FSDPUsageTypeError(f"{where}: lighthouse must be an address string like 'http://host:29510', got {lighthouse!r}")
+        raise FSDPUsageTypeError(
+            f"{where}: lighthouse must be an address string like 'http://host:29510', got {lighthouse!r}"
+        )
     if "://" not in lighthouse:
         raise FSDPUsageError(f"{where}: lighthouse address {lighthouse!r} has no scheme; pass 'http://{lighthouse}'")
     for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
         if not isinstance(value, timedelta):
-            raise FSDPUsageTypeError(f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__} {value!r}")
+            raise FSDPUsageTypeError(
+                f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__} {value!r}"
+            )
         if value <= timedelta(0):
             raise FSDPUsageError(f"{where}: {name} must be positive, got {value}")
     if not isinstance(init_sync, bool):

@@ -102,8 +102,7 @@ class AllGatherPolicy:
             )
         if self.scale_dtype not in _SCALE_DTYPES:
             raise FSDPUsageError(
-                f"AllGatherPolicy(scale_dtype={self.scale_dtype}): scale_dtype must be torch.float32 "
-                "or torch.bfloat16"
+                f"AllGatherPolicy(scale_dtype={self.scale_dtype}): scale_dtype must be torch.float32 or torch.bfloat16"
             )
         if not callable(self.applies_to):
             raise FSDPUsageError(

@@ -256,6 +256,4 @@ def _refuse_fsdp2_inside(arg: Any, managed_modules: list[nn.Module], params: lis
         what = f"its submodule {where} ({type(ours).__name__}) is sharded by fsdp2's fully_shard"
     else:
         what = f"its parameters are already sharded by fsdp2's fully_shard({owner})"
-    raise FSDPUsageError(
-        f"PyTorch's torch.distributed.fsdp.fully_shard({root_name}): {what}; {_ONE_IMPLEMENTATION}."
-    )
+    raise FSDPUsageError(f"PyTorch's torch.distributed.fsdp.fully_shard({root_name}): {what}; {_ONE_IMPLEMENTATION}.")

@@ -101,7 +101,9 @@ class World:
         for rank, conn in enumerate(self._conns):
             if not conn.poll(WORLD_START_TIMEOUT_S):
                 self.close()
-                raise RuntimeError(f"rank {rank} of a {self.size}-rank test world did not start in {WORLD_START_TIMEOUT_S} s")
+                raise RuntimeError(
+                    f"rank {rank} of a {self.size}-rank test world did not start in {WORLD_START_TIMEOUT_S} s"
+                )
             conn.recv()
 
     def run(self, fn: Callable, *args, timeout: float = DEFAULT_CALL_TIMEOUT_S, **kwargs) -> list:

@@ -16,5 +16,14 @@ from .reader import LoadStats, load
 from .verify import verify_checkpoint
 from .writer import AsyncSave, pending_save, save
 
-__all__ = ["save", "load", "load_hf", "verify_checkpoint", "CheckpointError", "AsyncSave", "pending_save", "LoadStats",
-           "HFKeys"]
+__all__ = [
+    "save",
+    "load",
+    "load_hf",
+    "verify_checkpoint",
+    "CheckpointError",
+    "AsyncSave",
+    "pending_save",
+    "LoadStats",
+    "HFKeys",
+]

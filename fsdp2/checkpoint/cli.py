@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from typing import Sequence
@@ -25,8 +24,18 @@ from .errors import CheckpointError
 from .reader import read_manifest
 from .verify import verify_checkpoint
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -102,14 +111,26 @@ def cmd_verify(args) -> int:
 
 
 def cmd_consolidate(args) -> int:
-    index = consolidate(args.path, args.out, args.max_shard_size, args.all, not args.no_verify,
-                        config=args.config, dtype=args.dtype, overwrite=args.overwrite)
+    index = consolidate(
+        args.path,
+        args.out,
+        args.max_shard_size,
+        args.all,
+        not args.no_verify,
+        config=args.config,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
     files = sorted(set(index["weight_map"].values()))
-    print(f"wrote {len(index['weight_map'])} tensors ({_human(index['metadata']['total_size'])}) "
-          f"in {len(files)} file(s) to {args.out}")
+    print(
+        f"wrote {len(index['weight_map'])} tensors ({_human(index['metadata']['total_size'])}) "
+        f"in {len(files)} file(s) to {args.out}"
+    )
     if args.config is None:
-        print("note: no config.json written; pass --config (the model's config.json or its Hugging Face "
-              "folder) to make the folder loadable with from_pretrained")
+        print(
+            "note: no config.json written; pass --config (the model's config.json or its Hugging Face "
+            "folder) to make the folder loadable with from_pretrained"
+        )
     return 0
 
 
@@ -117,8 +138,9 @@ def cmd_consolidate(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fsdp2.checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp2.checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="list tensors, shapes, dtypes, chunks and files")
     ins.add_argument("path")
@@ -130,14 +152,22 @@ def _parser() -> argparse.ArgumentParser:
     con = sub.add_parser("consolidate", help="write full tensors as HF-style sharded safetensors")
     con.add_argument("path")
     con.add_argument("out")
-    con.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"),
-                     help="largest output file (default 2GB; a bigger single tensor gets its own file)")
-    con.add_argument("--all", action="store_true",
-                     help="include optimizer and extra tensors under their checkpoint keys")
+    con.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("2GB"),
+        help="largest output file (default 2GB; a bigger single tensor gets its own file)",
+    )
+    con.add_argument(
+        "--all", action="store_true", help="include optimizer and extra tensors under their checkpoint keys"
+    )
     con.add_argument("--no-verify", action="store_true", help="skip checksum verification first")
-    con.add_argument("--config", metavar="PATH",
-                     help="the model's config.json, or its Hugging Face folder (config and tokenizer files "
-                          "are copied), so that from_pretrained(OUT) loads the result")
+    con.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the model's config.json, or its Hugging Face folder (config and tokenizer files "
+        "are copied), so that from_pretrained(OUT) loads the result",
+    )
     con.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating-point tensors (and the config)")
     con.add_argument("--overwrite", action="store_true", help="replace weight files already in OUT")
     con.set_defaults(run=cmd_consolidate)

@@ -39,19 +39,34 @@ from .safetensors_io import SafetensorsStreamWriter, TensorSpec
 from .verify import verify_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 # Files of a Hugging Face model folder that are not weights: copied along with config.json.
 _MODEL_FOLDER_FILES = re.compile(
     r"config\.json|generation_config\.json|tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json"
-    r"|vocab\.(json|txt)|merges\.txt|[^/]*\.model|chat_template\.[^/]*|preprocessor_config\.json")
+    r"|vocab\.(json|txt)|merges\.txt|[^/]*\.model|chat_template\.[^/]*|preprocessor_config\.json"
+)
 # Weight files a folder may hold already; an export must not be mixed with them.
 _WEIGHT_FILES = re.compile(r".*\.safetensors|.*\.safetensors\.index\.json|pytorch_model.*\.bin(\.index\.json)?")
 
 
-def consolidate(path: str, out: str, max_shard_size: int = 2 * 10**9, include_all: bool = False,
-                verify: bool = True, *, config: str | None = None, dtype: str | torch.dtype | None = None,
-                overwrite: bool = False) -> dict:
+def consolidate(
+    path: str,
+    out: str,
+    max_shard_size: int = 2 * 10**9,
+    include_all: bool = False,
+    verify: bool = True,
+    *,
+    config: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+) -> dict:
     """Write the full tensors of the checkpoint at ``path`` to the folder ``out``; returns the index.
 
     ``config``: the model's ``config.json``, or a Hugging Face model folder whose config and
@@ -101,8 +116,11 @@ def _config_files(config: str | None) -> list[tuple[str, str]]:
     if config is None:
         return []
     if os.path.isdir(config):
-        names = sorted(n for n in os.listdir(config) if _MODEL_FOLDER_FILES.fullmatch(n)
-                       and os.path.isfile(os.path.join(config, n)))
+        names = sorted(
+            n
+            for n in os.listdir(config)
+            if _MODEL_FOLDER_FILES.fullmatch(n) and os.path.isfile(os.path.join(config, n))
+        )
         if "config.json" not in names:
             raise CheckpointError(f"{config} has no config.json; pass the model's config.json or its folder")
         copies = [(os.path.join(config, n), n) for n in names]
@@ -132,9 +150,11 @@ def _check_output(path: str, out: str, overwrite: bool) -> set[str]:
         raise CheckpointError(f"output {out} exists and is not a folder")
     weights = {n for n in os.listdir(out) if _WEIGHT_FILES.fullmatch(n)}
     if weights and not overwrite:
-        raise CheckpointError(f"{out} already holds weight files ({sorted(weights)[:3]}...); mixing them with "
-                              "this export would load wrong weights. Choose an empty folder or pass "
-                              "overwrite=True (--overwrite) to replace them")
+        raise CheckpointError(
+            f"{out} already holds weight files ({sorted(weights)[:3]}...); mixing them with "
+            "this export would load wrong weights. Choose an empty folder or pass "
+            "overwrite=True (--overwrite) to replace them"
+        )
     return weights
 
 
@@ -173,8 +193,9 @@ def _plan_output_files(entries: list[tuple[str, TensorEntry]], max_bytes: int) -
     return groups
 
 
-def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], max_shard_size: int,
-                  out_dtype: torch.dtype | None) -> dict:
+def _write_shards(
+    path: str, out: str, entries: list[tuple[str, TensorEntry]], max_shard_size: int, out_dtype: torch.dtype | None
+) -> dict:
     """The shard files and the index, written into the (fresh, empty) folder ``out``."""
     from safetensors import safe_open
 
@@ -184,8 +205,9 @@ def _write_shards(path: str, out: str, entries: list[tuple[str, TensorEntry]], m
     groups = _plan_output_files(entries, max_shard_size)
     weight_map, total = {}, 0
     with contextlib.ExitStack() as stack:
-        progress = stack.enter_context(ByteProgress(
-            "consolidate", path, sum(TensorSpec(n, target_dtype(e), e.shape).nbytes for n, e in entries)))
+        progress = stack.enter_context(
+            ByteProgress("consolidate", path, sum(TensorSpec(n, target_dtype(e), e.shape).nbytes for n, e in entries))
+        )
         handles = {}
 
         def handle(rel):

@@ -65,8 +65,13 @@ class CheckpointDir:
         """Names of unpublished save data: what an interrupted save leaves behind."""
         if not os.path.isdir(self.path):
             return []
-        names = [e.name for e in os.scandir(self.path) if self._is_ours(e) or e.name == _MANIFEST_TMP
-                 or (e.name.endswith(".partial") and _GENERATION.fullmatch(e.name))]
+        names = [
+            e.name
+            for e in os.scandir(self.path)
+            if self._is_ours(e)
+            or e.name == _MANIFEST_TMP
+            or (e.name.endswith(".partial") and _GENERATION.fullmatch(e.name))
+        ]
         return sorted(names)
 
     # -- the steps of a save ---------------------------------------------------------------------
@@ -77,8 +82,10 @@ class CheckpointDir:
         self.clear_leftovers(keep=generation_dir(generation - 1))
         for name in (self.staging(generation), self.final(generation)):
             if os.path.lexists(name):
-                raise CheckpointError(f"{name} exists and holds files fsdp2 did not write; move it out of "
-                                      f"the checkpoint directory {self.path}, then save again")
+                raise CheckpointError(
+                    f"{name} exists and holds files fsdp2 did not write; move it out of "
+                    f"the checkpoint directory {self.path}, then save again"
+                )
         staging = self.staging(generation)
         os.makedirs(staging)
         try:

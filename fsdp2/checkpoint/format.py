@@ -102,8 +102,13 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-for _name, _st in [("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                   ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")]:
+for _name, _st in [
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+]:
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _st
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _DTYPES}
@@ -150,7 +155,7 @@ def check_tiling(key: str, shape: Sequence[int], regions: Sequence[Region]) -> N
     ordered = sorted(regions, key=lambda r: r.offsets[:1])
     for i, a in enumerate(ordered):
         end = a.offsets[0] + a.shape[0] if a.shape else None
-        for b in ordered[i + 1:]:
+        for b in ordered[i + 1 :]:
             if end is not None and b.offsets[0] >= end:
                 break
             if a.intersect(b) is not None:
@@ -207,8 +212,14 @@ class Chunk:
     def from_json(cls, d: dict) -> "Chunk":
         block = d.get("block_elems")
         crc = d.get("crc32c")
-        return cls(str(d["file"]), str(d["key"]), _sizes(d["offsets"]), _sizes(d["shape"]),
-                   None if block is None else _count(block), None if crc is None else _hex(crc))
+        return cls(
+            str(d["file"]),
+            str(d["key"]),
+            _sizes(d["offsets"]),
+            _sizes(d["shape"]),
+            None if block is None else _count(block),
+            None if crc is None else _hex(crc),
+        )
 
 
 @dataclass
@@ -236,7 +247,7 @@ class TensorEntry:
 @dataclass
 class FileEntry:
     size: int
-    crc32: str | None = None          # version 1: zlib CRC-32 of the whole file (8 hex digits)
+    crc32: str | None = None  # version 1: zlib CRC-32 of the whole file (8 hex digits)
     header_crc32c: str | None = None  # version 2: CRC32C of the safetensors header
 
     def to_json(self) -> dict:
@@ -265,18 +276,26 @@ class Manifest:
     def to_json(self) -> str:
         # One line per file and per tensor: readable with less/grep, still plain JSON.
         def block(items: dict) -> str:
-            rows = [f"  {json.dumps(k)}: {json.dumps(v.to_json(), separators=(',', ':'))}"
-                    for k, v in sorted(items.items())]
+            rows = [
+                f"  {json.dumps(k)}: {json.dumps(v.to_json(), separators=(',', ':'))}" for k, v in sorted(items.items())
+            ]
             return "{\n" + ",\n".join(rows) + "\n }" if rows else "{}"
 
-        head = {"format": FORMAT_NAME, "version": self.version, "generation": self.generation,
-                "world_size": self.world_size}
+        head = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "generation": self.generation,
+            "world_size": self.world_size,
+        }
         if self.version >= 2:
             head["hash"] = HASH_NAME
-        return ("{\n" + "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
-                + f' "files": {block(self.files)},\n'
-                + f' "tensors": {block(self.tensors)},\n'
-                + f' "objects": {json.dumps(self.objects)}\n}}\n')
+        return (
+            "{\n"
+            + "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
+            + f' "files": {block(self.files)},\n'
+            + f' "tensors": {block(self.tensors)},\n'
+            + f' "objects": {json.dumps(self.objects)}\n}}\n'
+        )
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> "Manifest":
@@ -288,7 +307,8 @@ class Manifest:
             if version not in READABLE_VERSIONS:
                 raise CheckpointError(
                     f"{where} has format version {version}; this fsdp2 reads versions "
-                    f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade fsdp2 to load it")
+                    f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade fsdp2 to load it"
+                )
             if version >= 2 and d.get("hash") != HASH_NAME:
                 raise CheckpointError(f"{where} uses checksum {d.get('hash')!r}; this fsdp2 knows {HASH_NAME!r}")
             return cls(
@@ -315,7 +335,9 @@ class Manifest:
             integrity = entry.crc32 if self.version == 1 else entry.header_crc32c
             if integrity is None:
                 field = "crc32" if self.version == 1 else "header_crc32c"
-                raise CheckpointError(f"manifest entry of {name!r} lacks its {field!r} checksum; re-save the checkpoint")
+                raise CheckpointError(
+                    f"manifest entry of {name!r} lacks its {field!r} checksum; re-save the checkpoint"
+                )
 
     def validate(self, keys: Iterable[str] | None = None) -> None:
         """Check file names, that every chunk names a listed file and chunks tile their tensor."""
@@ -362,8 +384,7 @@ def _objects(objects) -> dict:
         depth += 1
         if depth > MAX_OBJECT_DEPTH:
             raise ValueError(f"objects are nested deeper than {MAX_OBJECT_DEPTH} levels")
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)
-                 if isinstance(c, (dict, list))]
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
     return objects
 
 
@@ -379,5 +400,7 @@ def _check_chunk_checksums(key: str, entry: TensorEntry, chunk: Chunk) -> None:
     except ValueError as e:
         raise CheckpointError(f"{where}: bad checksum list ({e}); the manifest is damaged") from None
     if hex_count(chunk.crc32c) != expected:
-        raise CheckpointError(f"{where} lists {hex_count(chunk.crc32c)} block checksums, its shape needs "
-                              f"{expected}; the manifest is damaged")
+        raise CheckpointError(
+            f"{where} lists {hex_count(chunk.crc32c)} block checksums, its shape needs "
+            f"{expected}; the manifest is damaged"
+        )

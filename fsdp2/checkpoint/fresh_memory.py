@@ -55,8 +55,9 @@ def wanted() -> bool:
         return True
     if setting in ("0", "false", "no", "off"):
         return False
-    raise CheckpointError(f"{ENV}={os.environ[ENV]!r}: use 1 (advise load buffers as transparent huge pages, "
-                          "the default) or 0 (never)")
+    raise CheckpointError(
+        f"{ENV}={os.environ[ENV]!r}: use 1 (advise load buffers as transparent huge pages, the default) or 0 (never)"
+    )
 
 
 def thp_mode() -> str | None:
@@ -67,7 +68,7 @@ def thp_mode() -> str | None:
     except OSError:
         return None
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def aligned_interior(address: int, nbytes: int) -> tuple[int, int] | None:

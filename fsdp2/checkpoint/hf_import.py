@@ -80,8 +80,10 @@ def _resolve(path: str) -> tuple[str, str | None, str | None]:
             return path, INDEX_NAME, None
         if os.path.exists(os.path.join(path, SINGLE_NAME)):
             return path, None, SINGLE_NAME
-        raise CheckpointError(f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}; pass the directory of a "
-                              "Hugging Face checkpoint or one of those files")
+        raise CheckpointError(
+            f"{path} holds neither {SINGLE_NAME} nor {INDEX_NAME}; pass the directory of a "
+            "Hugging Face checkpoint or one of those files"
+        )
     root, name = os.path.split(os.path.abspath(path))
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
@@ -95,23 +97,26 @@ def _resolve(path: str) -> tuple[str, str | None, str | None]:
 def _read_index(root: str, index_name: str) -> dict[str, str]:
     full = os.path.join(root, index_name)
     # Opened as the safetensors files are: a FIFO or /dev/zero there must not block or never end.
-    text = read_checkpoint_text(root, index_name, "the index is corrupt, download it again",
-                                links_may_leave_root=True)
+    text = read_checkpoint_text(root, index_name, "the index is corrupt, download it again", links_may_leave_root=True)
     try:
         index = json.loads(text)
     except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{full} is not a readable safetensors index ({e}); the index is corrupt, "
-                              "download it again") from None
+        raise CheckpointError(
+            f"{full} is not a readable safetensors index ({e}); the index is corrupt, download it again"
+        ) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointError(f"{full} has no 'weight_map' of tensor name -> file name; the index is corrupt, "
-                              "download it again")
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{full} has no 'weight_map' of tensor name -> file name; the index is corrupt, download it again"
+        )
     for name, file in weight_map.items():
         parts = file.replace("\\", "/").split("/")
         if os.path.isabs(file) or ".." in parts or not file:
-            raise CheckpointError(f"{full} maps {name!r} to {file!r}, outside the checkpoint directory; the "
-                                  "index is corrupt")
+            raise CheckpointError(
+                f"{full} maps {name!r} to {file!r}, outside the checkpoint directory; the index is corrupt"
+            )
     return weight_map
 
 
@@ -131,8 +136,10 @@ def _model_names(names: list[str], key_map: KeyMap | None) -> dict[str, str]:
         if not isinstance(target, str):
             raise CheckpointError(f"key_map returned {target!r} for {name!r}; return a model key (str) or None")
         if target in seen:
-            raise CheckpointError(f"key_map maps both {seen[target]!r} and {name!r} to {target!r}; map each "
-                                  "model key from one checkpoint tensor")
+            raise CheckpointError(
+                f"key_map maps both {seen[target]!r} and {name!r} to {target!r}; map each "
+                "model key from one checkpoint tensor"
+            )
         seen[target] = name
         out[name] = target
     return out
@@ -153,23 +160,37 @@ def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
 def _check_target(where: str, fqn: str, value: torch.Tensor, source: _Source) -> None:
     info = source.info
     if info.dtype is None:
-        raise CheckpointError(f"{where}: tensor {source.name!r} has dtype {info.dtype_name}, which this torch "
-                              "cannot hold")
+        raise CheckpointError(
+            f"{where}: tensor {source.name!r} has dtype {info.dtype_name}, which this torch cannot hold"
+        )
     if tuple(value.shape) != info.shape:
-        raise CheckpointError(f"{where}: tensor {source.name!r} has shape {list(info.shape)} but the model's "
-                              f"{fqn!r} is {list(value.shape)}; build the model with the checkpoint's config")
+        raise CheckpointError(
+            f"{where}: tensor {source.name!r} has shape {list(info.shape)} but the model's "
+            f"{fqn!r} is {list(value.shape)}; build the model with the checkpoint's config"
+        )
     same_kind = info.dtype.is_floating_point and value.dtype.is_floating_point
     if info.dtype != value.dtype and not same_kind:
-        raise CheckpointError(f"{where}: tensor {source.name!r} is {info.dtype_name} but the model's {fqn!r} is "
-                              f"{value.dtype}; only floating-point dtypes are converted on load")
+        raise CheckpointError(
+            f"{where}: tensor {source.name!r} is {info.dtype_name} but the model's {fqn!r} is "
+            f"{value.dtype}; only floating-point dtypes are converted on load"
+        )
     local = compat.local_tensor(value) if isinstance(value, DTensor) else value
     if local.is_meta:
-        raise CheckpointError(f"model key {fqn!r} is on the meta device: call model.to_empty(device=...) after "
-                              "fully_shard (it allocates only this rank's shards), then load_hf")
+        raise CheckpointError(
+            f"model key {fqn!r} is on the meta device: call model.to_empty(device=...) after "
+            "fully_shard (it allocates only this rank's shards), then load_hf"
+        )
 
 
-def _plan(path: str, index_name: str | None, single: str | None, model: nn.Module, key_map: KeyMap | None,
-          strict: bool, files: OpenFiles) -> tuple[list[_Target], HFKeys]:
+def _plan(
+    path: str,
+    index_name: str | None,
+    single: str | None,
+    model: nn.Module,
+    key_map: KeyMap | None,
+    strict: bool,
+    files: OpenFiles,
+) -> tuple[list[_Target], HFKeys]:
     if index_name is not None:
         weight_map = _read_index(files.root, index_name)
     else:
@@ -202,13 +223,21 @@ def _plan(path: str, index_name: str | None, single: str | None, model: nn.Modul
             parts.append(f"model keys missing from the checkpoint: {missing[:10]}")
         if unexpected:
             parts.append(f"checkpoint tensors the model lacks: {unexpected[:10]}")
-        raise CheckpointError(f"{path}: {'; '.join(parts)}. Pass key_map= to rename (a dict or a function "
-                              "returning None to skip a tensor) or strict=False to ignore them")
+        raise CheckpointError(
+            f"{path}: {'; '.join(parts)}. Pass key_map= to rename (a dict or a function "
+            "returning None to skip a tensor) or strict=False to ignore them"
+        )
     return targets, HFKeys(missing, unexpected)
 
 
-def load_hf(path: str | os.PathLike, model: nn.Module, *, key_map: KeyMap | None = None, strict: bool = True,
-            stats: LoadStats | None = None) -> HFKeys:
+def load_hf(
+    path: str | os.PathLike,
+    model: nn.Module,
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+    stats: LoadStats | None = None,
+) -> HFKeys:
     """Load a Hugging Face safetensors checkpoint into ``model``, each rank reading only its shards.
 
     ``path``: a directory with ``model.safetensors`` or ``model.safetensors.index.json`` (+ its
@@ -242,8 +271,9 @@ def _load_hf(path: str, model: nn.Module, key_map: KeyMap | None, strict: bool, 
         # Nothing is read unless every rank's checks passed, nothing written unless every read did.
         failure = _dist.first_failure(error)
         if failure is not None:
-            raise error or CheckpointError(f"loading {path} failed on rank {failure[0]}: {failure[1]}; nothing "
-                                           "was changed")
+            raise error or CheckpointError(
+                f"loading {path} failed on rank {failure[0]}: {failure[1]}; nothing was changed"
+            )
         try:
             _read(files, targets, stats)
         except Exception as e:
@@ -253,8 +283,7 @@ def _load_hf(path: str, model: nn.Module, key_map: KeyMap | None, strict: bool, 
             files.__exit__(None, None, None)
     failure = _dist.first_failure(error)
     if failure is not None:
-        raise error or CheckpointError(f"reading {path} failed on rank {failure[0]}: {failure[1]}; nothing was "
-                                       "changed")
+        raise error or CheckpointError(f"reading {path} failed on rank {failure[0]}: {failure[1]}; nothing was changed")
     with torch.no_grad():
         for t in targets:
             if t.buffer is not None:
@@ -284,8 +313,14 @@ def _read(files: OpenFiles, targets: list[_Target], stats: LoadStats) -> None:
         info = t.source.info
         t.buffer = fresh_memory.empty(t.region.shape, t.value.dtype)
         fd, _ = files.open(t.source.file)
-        chunk = StoredChunk(files.full_path(t.source.file), fd, info.begin, Region.whole(info.shape), info.dtype,
-                            f"tensor {t.source.name!r}")
+        chunk = StoredChunk(
+            files.full_path(t.source.file),
+            fd,
+            info.begin,
+            Region.whole(info.shape),
+            info.dtype,
+            f"tensor {t.source.name!r}",
+        )
         reads.add(chunk, t.region, t.buffer)
         stats.bytes_owned += t.buffer.numel() * info.dtype.itemsize  # as stored: comparable to bytes_read
     with ByteProgress("load_hf", files.root, reads.nbytes) as progress:

@@ -82,7 +82,7 @@ def _agrees_with(fn: Callable[[object, int], int], reference: Callable[[object, 
     for length in (_SHORT, 1024, 512, 256):
         for tail in range(257):
             for start in (0, 3) if tail % 64 == 1 else (tail % 4,):
-                piece = data[start:start + length + tail]
+                piece = data[start : start + length + tail]
                 if fn(piece, _SEED) != reference(piece, _SEED):
                     return False
     return True
@@ -93,10 +93,10 @@ def _long_buffers_agree(fn: Callable[[object, int], int], data: memoryview) -> b
     buffer's 4 KiB pieces one after the other: the long buffer takes the paths the short checks
     never reach, the pieces take the ones they checked."""
     for start in range(8):
-        piece = data[start:start + _LONG]
+        piece = data[start : start + _LONG]
         chained = _SEED
         for i in range(0, _LONG, _SHORT):
-            chained = fn(piece[i:i + _SHORT], chained)
+            chained = fn(piece[i : i + _SHORT], chained)
         if fn(piece, _SEED) != chained:
             return False
     return True

@@ -76,8 +76,13 @@ class SaveLock:
     def acquire(self) -> None:
         """Take the lock (taking over a stale one) or raise ``CheckpointError`` naming the holder."""
         pid = os.getpid()
-        record = {"host": socket.gethostname(), "pid": pid, "start": _process_start(pid),
-                  "token": self.token, "since": time.time()}
+        record = {
+            "host": socket.gethostname(),
+            "pid": pid,
+            "start": _process_start(pid),
+            "token": self.token,
+            "since": time.time(),
+        }
         for _ in range(2):  # a second try after removing a stale lock
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -93,8 +98,10 @@ class SaveLock:
             self._heartbeat = threading.Thread(target=self._beat, name="fsdp2-checkpoint-lock", daemon=True)
             self._heartbeat.start()
             return
-        raise CheckpointError(f"{self.path}: another job took the save lock at the same moment; "
-                              "is a second job saving into this directory?")
+        raise CheckpointError(
+            f"{self.path}: another job took the save lock at the same moment; "
+            "is a second job saving into this directory?"
+        )
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lock file if it is still ours."""
@@ -118,8 +125,10 @@ class SaveLock:
 
     def _holder(self) -> "_Holder | None":
         """Who holds the lock now; None if nobody. ``CheckpointError`` if it is not a regular file."""
-        fix = (f"fsdp2 did not make it and nothing was changed. If no save into {os.path.dirname(self.path)} "
-               "is running, delete it and save again")
+        fix = (
+            f"fsdp2 did not make it and nothing was changed. If no save into {os.path.dirname(self.path)} "
+            "is running, delete it and save again"
+        )
         try:
             fd, st = open_regular(self.path, fix, follow_links=False)
         except FileNotFoundError:
@@ -146,12 +155,17 @@ class _Holder:
         return time.time() - self.mtime > LEASE_S
 
     def held_message(self, lock_path: str) -> str:
-        who = (f"pid {self.record.get('pid')} on host {self.record.get('host')}" if self.record
-               else "a process that left an unreadable lock file")
-        return (f"another save into {os.path.dirname(lock_path)} is in progress ({who}, lock refreshed "
-                f"{time.time() - self.mtime:.0f} s ago): two jobs cannot save into one checkpoint directory. "
-                f"Save into another directory; if no such job is running, delete {lock_path} (a lock from "
-                f"another host also expires {LEASE_S:.0f} s after its holder stopped)")
+        who = (
+            f"pid {self.record.get('pid')} on host {self.record.get('host')}"
+            if self.record
+            else "a process that left an unreadable lock file"
+        )
+        return (
+            f"another save into {os.path.dirname(lock_path)} is in progress ({who}, lock refreshed "
+            f"{time.time() - self.mtime:.0f} s ago): two jobs cannot save into one checkpoint directory. "
+            f"Save into another directory; if no such job is running, delete {lock_path} (a lock from "
+            f"another host also expires {LEASE_S:.0f} s after its holder stopped)"
+        )
 
 
 def _remove(path: str) -> None:

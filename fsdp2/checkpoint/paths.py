@@ -16,8 +16,13 @@ import stat
 
 from .errors import CheckpointError
 
-_KINDS = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+_KINDS = [
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+]
 
 
 def _inside(root: str, rel: str, links_may_leave_root: bool) -> tuple[str, str]:
@@ -29,8 +34,10 @@ def _inside(root: str, rel: str, links_may_leave_root: bool) -> tuple[str, str]:
     else:
         real = os.path.realpath(full)
     if real == real_root or os.path.commonpath([real_root, real]) != real_root:
-        raise CheckpointError(f"{full} resolves to {real}, outside the checkpoint directory {root}; "
-                              "refusing to read it (restore the real file there)")
+        raise CheckpointError(
+            f"{full} resolves to {real}, outside the checkpoint directory {root}; "
+            "refusing to read it (restore the real file there)"
+        )
     return full, real
 
 
@@ -48,8 +55,9 @@ def _refuse_irregular(full: str, mode: int, fix: str = _RESTORE) -> None:
 
 
 def _missing(full: str) -> CheckpointError:
-    return CheckpointError(f"{full} is missing; the checkpoint is incomplete, restore the file or load "
-                           "an earlier checkpoint")
+    return CheckpointError(
+        f"{full} is missing; the checkpoint is incomplete, restore the file or load an earlier checkpoint"
+    )
 
 
 def open_regular(full: str, fix: str = _RESTORE, follow_links: bool = True) -> tuple[int, os.stat_result]:
@@ -68,8 +76,9 @@ def open_regular(full: str, fix: str = _RESTORE, follow_links: bool = True) -> t
         raise
     except OSError as e:
         if not follow_links and os.path.islink(full):  # O_NOFOLLOW on a symlink: ELOOP
-            raise CheckpointError(f"{full} is a symbolic link (to {os.readlink(full)}), not a regular file; "
-                                  f"{fix}") from None
+            raise CheckpointError(
+                f"{full} is a symbolic link (to {os.readlink(full)}), not a regular file; {fix}"
+            ) from None
         raise CheckpointError(f"{full} cannot be opened ({e}); {fix}") from None
     try:
         st = os.fstat(fd)
@@ -127,8 +136,12 @@ def open_checkpoint_file(root: str, rel: str, links_may_leave_root: bool = False
     return fd, st.st_size
 
 
-def read_checkpoint_text(root: str, rel: str, fix: str = "the file is damaged: restore it or load an earlier "
-                         "checkpoint", links_may_leave_root: bool = False) -> str:
+def read_checkpoint_text(
+    root: str,
+    rel: str,
+    fix: str = "the file is damaged: restore it or load an earlier checkpoint",
+    links_may_leave_root: bool = False,
+) -> str:
     """The UTF-8 text of the JSON file ``root/rel`` (a manifest, an index), checked as
     :func:`open_checkpoint_file` checks data files: never a FIFO or device, never outside ``root``."""
     fd, _ = open_checkpoint_file(root, rel, links_may_leave_root)

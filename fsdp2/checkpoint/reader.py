@@ -36,8 +36,15 @@ from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, safetensors_dty
 from .integrity import checksum
 from .paths import checkpoint_file
 from .safetensors_io import file_crc32
-from .state import (decode, first_meta_tensor, model_key, optimizer_param_fqns, optimizer_type, reshard_model,
-                    tensor_refs)
+from .state import (
+    decode,
+    first_meta_tensor,
+    model_key,
+    optimizer_param_fqns,
+    optimizer_type,
+    reshard_model,
+    tensor_refs,
+)
 from .tensor_reader import OpenFiles, ReadPass, StoredChunk
 
 
@@ -45,9 +52,9 @@ from .tensor_reader import OpenFiles, ReadPass, StoredChunk
 class LoadStats:
     """What one rank's ``load`` did; pass one in to have it filled."""
 
-    bytes_read: int = 0       # tensor bytes read from checkpoint files (whole checksum blocks)
-    bytes_owned: int = 0      # bytes of the target shards this rank filled
-    bytes_verified: int = 0   # bytes checksummed: those read (format 2), whole files (format 1)
+    bytes_read: int = 0  # tensor bytes read from checkpoint files (whole checksum blocks)
+    bytes_owned: int = 0  # bytes of the target shards this rank filled
+    bytes_verified: int = 0  # bytes checksummed: those read (format 2), whole files (format 1)
     files_read: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # With strict=False: model keys the checkpoint lacks (left as they were) and checkpoint
@@ -70,12 +77,16 @@ def read_manifest(path: str) -> Manifest:
         raise CheckpointError(
             f"{manifest_path} is missing: {path} is not a complete checkpoint (found save data {leftovers} "
             "without a manifest). A save was probably interrupted before it was published; load an earlier "
-            "checkpoint or save again.")
+            "checkpoint or save again."
+        )
     names = os.listdir(path)
-    hint = (" It holds safetensors files: if it is a consolidated or Hugging Face folder, read it with "
-            "safetensors or transformers." if any(n.endswith(".safetensors") for n in names) else "")
-    raise CheckpointError(f"{path} is not an fsdp2 checkpoint: it has no {MANIFEST_NAME} and no fsdp2 save "
-                          f"data.{hint}")
+    hint = (
+        " It holds safetensors files: if it is a consolidated or Hugging Face folder, read it with "
+        "safetensors or transformers."
+        if any(n.endswith(".safetensors") for n in names)
+        else ""
+    )
+    raise CheckpointError(f"{path} is not an fsdp2 checkpoint: it has no {MANIFEST_NAME} and no fsdp2 save data.{hint}")
 
 
 @dataclass
@@ -129,11 +140,13 @@ def _check_like(path: str, key: str, entry: TensorEntry, value: torch.Tensor) ->
     if tuple(value.shape) != entry.shape:
         raise CheckpointError(
             f"{path}: {key!r} has shape {list(entry.shape)} in the checkpoint but {list(value.shape)} in "
-            "the model; build the model with the same configuration as the saved one")
+            "the model; build the model with the same configuration as the saved one"
+        )
     if value.dtype != entry.torch_dtype:
         raise CheckpointError(
             f"{path}: {key!r} has dtype {entry.dtype} in the checkpoint but {value.dtype} in the model; "
-            f"convert the model (e.g. model.to({entry.torch_dtype})) before loading, then cast")
+            f"convert the model (e.g. model.to({entry.torch_dtype})) before loading, then cast"
+        )
 
 
 def _refuse_meta(path: str, model: nn.Module) -> None:
@@ -142,7 +155,8 @@ def _refuse_meta(path: str, model: nn.Module) -> None:
         raise CheckpointError(
             f"{path}: cannot load into {name}: it is on the meta device (it has no storage), so nothing would "
             "be loaded. Call model.to_empty(device=...) first (and initialize what the checkpoint does not "
-            "hold, e.g. non-persistent buffers), then load")
+            "hold, e.g. non-persistent buffers), then load"
+        )
 
 
 def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -> dict[str, torch.Tensor]:
@@ -153,13 +167,16 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -
         raise CheckpointError(
             f"{plan.path}: checkpoint has no tensor {model_key(missing[0])!r}"
             f"{f' (and {len(missing) - 1} more model keys)' if len(missing) > 1 else ''}. Is it the checkpoint "
-            "of this model? Pass strict=False to load the rest and keep these as they are")
+            "of this model? Pass strict=False to load the rest and keep these as they are"
+        )
     expected = {model_key(f) for f in sd}
-    unexpected = sorted(k.removeprefix("model/") for k in plan.manifest.tensors
-                        if k.startswith("model/") and k not in expected)
+    unexpected = sorted(
+        k.removeprefix("model/") for k in plan.manifest.tensors if k.startswith("model/") and k not in expected
+    )
     if unexpected and strict:
-        raise CheckpointError(f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; "
-                              "pass strict=False to ignore them")
+        raise CheckpointError(
+            f"{plan.path}: checkpoint has tensors the model lacks: {unexpected[:10]}; pass strict=False to ignore them"
+        )
     stats.missing_keys, stats.unexpected_keys = missing, unexpected
     loaded, skip = {}, set(missing)
     for fqn, value in sd.items():
@@ -174,15 +191,22 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -
 
 
 def _malformed(path: str, what: str) -> CheckpointError:
-    return CheckpointError(f"{path}: {what} in the manifest is malformed; the checkpoint is damaged or was "
-                           "not written by fsdp2, load an earlier one")
+    return CheckpointError(
+        f"{path}: {what} in the manifest is malformed; the checkpoint is damaged or was "
+        "not written by fsdp2, load an earlier one"
+    )
 
 
 def _check_optimizer_layout(path: str, saved: Any) -> None:
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not (isinstance(groups, list) and isinstance(saved.get("state"), dict) and all(
+    if not (
+        isinstance(groups, list)
+        and isinstance(saved.get("state"), dict)
+        and all(
             isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
-            for g in groups)):
+            for g in groups
+        )
+    ):
         raise _malformed(path, "the optimizer state")
     for fqn, state in saved["state"].items():
         if not isinstance(state, dict):
@@ -198,28 +222,32 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
     if saved_type is not None and saved_type != now_type:
         raise CheckpointError(
             f"{plan.path} holds {saved_type} state but the optimizer is a {now_type}; create a {saved_type}, or "
-            "load the model alone (optimizer=None) and start the new optimizer from scratch")
+            "load the model alone (optimizer=None) and start the new optimizer from scratch"
+        )
     current = optimizer_param_fqns(model, optimizer)
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(current) or any(
-            sorted(g["params"]) != sorted(c) for g, c in zip(saved_groups, current)):
+        sorted(g["params"]) != sorted(c) for g, c in zip(saved_groups, current)
+    ):
         raise CheckpointError(
             f"{plan.path}: optimizer param groups differ from the saved ones (saved "
             f"{[len(g['params']) for g in saved_groups]} params per group, now {[len(c) for c in current]}); "
             "create the optimizer with the same param groups as when saving (to fine-tune with new "
-            "parameters, load the model with strict=False and optimizer=None)")
+            "parameters, load the model with strict=False and optimizer=None)"
+        )
     in_groups = {fqn for group in current for fqn in group}
     params = dict(model.named_parameters())
     for fqn, encoded in saved["state"].items():
         if fqn not in in_groups:
             where = "a parameter of none of the optimizer's param groups" if fqn in params else "an unknown parameter"
-            raise CheckpointError(f"{plan.path}: optimizer state for {where}, {fqn!r}; the checkpoint is "
-                                  "damaged, load an earlier one")
+            raise CheckpointError(
+                f"{plan.path}: optimizer state for {where}, {fqn!r}; the checkpoint is damaged, load an earlier one"
+            )
         param = params[fqn]
         prefix = f"optim/state/{fqn}/"
         for key in tensor_refs(encoded, f"{plan.path}: optimizer state of {fqn!r}"):
             entry = plan.entry(key, "The manifest is inconsistent; re-save the checkpoint.")
-            name = key[len(prefix):]
+            name = key[len(prefix) :]
             existing = optimizer.state.get(param, {}).get(name)
             # Lay the state out like the optimizer already has it, else like its parameter
             # when the shapes agree (exp_avg, exp_avg_sq), else whole (step, scalars).
@@ -228,8 +256,10 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
                 template = param
             if isinstance(template, DTensor):
                 if tuple(template.shape) != entry.shape:
-                    raise CheckpointError(f"{plan.path}: optimizer state {key!r} has shape {list(entry.shape)}, "
-                                          f"the optimizer's is {list(template.shape)}")
+                    raise CheckpointError(
+                        f"{plan.path}: optimizer state {key!r} has shape {list(entry.shape)}, "
+                        f"the optimizer's is {list(template.shape)}"
+                    )
                 plan.add(key, entry, _target_region(template))
                 plan.dtensor_templates[key] = template
             else:
@@ -257,8 +287,11 @@ def _plan_rank_extra(plan: _Plan, rank: int, world: int) -> Any:
     if not isinstance(saved, dict):
         raise _malformed(plan.path, "rank_extra")
     if plan.manifest.world_size != world:
-        warnings.warn(f"{plan.path} was saved by {plan.manifest.world_size} ranks and is loaded by {world}: "
-                      "per-rank extras cannot be matched to ranks, so load returns None for them", stacklevel=4)
+        warnings.warn(
+            f"{plan.path} was saved by {plan.manifest.world_size} ranks and is loaded by {world}: "
+            "per-rank extras cannot be matched to ranks, so load returns None for them",
+            stacklevel=4,
+        )
         return None
     return _plan_objects(plan, saved.get(str(rank)), f"rank_extra of rank {rank}")
 
@@ -271,14 +304,18 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
         expected = plan.manifest.files[rel]
         size = os.path.getsize(full)
         if size != expected.size:
-            raise CheckpointError(f"{full} is {size} bytes but the manifest says {expected.size}: the file "
-                                  "is truncated or was replaced; restore it or load an earlier checkpoint")
+            raise CheckpointError(
+                f"{full} is {size} bytes but the manifest says {expected.size}: the file "
+                "is truncated or was replaced; restore it or load an earlier checkpoint"
+            )
         if verify and plan.manifest.version == 1:
             crc, n = file_crc32(full)
             stats.bytes_verified += n
             if crc != expected.crc32:
-                raise CheckpointError(f"{full} is corrupted (crc32 {crc}, manifest says {expected.crc32}); "
-                                      "restore the file or load an earlier checkpoint")
+                raise CheckpointError(
+                    f"{full} is corrupted (crc32 {crc}, manifest says {expected.crc32}); "
+                    "restore the file or load an earlier checkpoint"
+                )
 
 
 def _check_headers(plan: _Plan, files: OpenFiles, names: list[str]) -> None:
@@ -291,8 +328,10 @@ def _check_headers(plan: _Plan, files: OpenFiles, names: list[str]) -> None:
             continue
         crc = f"{checksum(files.header(rel).raw):08x}"
         if crc != expected:
-            raise CheckpointError(f"{files.full_path(rel)} is corrupted (crc32c of its header {crc}, manifest "
-                                  f"says {expected}); restore the file or load an earlier checkpoint")
+            raise CheckpointError(
+                f"{files.full_path(rel)} is corrupted (crc32c of its header {crc}, manifest "
+                f"says {expected}); restore the file or load an earlier checkpoint"
+            )
 
 
 def stored_chunk(files: OpenFiles, entry: TensorEntry, chunk: Chunk, verify: bool) -> StoredChunk:
@@ -301,12 +340,22 @@ def stored_chunk(files: OpenFiles, entry: TensorEntry, chunk: Chunk, verify: boo
     full = files.full_path(chunk.file)
     info = files.header(chunk.file).info(chunk.key)
     if info.shape != chunk.shape or info.dtype_name != safetensors_dtype(entry.torch_dtype):
-        raise CheckpointError(f"{full}, key {chunk.key!r}: file holds {info.dtype_name}{list(info.shape)}, "
-                              f"manifest says {entry.dtype}{list(chunk.shape)}; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{full}, key {chunk.key!r}: file holds {info.dtype_name}{list(info.shape)}, "
+            f"manifest says {entry.dtype}{list(chunk.shape)}; the checkpoint is damaged"
+        )
     dtype = entry.torch_dtype
     checked = verify and chunk.crc32c is not None
-    return StoredChunk(full, files.open(chunk.file)[0], info.begin, chunk.region, dtype, f"key {chunk.key!r}",
-                       chunk.grid(dtype.itemsize) if checked else None, chunk.checksums() if checked else None)
+    return StoredChunk(
+        full,
+        files.open(chunk.file)[0],
+        info.begin,
+        chunk.region,
+        dtype,
+        f"key {chunk.key!r}",
+        chunk.grid(dtype.itemsize) if checked else None,
+        chunk.checksums() if checked else None,
+    )
 
 
 def _read_targets(plan: _Plan, files_needed: list[str], verify: bool, stats: LoadStats) -> None:
@@ -339,9 +388,16 @@ class _Restored:
     rank_extra: Any
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         verify: bool = True, strict: bool = True, stats: LoadStats | None = None,
-         return_rank_extra: bool = False) -> Any:
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
+    strict: bool = True,
+    stats: LoadStats | None = None,
+    return_rank_extra: bool = False,
+) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``); returns the saved ``extra``.
 
     Works for any saving/loading world sizes and meshes (reshard on load) and for
@@ -360,8 +416,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         return _load(os.fspath(path), model, optimizer, verify, strict, stats, return_rank_extra)
 
 
-def _load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, verify: bool, strict: bool,
-          stats: LoadStats | None, return_rank_extra: bool) -> Any:
+def _load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    verify: bool,
+    strict: bool,
+    stats: LoadStats | None,
+    return_rank_extra: bool,
+) -> Any:
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
     rank, world = _dist.rank_and_world()
@@ -392,11 +455,15 @@ def _load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         stats.seconds = time.perf_counter() - start
         if error is not None:
             raise error
-        raise CheckpointError(f"loading {path} failed on another rank (rank {failure[0]}: {failure[1]}); "
-                              "nothing was changed")
+        raise CheckpointError(
+            f"loading {path} failed on another rank (rank {failure[0]}: {failure[1]}); nothing was changed"
+        )
     if stats.missing_keys:
-        warnings.warn(f"load({path}, strict=False): the checkpoint has no value for {len(stats.missing_keys)} "
-                      f"model key(s), left as they were: {stats.missing_keys[:10]}", stacklevel=3)
+        warnings.warn(
+            f"load({path}, strict=False): the checkpoint has no value for {len(stats.missing_keys)} "
+            f"model key(s), left as they were: {stats.missing_keys[:10]}",
+            stacklevel=3,
+        )
     if optimizer is not None:
         optimizer.load_state_dict(restored.optimizer_state)  # builds its new state, then swaps it in
     with torch.no_grad():
@@ -406,36 +473,54 @@ def _load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     return (restored.extra, restored.rank_extra) if return_rank_extra else restored.extra
 
 
-def _restore(plan: _Plan, model: nn.Module, model_sd: dict[str, torch.Tensor],
-             optimizer: torch.optim.Optimizer | None, saved_optim: dict | None, encoded_extra: Any,
-             encoded_rank_extra: Any) -> _Restored:
+def _restore(
+    plan: _Plan,
+    model: nn.Module,
+    model_sd: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    saved_optim: dict | None,
+    encoded_extra: Any,
+    encoded_rank_extra: Any,
+) -> _Restored:
     tensors = {}
     for key, t in plan.targets.items():
         template = plan.dtensor_templates.get(key)
-        tensors[key] = (compat.dtensor_like(template, t.buffer.to(compat.local_tensor(template).device))
-                        if template is not None else t.buffer)
+        tensors[key] = (
+            compat.dtensor_like(template, t.buffer.to(compat.local_tensor(template).device))
+            if template is not None
+            else t.buffer
+        )
     copies = []
     for fqn, value in model_sd.items():
         dest = value.to_local() if isinstance(value, DTensor) else value
         copies.append((dest, plan.targets[model_key(fqn)].buffer))
-    optimizer_state = (_optimizer_state_dict(plan.path, optimizer, model, saved_optim, tensors)
-                       if optimizer is not None else None)
-    return _Restored(copies, optimizer_state, decode(encoded_extra, tensors.__getitem__, f"{plan.path}: extra"),
-                     decode(encoded_rank_extra, tensors.__getitem__, f"{plan.path}: rank_extra"))
+    optimizer_state = (
+        _optimizer_state_dict(plan.path, optimizer, model, saved_optim, tensors) if optimizer is not None else None
+    )
+    return _Restored(
+        copies,
+        optimizer_state,
+        decode(encoded_extra, tensors.__getitem__, f"{plan.path}: extra"),
+        decode(encoded_rank_extra, tensors.__getitem__, f"{plan.path}: rank_extra"),
+    )
 
 
-def _optimizer_state_dict(path: str, optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict,
-                          tensors: dict[str, torch.Tensor]) -> dict:
+def _optimizer_state_dict(
+    path: str, optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict, tensors: dict[str, torch.Tensor]
+) -> dict:
     """The ``optimizer.load_state_dict`` argument: saved state under the current parameter ids."""
     current = optimizer.state_dict()["param_groups"]
     fqn_groups = optimizer_param_fqns(model, optimizer)
     fqn_to_id = {fqn: pid for g, fqns in zip(current, fqn_groups) for pid, fqn in zip(g["params"], fqns)}
-    state = {fqn_to_id[fqn]: decode(s, tensors.__getitem__, f"{path}: optimizer state of {fqn!r}")
-             for fqn, s in saved["state"].items()}
+    state = {
+        fqn_to_id[fqn]: decode(s, tensors.__getitem__, f"{path}: optimizer state of {fqn!r}")
+        for fqn, s in saved["state"].items()
+    }
     groups = []
     for gi, (g, now) in enumerate(zip(saved["param_groups"], current)):
-        hyper = decode({k: v for k, v in g.items() if k != "params"}, tensors.__getitem__,
-                       f"{path}: optimizer param group {gi}")
+        hyper = decode(
+            {k: v for k, v in g.items() if k != "params"}, tensors.__getitem__, f"{path}: optimizer param group {gi}"
+        )
         # State is keyed by the current ids, so keep the current order (same set, checked).
         groups.append({**hyper, "params": now["params"]})
     return {"state": state, "param_groups": groups}

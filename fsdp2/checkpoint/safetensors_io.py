@@ -68,8 +68,11 @@ class SafetensorsStreamWriter:
             header["__metadata__"] = metadata
         offset = 0
         for spec in specs:
-            header[spec.name] = {"dtype": safetensors_dtype(spec.dtype), "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": safetensors_dtype(spec.dtype),
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
@@ -94,8 +97,10 @@ class SafetensorsStreamWriter:
         """
         spec = self._specs[self._next]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(f"tensor for {spec.name!r} is {tensor.dtype}{list(tensor.shape)}, "
-                             f"expected {spec.dtype}{list(spec.shape)}")
+            raise ValueError(
+                f"tensor for {spec.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                f"expected {spec.dtype}{list(spec.shape)}"
+            )
         data = tensor_bytes(tensor)
         crcs = None
         if grid is not None:
@@ -151,9 +156,30 @@ def file_crc32(path: str) -> tuple[str, int]:
 _MAX_HEADER = 100_000_000  # bytes of JSON, the library's limit
 # Bits per element of every dtype the format defines (torch may lack some: those load nowhere,
 # but their byte counts still have to add up).
-_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-               "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-               "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
 _USIZE = 1 << 64
 
 
@@ -212,8 +238,10 @@ def parse_header_json(blob: bytes, data_bytes: int) -> tuple[dict[str, tuple[str
     covered = 0
     for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda item: item[1][2:]):
         if begin != covered:
-            raise ValueError(f"tensor {name!r} starts at byte {begin} of the data, but the tensors before it end at "
-                             f"{covered}: tensors must lie end to end, without overlap or gap")
+            raise ValueError(
+                f"tensor {name!r} starts at byte {begin} of the data, but the tensors before it end at "
+                f"{covered}: tensors must lie end to end, without overlap or gap"
+            )
         covered = end
     if covered != data_bytes:
         raise ValueError(f"the tensors cover {covered} data bytes but the file holds {data_bytes}")
@@ -249,13 +277,15 @@ class SafetensorsHeader:
         try:
             return self.tensors[key]
         except KeyError:
-            raise CheckpointError(f"{self.path}, key {key!r}: missing from the file; the checkpoint is damaged "
-                                  "or the index is wrong") from None
+            raise CheckpointError(
+                f"{self.path}, key {key!r}: missing from the file; the checkpoint is damaged or the index is wrong"
+            ) from None
 
 
 def read_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
     """Parse and validate (``parse_header_json``) the header of the safetensors file open as ``fd``:
     plain JSON, nothing is executed."""
+
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a readable safetensors file ({why}); restore it or re-create it")
 
@@ -273,8 +303,10 @@ def read_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and json's errors are ValueErrors
         raise bad(str(e) if not isinstance(e, RecursionError) else "nested too deeply") from None
     start = 8 + length
-    tensors = {name: StoredTensorInfo(dtype, shape, start + begin, start + end)
-               for name, (dtype, shape, begin, end) in parsed.items()}
+    tensors = {
+        name: StoredTensorInfo(dtype, shape, start + begin, start + end)
+        for name, (dtype, shape, begin, end) in parsed.items()
+    }
     return SafetensorsHeader(path, head + blob, tensors, metadata)
 
 

@@ -58,8 +58,10 @@ class SnapshotStaging:
         """
         with self._lock:
             if self.state is StagingState.HELD:
-                raise CheckpointError("an earlier async save is still writing from the snapshot buffer; call its "
-                                      "wait() before starting another save")
+                raise CheckpointError(
+                    "an earlier async save is still writing from the snapshot buffer; call its "
+                    "wait() before starting another save"
+                )
             self.state = StagingState.HELD
         try:
             return self._copy(tensors)
@@ -93,7 +95,7 @@ class SnapshotStaging:
             self.allocations += 1
         views = []
         for t, off in zip(tensors, offsets):
-            raw = self._buffer[off:off + t.numel() * t.element_size()]
+            raw = self._buffer[off : off + t.numel() * t.element_size()]
             views.append(raw.view(t.dtype).view(t.shape))
         return views
 

@@ -31,8 +31,20 @@ _ITEMS_TAG = "__dict_items__"  # dicts with non-string keys
 _NUMPY_TAG = "__numpy__"  # {"dtype": name, "value": number} or {"tensor": key}
 _TAGS = {_TENSOR_TAG, _TUPLE_TAG, _ITEMS_TAG, _NUMPY_TAG}
 # numpy dtypes stored exactly: as JSON numbers (scalars) and as safetensors tensors (arrays).
-_NUMPY_DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                 "float16", "float32", "float64"}
+_NUMPY_DTYPES = {
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+}
 # Deepest ``extra`` accepted, leaving room below the manifest's limit for the levels around it.
 MAX_EXTRA_DEPTH = MAX_OBJECT_DEPTH - 8
 
@@ -95,7 +107,8 @@ class JsonCodec:
             return {_ITEMS_TAG: items}
         raise CheckpointError(
             f"{path}: cannot store a {type(value).__name__} (only JSON values, tuples, tensors and "
-            "numpy numbers and arrays are supported; convert it, e.g. to a dict or a tensor)")
+            "numpy numbers and arrays are supported; convert it, e.g. to a dict or a tensor)"
+        )
 
     def _add_tensor(self, value: torch.Tensor, path: str) -> dict:
         if path in self.tensors:
@@ -109,7 +122,8 @@ class JsonCodec:
             raise CheckpointError(
                 f"{path}: cannot store a numpy {'array' if isinstance(value, np.ndarray) else 'scalar'} of "
                 f"dtype {dtype} without pickle (supported: {', '.join(sorted(_NUMPY_DTYPES))}); convert it, "
-                "e.g. with .astype() or .tolist()")
+                "e.g. with .astype() or .tolist()"
+            )
         if isinstance(value, np.generic):
             return {_NUMPY_TAG: {"dtype": dtype.name, "value": value.item()}}
         # Native byte order and contiguous, as safetensors stores it; same dtype name back.
@@ -144,7 +158,8 @@ def decode(value: Any, get_tensor: Callable[[str], Any], where: str = "checkpoin
         return tuple(decode(v, get_tensor, where) for v in payload)
     if tag == _ITEMS_TAG:
         if not isinstance(payload, list) or not all(
-                isinstance(kv, list) and len(kv) == 2 and not isinstance(kv[0], (list, dict)) for kv in payload):
+            isinstance(kv, list) and len(kv) == 2 and not isinstance(kv[0], (list, dict)) for kv in payload
+        ):
             raise CheckpointError(f"{where}: malformed dict items {str(payload)[:100]}")
         return {k: decode(v, get_tensor, where) for k, v in payload}
     return _decode_numpy(payload, get_tensor, where)
@@ -158,8 +173,12 @@ def _decode_numpy(payload: Any, get_tensor: Callable[[str], Any], where: str) ->
         if str(tensor.dtype).removeprefix("torch.") not in _NUMPY_DTYPES:
             raise CheckpointError(f"{where}: tensor {payload['tensor']!r} ({tensor.dtype}) is not a numpy array")
         return tensor.numpy()
-    if (isinstance(payload, dict) and set(payload) == {"dtype", "value"} and payload["dtype"] in _NUMPY_DTYPES
-            and isinstance(payload["value"], (bool, int, float))):
+    if (
+        isinstance(payload, dict)
+        and set(payload) == {"dtype", "value"}
+        and payload["dtype"] in _NUMPY_DTYPES
+        and isinstance(payload["value"], (bool, int, float))
+    ):
         import numpy as np
 
         try:
@@ -251,8 +270,10 @@ def optimizer_param_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         fqns = []
         for p in group["params"]:
             if id(p) not in names:
-                raise CheckpointError(f"optimizer param group {gi} holds a parameter that is not in the model; "
-                                      "create the optimizer from this model's parameters")
+                raise CheckpointError(
+                    f"optimizer param group {gi} holds a parameter that is not in the model; "
+                    "create the optimizer from this model's parameters"
+                )
             fqns.append(names[id(p)])
         groups.append(fqns)
     return groups
@@ -278,8 +299,9 @@ def flatten_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return codec.tensors, {"type": optimizer_type(optimizer), "state": state, "param_groups": groups}
 
 
-def flatten(model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None,
-            rank_extra: Any = None, rank: int = 0) -> FlatState:
+def flatten(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None, rank_extra: Any = None, rank: int = 0
+) -> FlatState:
     flat = FlatState(tensors=model_tensors(model))
     ties = tied_weights(model, [k.removeprefix("model/") for k in flat.tensors])
     if ties:

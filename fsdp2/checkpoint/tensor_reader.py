@@ -69,7 +69,8 @@ class Hashing:
 
 
 class OpenFiles:
-    """Data files opened once each (through :func:`fsdp2.checkpoint.paths.open_checkpoint_file`) and their parsed headers.
+    """Data files opened once each (through :func:`fsdp2.checkpoint.paths.open_checkpoint_file`) and their
+    parsed headers.
 
     A context manager: every file is closed on exit.
     """
@@ -207,7 +208,7 @@ class ReadPass:
             dest = dest.reshape(1, *dest.shape) if scalar else dest
             if dest.device.type != "cpu":
                 raise CheckpointError(f"internal: read destination of {chunk.label} is on {dest.device}")
-        direct = (dest is not None and whole_rows and dest.dtype == chunk.dtype and dest.is_contiguous())
+        direct = dest is not None and whole_rows and dest.dtype == chunk.dtype and dest.is_contiguous()
         step = max(1, PIECE_BYTES // max(1, chunk.row_bytes))
         start = a
         while start < b:
@@ -215,7 +216,7 @@ class ReadPass:
             if verify and end < b:  # pieces end on block edges so each block is checked by one task
                 end = chunk.grid.expand_rows(end - 1, end)[1]
             own_lo, own_hi = max(start, lo), min(end, hi)
-            piece_dest = None if dest is None else dest[own_lo - lo:own_hi - lo]
+            piece_dest = None if dest is None else dest[own_lo - lo : own_hi - lo]
             self.tasks.append(_Task(chunk, start, end, own_lo, own_hi, cols, piece_dest, direct, runs, verify))
             start = end
 
@@ -257,8 +258,7 @@ class ReadPass:
             for t in tasks:
                 work(t)
         else:
-            with ThreadPoolExecutor(max_workers=threads,
-                                    thread_name_prefix="fsdp2-ckpt-read") as pool:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdp2-ckpt-read") as pool:
                 futures = [pool.submit(work, t) for t in tasks]
                 for f in futures:
                     f.result()  # the first error, in file order
@@ -288,8 +288,10 @@ def _preadv(chunk: StoredChunk, views: list[memoryview], offset: int) -> None:
     while views:  # a short read: read it all again, as long as bytes come
         n = os.preadv(chunk.fd, views, offset) if _HAS_PREADV else _pread_into(chunk.fd, views[0], offset)
         if n <= 0:
-            raise CheckpointError(f"{chunk.path}: {chunk.label} ends past the end of the file (truncated?); "
-                                  "restore it or load an earlier checkpoint")
+            raise CheckpointError(
+                f"{chunk.path}: {chunk.label} ends past the end of the file (truncated?); "
+                "restore it or load an earlier checkpoint"
+            )
         offset += n
         while n and views:
             if n >= len(views[0]):
@@ -301,7 +303,7 @@ def _preadv(chunk: StoredChunk, views: list[memoryview], offset: int) -> None:
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     data = os.pread(fd, len(view), offset)
-    view[:len(data)] = data
+    view[: len(data)] = data
     return len(data)
 
 
@@ -321,17 +323,17 @@ def _block_checksums(segments: list[memoryview], edges: list[int]) -> list[int]:
         end = pos + len(view)
         if carry is not None:
             stop = min(edges[j + 1], end)
-            carry = crc(view[:stop - pos], carry)
+            carry = crc(view[: stop - pos], carry)
             if edges[j + 1] > end:
                 pos = end
                 continue
             out.append(carry)
             carry, j = None, j + 1
         k = bisect.bisect_right(edges, end, lo=j) - 1  # blocks j .. k-1 end inside this segment
-        out += [crc(view[a - pos:b - pos], 0) for a, b in zip(edges[j:k], edges[j + 1:k + 1])]
+        out += [crc(view[a - pos : b - pos], 0) for a, b in zip(edges[j:k], edges[j + 1 : k + 1])]
         j = k
         if j + 1 < len(edges) and edges[j] < end:
-            carry = crc(view[edges[j] - pos:], 0)
+            carry = crc(view[edges[j] - pos :], 0)
         pos = end
     return out
 
@@ -351,7 +353,7 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, has
         edges = [e - base for e in edges]  # from 0: positions in the concatenation of ``segments``
     segments = [view for view in segments if len(view)]  # side buffers are usually empty
     n = len(edges) - 1
-    expected = list(chunk.checksums[first:first + n])
+    expected = list(chunk.checksums[first : first + n])
     step = max(1, hashing.window_bytes // (grid.block_elems * grid.itemsize))  # blocks per window
     # Most tasks are one segment (the rows straight into the destination) hashed block by block:
     # each window's blocks are then checked inline, without a _window or _check_window call (a
@@ -368,15 +370,23 @@ def _read_checked(task: _Task, segments: list[memoryview], file_offset: int, has
             if j - i == 1:
                 if crc(views[0], 0) == expected[i]:
                     continue
-            elif [crc(inline[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1:j + 1])] == expected[i:j]:
+            elif [crc(inline[a:b], 0) for a, b in zip(edges[i:j], edges[i + 1 : j + 1])] == expected[i:j]:
                 continue
-        _check_window(task, views, [e - lo for e in edges[i:j + 1]], expected[i:j], first + i, file_offset + lo,
-                      hashing.combine)
+        _check_window(
+            task, views, [e - lo for e in edges[i : j + 1]], expected[i:j], first + i, file_offset + lo, hashing.combine
+        )
     return edges[-1] - edges[0]
 
 
-def _check_window(task: _Task, views: list[memoryview], edges: list[int], expected: list[int], first: int,
-                  file_offset: int, combine: bool) -> None:
+def _check_window(
+    task: _Task,
+    views: list[memoryview],
+    edges: list[int],
+    expected: list[int],
+    first: int,
+    file_offset: int,
+    combine: bool,
+) -> None:
     """Blocks ``first ..`` of ``task``'s chunk (the bytes of ``views``, cut at ``edges`` from 0, read
     from ``file_offset``) against their manifest checksums ``expected``: with ``combine``, one hash
     of the whole window against them combined (block by block only to name a bad one)."""
@@ -396,7 +406,8 @@ def _check_window(task: _Task, views: list[memoryview], edges: list[int], expect
     raise CheckpointError(
         f"{chunk.path} is corrupted (crc32c {got[i]:08x}, manifest says {expected[i]:08x} for bytes "
         f"[{start}, {file_offset + edges[i + 1]}) of {chunk.label}, block {first + i}); restore the file or load "
-        "an earlier checkpoint")
+        "an earlier checkpoint"
+    )
 
 
 def _window(segments: list[memoryview], lo: int, hi: int) -> list[memoryview]:
@@ -405,7 +416,7 @@ def _window(segments: list[memoryview], lo: int, hi: int) -> list[memoryview]:
     for view in segments:
         end = pos + len(view)
         if end > lo and pos < hi:
-            out.append(view[max(lo, pos) - pos:min(hi, end) - pos])
+            out.append(view[max(lo, pos) - pos : min(hi, end) - pos])
         pos = end
     return out
 
@@ -433,7 +444,7 @@ def _run_task(task: _Task, local: threading.local, hashing: Hashing) -> tuple[in
         return task.nbytes, checked
     if task.dest is not None:
         rows = buf.view(chunk.dtype).view(task.hi - task.lo, *chunk.row_shape)
-        owned = rows[task.own_lo - task.lo:task.own_hi - task.lo]
+        owned = rows[task.own_lo - task.lo : task.own_hi - task.lo]
         task.dest.copy_(owned[(slice(None), *task.cols)])
     return task.nbytes, checked
 
@@ -460,7 +471,7 @@ def _run_column_runs(task: _Task, local: threading.local) -> int:
         k -= 1
     run_elems = math.prod(part_shape[k:])
     outer = [range(s.start, s.stop) for s in task.cols[:k]]
-    strides = [math.prod(row_shape[d + 1:]) for d in range(len(row_shape))]
+    strides = [math.prod(row_shape[d + 1 :]) for d in range(len(row_shape))]
     rows = task.hi - task.lo
     n_runs = math.prod(part_shape[:k]) if k else 1
     buf = _scratch(local, rows * n_runs * run_elems * itemsize)
@@ -471,7 +482,7 @@ def _run_column_runs(task: _Task, local: threading.local) -> int:
         row_start = chunk.offset + r * chunk.row_bytes
         for idx in _product(outer):
             elem = sum(i * strides[d] for d, i in enumerate(idx)) + task.cols[k].start * strides[k]
-            _preadv(chunk, [out[pos:pos + run_bytes]], row_start + elem * itemsize)
+            _preadv(chunk, [out[pos : pos + run_bytes]], row_start + elem * itemsize)
             pos += run_bytes
     task.dest.copy_(buf.view(chunk.dtype).view(rows, *part_shape))
     return pos

@@ -57,8 +57,9 @@ def _problems(path: str) -> list[str]:
     return problems
 
 
-def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[TensorEntry, Chunk]],
-                 progress: ByteProgress = SILENT) -> list[str]:
+def _verify_file(
+    m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[TensorEntry, Chunk]], progress: ByteProgress = SILENT
+) -> list[str]:
     full = files.full_path(name)
     expected = m.files[name]
     try:
@@ -76,8 +77,7 @@ def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[Te
     except CheckpointError as e:
         return [str(e)]
     if m.version >= 2 and f"{checksum(header.raw):08x}" != expected.header_crc32c:
-        return [f"{full}: header crc32c {checksum(header.raw):08x}, manifest says {expected.header_crc32c} "
-                "(corrupted)"]
+        return [f"{full}: header crc32c {checksum(header.raw):08x}, manifest says {expected.header_crc32c} (corrupted)"]
     problems = []
     reads = ReadPass(verify=True)
     for t, c in chunks:
@@ -86,16 +86,29 @@ def _verify_file(m: Manifest, files: OpenFiles, name: str, chunks: list[tuple[Te
             continue
         info = header.tensors[c.key]
         if info.shape != c.shape or info.dtype_name != safetensors_dtype(t.torch_dtype):
-            problems.append(f"{full}: key {c.key!r} is {info.dtype_name}{list(info.shape)}, manifest "
-                            f"says {t.dtype}{list(c.shape)}")
+            problems.append(
+                f"{full}: key {c.key!r} is {info.dtype_name}{list(info.shape)}, manifest says {t.dtype}{list(c.shape)}"
+            )
             continue
         if m.version >= 2:
             try:
                 grid = c.grid(t.torch_dtype.itemsize)
             except ValueError:
                 continue  # reported by validate()
-            reads.add(StoredChunk(full, files.open(name)[0], info.begin, c.region, t.torch_dtype,
-                                  f"key {c.key!r}", grid, c.checksums()), c.region, None)
+            reads.add(
+                StoredChunk(
+                    full,
+                    files.open(name)[0],
+                    info.begin,
+                    c.region,
+                    t.torch_dtype,
+                    f"key {c.key!r}",
+                    grid,
+                    c.checksums(),
+                ),
+                c.region,
+                None,
+            )
     if not problems:
         try:
             reads.run(progress)

@@ -91,9 +91,7 @@ def _first_among_sibling_meshes(mesh) -> bool:
     if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
         return True
     root_coord = root.get_coordinate()
-    return all(
-        c == 0 for name, c in zip(root.mesh_dim_names, root_coord) if name not in mesh.mesh_dim_names
-    )
+    return all(c == 0 for name, c in zip(root.mesh_dim_names, root_coord) if name not in mesh.mesh_dim_names)
 
 
 def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
@@ -132,32 +130,47 @@ def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[LocalShard
     for key, value in sorted(tensors.items()):
         known[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
         if value.numel():
-            shards.append(LocalShard(key, tuple(value.shape), value.dtype, Region.whole(value.shape),
-                                     value.detach()))
+            shards.append(LocalShard(key, tuple(value.shape), value.dtype, Region.whole(value.shape), value.detach()))
     return shards, known
 
 
-def _write_rank_file(staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object,
-                     progress: ByteProgress = SILENT) -> None:
+def _write_rank_file(
+    staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object, progress: ByteProgress = SILENT
+) -> None:
     name = rank_file_name(rank)
     writer = SafetensorsStreamWriter(
-        os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards])
+        os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards]
+    )
     chunks = []
     try:
         for s in shards:
             itemsize = s.dtype.itemsize
-            grid = BlockGrid.of(s.region.offsets, s.region.shape, itemsize,
-                                BlockGrid.choose_block_elems(s.region.shape, itemsize))
+            grid = BlockGrid.of(
+                s.region.offsets, s.region.shape, itemsize, BlockGrid.choose_block_elems(s.region.shape, itemsize)
+            )
             crcs = writer.write(s.data, grid)
             progress.advance(s.nbytes)
-            chunks.append({"key": s.key, "offsets": list(s.region.offsets), "shape": list(s.region.shape),
-                           "block_elems": grid.block_elems, "crc32c": to_hex(crcs)})
+            chunks.append(
+                {
+                    "key": s.key,
+                    "offsets": list(s.region.offsets),
+                    "shape": list(s.region.shape),
+                    "block_elems": grid.block_elems,
+                    "crc32c": to_hex(crcs),
+                }
+            )
         writer.close(fsync=True)
     except BaseException:
         writer.abort()  # close it, so deleting the partial file frees the space
         raise
-    sidecar = {"file": name, "size": writer.size, "header_crc32c": f"{writer.header_crc:08x}",
-               "tensors": known, "chunks": chunks, "rank_extra": rank_object}
+    sidecar = {
+        "file": name,
+        "size": writer.size,
+        "header_crc32c": f"{writer.header_crc:08x}",
+        "tensors": known,
+        "chunks": chunks,
+        "rank_extra": rank_object,
+    }
     tmp = os.path.join(staging, f"rank-{rank:05d}.json.tmp")
     with open(tmp, "w") as f:
         json.dump(sidecar, f)
@@ -178,11 +191,14 @@ def _build_manifest(staging: str, generation: int, world: int, objects: dict) ->
         for key, meta in side["tensors"].items():
             entry = tensors.setdefault(key, TensorEntry(tuple(meta["shape"]), meta["dtype"]))
             if list(entry.shape) != meta["shape"] or entry.dtype != meta["dtype"]:
-                raise CheckpointError(f"ranks disagree about {key!r}: {entry.shape}/{entry.dtype} vs "
-                                      f"{meta['shape']}/{meta['dtype']} (rank {rank})")
+                raise CheckpointError(
+                    f"ranks disagree about {key!r}: {entry.shape}/{entry.dtype} vs "
+                    f"{meta['shape']}/{meta['dtype']} (rank {rank})"
+                )
         for c in side["chunks"]:
-            tensors[c["key"]].chunks.append(Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"]),
-                                                  int(c["block_elems"]), c["crc32c"]))
+            tensors[c["key"]].chunks.append(
+                Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"]), int(c["block_elems"]), c["crc32c"])
+            )
         if side.get("rank_extra") is not None:
             rank_extras[str(rank)] = side["rank_extra"]
     if rank_extras:
@@ -197,10 +213,10 @@ def _sidecar_names(world: int) -> list[str]:
 
 
 class _Stage(Enum):
-    WRITING = auto()    # this rank's files are being written (async: by the writer thread)
-    WRITTEN = auto()    # written (or failed writing); the collective commit comes next
+    WRITING = auto()  # this rank's files are being written (async: by the writer thread)
+    WRITTEN = auto()  # written (or failed writing); the collective commit comes next
     COMMITTED = auto()  # published on every rank
-    FAILED = auto()     # nothing published; the error is kept and raised again by wait()
+    FAILED = auto()  # nothing published; the error is kept and raised again by wait()
 
 
 # Handles of saves that were started with async_save=True and not yet committed, by directory.
@@ -224,9 +240,13 @@ def pending_save(path: str | os.PathLike) -> "AsyncSave | None":
 def _warn_unpublished() -> None:
     """A process ending with an async save pending has lost it: say so instead of nothing."""
     for handle in list(_pending.values()):
-        warnings.warn(f"fsdp2.checkpoint: the async save to {handle.path} was never waited on, so it was not "
-                      "published (the checkpoint there is still the previous one). Call wait() on its handle "
-                      "(every rank) before the process ends.", RuntimeWarning, stacklevel=1)
+        warnings.warn(
+            f"fsdp2.checkpoint: the async save to {handle.path} was never waited on, so it was not "
+            "published (the checkpoint there is still the previous one). Call wait() on its handle "
+            "(every rank) before the process ends.",
+            RuntimeWarning,
+            stacklevel=1,
+        )
         # Let the writer thread finish its (staged, unpublished) files: a daemon thread still inside
         # torch or file I/O while the interpreter tears down aborts the process.
         handle.finish_writing()
@@ -235,9 +255,19 @@ def _warn_unpublished() -> None:
 class _SaveJob:
     """One save in progress: the write phase (any thread) and the commit (collective)."""
 
-    def __init__(self, directory: CheckpointDir, shards: list[LocalShard], known: dict, objects: dict | None,
-                 rank_object, rank: int, world: int, generation: int, previous: Manifest | None,
-                 lock: SaveLock | None):
+    def __init__(
+        self,
+        directory: CheckpointDir,
+        shards: list[LocalShard],
+        known: dict,
+        objects: dict | None,
+        rank_object,
+        rank: int,
+        world: int,
+        generation: int,
+        previous: Manifest | None,
+        lock: SaveLock | None,
+    ):
         self.directory, self.shards, self.known, self.objects = directory, shards, known, objects
         self.rank_object = rank_object
         self.rank, self.world, self.generation, self.previous = rank, world, generation, previous
@@ -287,8 +317,10 @@ class _SaveJob:
             if self.rank == 0:  # every rank has stopped writing: free the disk
                 self.directory.discard(self.generation)
             rank, reason = failure
-            raise CheckpointError(f"writing {self.staging} failed on rank {rank}: {reason}; nothing was "
-                                  "published, the previous checkpoint is intact") from self.error
+            raise CheckpointError(
+                f"writing {self.staging} failed on rank {rank}: {reason}; nothing was "
+                "published, the previous checkpoint is intact"
+            ) from self.error
         publish_error = None
         if self.rank == 0:
             try:
@@ -298,8 +330,10 @@ class _SaveJob:
                 self.directory.discard(self.generation)
         failure = _dist.first_failure(publish_error)
         if failure is not None:
-            raise CheckpointError(f"publishing {self.path} failed on rank 0: {failure[1]}; nothing was "
-                                  "published, the previous checkpoint is intact") from publish_error
+            raise CheckpointError(
+                f"publishing {self.path} failed on rank 0: {failure[1]}; nothing was "
+                "published, the previous checkpoint is intact"
+            ) from publish_error
 
     def _publish(self) -> None:
         """Rank 0. Raises only before the commit point (so a failure means nothing was published)."""
@@ -353,8 +387,15 @@ class AsyncSave:
             job.commit()
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, *, rank_extra: Any = None, async_save: bool = False) -> AsyncSave | None:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    *,
+    rank_extra: Any = None,
+    async_save: bool = False,
+) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``, ``extra``) to the checkpoint directory ``path``.
 
     Collective: when torch.distributed is initialized every rank must call it.
@@ -377,7 +418,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise CheckpointError(
             f"an async save to {path} is still pending: call wait() on its handle (every rank) before "
             "saving there again; fsdp2.checkpoint.pending_save(path) returns the handle if it was dropped. "
-            "Nothing was changed")
+            "Nothing was changed"
+        )
     # As load's: the save's objects die by refcount; a full collection on one rank would stall the
     # others at the commit. Not over an async save's background write: that runs beside training.
     with gc_pause.paused():
@@ -412,8 +454,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return None
 
 
-def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None,
-             rank_extra: Any) -> _SaveJob:
+def _prepare(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None, rank_extra: Any
+) -> _SaveJob:
     """Step 1 of the commit protocol (collective): what to write, the generation, the staging dir."""
     rank, world = _dist.rank_and_world()
     directory = CheckpointDir(path)
@@ -425,8 +468,10 @@ def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | Non
         reshard_model(model)
         meta = first_meta_tensor(model)
         if meta is not None:
-            raise CheckpointError(f"cannot save: {meta} is on the meta device and has no values; "
-                                  "materialize the model (to_empty + initialization or a load) first")
+            raise CheckpointError(
+                f"cannot save: {meta} is on the meta device and has no values; "
+                "materialize the model (to_empty + initialization or a load) first"
+            )
         flat = flatten(model, optimizer, extra, rank_extra, rank)
         shards, known = plan_local_shards(flat.tensors, rank)
         own_shards, own_known = plan_rank_tensors(flat.rank_tensors)
@@ -441,8 +486,10 @@ def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | Non
             locked = True
             now = directory.manifest()
             if (now.generation if now is not None else 0) != generation - 1:
-                raise CheckpointError(f"{path} changed while this save was being prepared (another job saved "
-                                      "into it); save again, or into a directory of this job's own")
+                raise CheckpointError(
+                    f"{path} changed while this save was being prepared (another job saved "
+                    "into it); save again, or into a directory of this job's own"
+                )
             directory.begin(generation)
     except BaseException as e:
         prepare_error = e
@@ -455,7 +502,9 @@ def _prepare(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | Non
         if isinstance(prepare_error, CheckpointError) and failed_rank == rank:
             raise prepare_error
         where = "" if failed_rank == rank else f" (failed on rank {failed_rank})"
-        raise CheckpointError(f"could not prepare {path} for saving{where}: {reason}; nothing was "
-                              "changed") from prepare_error
-    return _SaveJob(directory, shards, known, objects, rank_object, rank, world, generation, previous,
-                    lock if locked else None)
+        raise CheckpointError(
+            f"could not prepare {path} for saving{where}: {reason}; nothing was changed"
+        ) from prepare_error
+    return _SaveJob(
+        directory, shards, known, objects, rank_object, rank, world, generation, previous, lock if locked else None
+    )

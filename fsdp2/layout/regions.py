@@ -67,8 +67,9 @@ class Region:
         return tuple(slice(o - oo, o - oo + n) for o, n, oo in zip(self.offsets, self.shape, outer.offsets))
 
 
-def shard_region(global_shape: Sequence[int], mesh_shape: Sequence[int],
-                 coordinate: Sequence[int], placements: Sequence) -> Region:
+def shard_region(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence
+) -> Region:
     """The global box of the local shard at mesh ``coordinate``, DTensor's sharding rule.
 
     Each ``Shard(d)`` mesh dim splits the current extent of tensor dim ``d`` with
@@ -101,19 +102,22 @@ def _split_order(placements: Sequence, mesh_shape: Sequence[int], ndim: int) -> 
         if isinstance(placement, compat.StridedShard):
             d = placement.dim % ndim
             later = [
-                m for m in range(mesh_dim + 1, len(placements))
+                m
+                for m in range(mesh_dim + 1, len(placements))
                 if type(placements[m]) is Shard and placements[m].dim % ndim == d
             ]
             if math.prod(mesh_shape[m] for m in later) != placement.split_factor:
                 raise LayoutError(
                     f"placement {placement!r}: its split factor does not match the later Shard dims on the "
-                    "same tensor dim; redistribute the tensor first")
+                    "same tensor dim; redistribute the tensor first"
+                )
             deferred.append(mesh_dim)
             continue
         if type(placement) is not Shard:
             raise LayoutError(
                 f"placement {placement!r} is not supported (only Shard(d), Replicate() and fully_shard's "
-                "_StridedShard); redistribute the tensor first")
+                "_StridedShard); redistribute the tensor first"
+            )
         order.append(mesh_dim)
     return order + deferred
 
@@ -130,8 +134,10 @@ def local_region(value: torch.Tensor) -> Region | None:
     region = shard_region(tuple(value.shape), tuple(mesh.shape), coord, value.placements)
     local_shape = tuple(compat.local_tensor(value).shape)
     if local_shape != region.shape:
-        raise LayoutError(f"local shard shape {list(local_shape)} of a DTensor with placements {value.placements} "
-                          f"does not match the box its placements give ({list(region.shape)})")
+        raise LayoutError(
+            f"local shard shape {list(local_shape)} of a DTensor with placements {value.placements} "
+            f"does not match the box its placements give ({list(region.shape)})"
+        )
     return region
 
 

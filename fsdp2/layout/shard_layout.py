@@ -47,7 +47,9 @@ class ShardLayout:
     full_numel: int = field(init=False, repr=False, compare=False)
     full_strides: tuple[int, ...] = field(init=False, repr=False, compare=False)  # contiguous strides of full_shape
     is_even: bool = field(init=False, repr=False, compare=False)
-    ranks_with_rows: int = field(init=False, repr=False, compare=False)  # the first ranks hold real rows, the rest only padding
+    ranks_with_rows: int = field(
+        init=False, repr=False, compare=False
+    )  # the first ranks hold real rows, the rest only padding
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)  # frozen

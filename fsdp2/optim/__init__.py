@@ -13,6 +13,12 @@ from fsdp2.optim.muon import Muon, muon_param_groups
 from fsdp2.optim.whole_matrix import WholeMatrixSchedule, gather_apply
 
 __all__ = [
-    "LocalShardStep", "Muon", "WholeMatrixSchedule", "gather_apply", "muon_param_groups", "set_local_shard_steps",
-    "step_on_dtensors", "step_on_local_shards",
+    "LocalShardStep",
+    "Muon",
+    "WholeMatrixSchedule",
+    "gather_apply",
+    "muon_param_groups",
+    "set_local_shard_steps",
+    "step_on_dtensors",
+    "step_on_local_shards",
 ]

@@ -47,8 +47,16 @@ from fsdp2.runtime.sharded_param import managed_by
 
 # Every one updates each element from that element's parameter, gradient and state alone.
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adadelta,
-    torch.optim.Adagrad, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.Adagrad,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
     torch.optim.Rprop,
 )
 
@@ -226,8 +234,20 @@ class _Presentation:
     the presented value), what :meth:`still_fits` and :meth:`fold_back_unchanged` compare by identity.
     """
 
-    __slots__ = ("params", "dtensors", "group_aliases", "held_state", "state_items", "entry_dicts",
-                 "entry_lens", "local_state", "local_dicts", "local_lens", "entries", "grad_specs")
+    __slots__ = (
+        "params",
+        "dtensors",
+        "group_aliases",
+        "held_state",
+        "state_items",
+        "entry_dicts",
+        "entry_lens",
+        "local_state",
+        "local_dicts",
+        "local_lens",
+        "entries",
+        "grad_specs",
+    )
 
     @classmethod
     def build(cls, opt: torch.optim.Optimizer, previous: "_Presentation | None") -> "_Presentation":
@@ -301,8 +321,10 @@ class _Presentation:
             return False
         try:
             for entries, translated, key, value, shown in self.entries:
-                if entries[key] is not value or translated[key] is not shown or (
-                    shown is not value and local_of(value) is not shown
+                if (
+                    entries[key] is not value
+                    or translated[key] is not shown
+                    or (shown is not value and local_of(value) is not shown)
                 ):
                     return False
         except KeyError:
@@ -351,8 +373,10 @@ class _Presentation:
 
 
 def _grad_matches(param: DTensor, grad) -> bool:
-    return isinstance(grad, DTensor) and grad.placements == param.placements and (
-        grad.device_mesh is param.device_mesh or grad.device_mesh == param.device_mesh
+    return (
+        isinstance(grad, DTensor)
+        and grad.placements == param.placements
+        and (grad.device_mesh is param.device_mesh or grad.device_mesh == param.device_mesh)
     )
 
 
@@ -385,7 +409,12 @@ def _step(optimizer: torch.optim.Optimizer, *args, **kwargs):
 
 
 def _is_shard_shaped(value, alias: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == alias.shape and value.device == alias.device
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.shape == alias.shape
+        and value.device == alias.device
+    )
 
 
 def _like(local: torch.Tensor, template: DTensor) -> DTensor:

@@ -233,9 +233,20 @@ class Muon(Optimizer):
             return
         beta1, beta2 = group["betas"]
         adamw(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            has_complex=has_complex, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            has_complex=has_complex,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
 
@@ -260,7 +271,9 @@ def _check_muon_group(group: dict, index: int) -> None:
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"{where}: weight decay should be >= 0 but is: {group['weight_decay']}")
     if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
-        raise ValueError(f"{where}: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported; use one of {_ADJUST_LR_FNS}")
+        raise ValueError(
+            f"{where}: adjust_lr_fn {group['adjust_lr_fn']!r} is not supported; use one of {_ADJUST_LR_FNS}"
+        )
     if not 0 < group["ns_steps"] < 100:
         raise ValueError(f"{where}: ns_steps must be between 1 and 99, got {group['ns_steps']}")
     if len(group["ns_coefficients"]) != 3:

@@ -17,7 +17,9 @@ DEFAULT_STEPS = 5
 DTYPE = torch.bfloat16  # the iteration runs in bfloat16, whatever the input's dtype
 
 
-def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+def newton_schulz(
+    matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
     """The orthogonalized ``matrix`` (2-D), in bfloat16; ``matrix`` itself is not modified."""
     a, b, c = coefficients
     x = matrix.to(DTYPE, copy=True)

@@ -162,8 +162,10 @@ class GroupExchange:
         self.size, self.rank = first.layout.world, first.layout.rank
         self.indices, self.shardings, self.owners = indices, shardings, owners
         self.owned = [k for k, owner in enumerate(owners) if owner == self.rank]
-        mine = [[(k, s.piece_numel(self.rank)) for k, s in enumerate(shardings) if owners[k] == dest]
-                for dest in range(self.size)]
+        mine = [
+            [(k, s.piece_numel(self.rank)) for k, s in enumerate(shardings) if owners[k] == dest]
+            for dest in range(self.size)
+        ]
         theirs = [[((src, k), shardings[k].piece_numel(src)) for k in self.owned] for src in range(self.size)]
         self.to_owners, self.at_owner = BufferLayout.build(mine, False), BufferLayout.build(theirs, False)
         self.from_owner, self.back_home = BufferLayout.build(theirs, True), BufferLayout.build(mine, True)
@@ -180,12 +182,15 @@ class GroupExchange:
         try:
             for k in self.owned:
                 sharding = self.shardings[k]
-                parts = [_slot(recv, self.at_owner.offsets[(src, k)], sharding.piece_shape(src)) for src in range(self.size)]
+                parts = [
+                    _slot(recv, self.at_owner.offsets[(src, k)], sharding.piece_shape(src)) for src in range(self.size)
+                ]
                 whole = torch.cat(parts, dim=sharding.layout.dim)
                 whole = _checked(fn(self.indices[k], whole), whole.shape, self.indices[k])
                 for src in range(self.size):
                     _slot(results, self.from_owner.offsets[(src, k)], sharding.piece_shape(src)).copy_(
-                        sharding.piece_of(whole, src))
+                        sharding.piece_of(whole, src)
+                    )
             failure = None
         except Exception as error:  # noqa: BLE001 - re-raised below, after the others are told
             failure = error
@@ -234,8 +239,9 @@ class WholeMatrixSchedule:
     tensor's index).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], costs: Sequence[float] | None = None,
-                 names: Sequence[str] | None = None):
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], costs: Sequence[float] | None = None, names: Sequence[str] | None = None
+    ):
         names = names or [f"tensor {i}" for i in range(len(tensors))]
         self.shardings = [Sharding.of(t, name) for t, name in zip(tensors, names)]
         self.costs = list(costs) if costs is not None else [default_cost(t.shape) for t in tensors]
@@ -265,7 +271,9 @@ class WholeMatrixSchedule:
         """Bytes this rank sends per ``apply`` (both all-to-alls), for an exchange dtype of ``element_size``."""
         return sum(exchange.bytes_sent(element_size) for exchange in self.exchanges)
 
-    def apply(self, pieces: Sequence[torch.Tensor], fn: Transform, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def apply(
+        self, pieces: Sequence[torch.Tensor], fn: Transform, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
         """This rank's piece of ``fn(i, whole_i)`` for every tensor ``i``, given this rank's piece of each.
 
         ``pieces[i]`` is this rank's local tensor (a DTensor's ``to_local()``, or the whole tensor
@@ -289,8 +297,13 @@ class WholeMatrixSchedule:
         return out
 
 
-def gather_apply(fn: Transform, tensors: Sequence[torch.Tensor], *, costs: Sequence[float] | None = None,
-                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def gather_apply(
+    fn: Transform,
+    tensors: Sequence[torch.Tensor],
+    *,
+    costs: Sequence[float] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
     """``[fn(i, full(t_i)) for i, t_i in enumerate(tensors)]``, each computed once, on its owner rank.
 
     ``tensors`` are DTensors (FSDP or HSDP shards) or plain tensors, the same list on every rank
@@ -304,6 +317,7 @@ def gather_apply(fn: Transform, tensors: Sequence[torch.Tensor], *, costs: Seque
     results = schedule.apply(pieces, fn, dtype)
     return [
         DTensor.from_local(r, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-        if isinstance(t, DTensor) else r
+        if isinstance(t, DTensor)
+        else r
         for t, r in zip(tensors, results)
     ]

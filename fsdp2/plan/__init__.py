@@ -51,6 +51,16 @@ from fsdp2.plan.results import Plan, Precision, StrategyResult, Workload
 from fsdp2.plan.strategies import Kind, Strategy
 
 __all__ = [
-    "Cluster", "Kind", "ModelSource", "PRESETS", "Plan", "PlanInputError", "Precision", "Strategy",
-    "StrategyResult", "Workload", "model_source", "plan",
+    "Cluster",
+    "Kind",
+    "ModelSource",
+    "PRESETS",
+    "Plan",
+    "PlanInputError",
+    "Precision",
+    "Strategy",
+    "StrategyResult",
+    "Workload",
+    "model_source",
+    "plan",
 ]

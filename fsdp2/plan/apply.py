@@ -32,7 +32,9 @@ def device_mesh(strategy: Strategy, device_type: str) -> DeviceMesh:
     if strategy.kind is Kind.DDP:
         dims = [("replicate", strategy.replicate)]
     kept = [(name, size) for name, size in dims if size > 1] or [("shard", 1)]
-    return init_device_mesh(device_type, tuple(size for _, size in kept), mesh_dim_names=tuple(name for name, _ in kept))
+    return init_device_mesh(
+        device_type, tuple(size for _, size in kept), mesh_dim_names=tuple(name for name, _ in kept)
+    )
 
 
 def _data_parallel_mesh(strategy: Strategy, mesh: DeviceMesh) -> DeviceMesh:
@@ -40,8 +42,15 @@ def _data_parallel_mesh(strategy: Strategy, mesh: DeviceMesh) -> DeviceMesh:
     return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
-def apply(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, *, source: ModelSource,
-          mp_policy: MixedPrecisionPolicy | None = None, all_gather_policy: AllGatherPolicy | None = None) -> nn.Module:
+def apply(
+    model: nn.Module,
+    strategy: Strategy,
+    mesh: DeviceMesh,
+    *,
+    source: ModelSource,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    all_gather_policy: AllGatherPolicy | None = None,
+) -> nn.Module:
     """Shard ``model`` (built by ``source``) as ``strategy`` says; returns the model to train.
     ``all_gather_policy``: set on every group (a low-precision all-gather)."""
     if strategy.kind is Kind.DDP:
@@ -59,14 +68,24 @@ def apply(model: nn.Module, strategy: Strategy, mesh: DeviceMesh, *, source: Mod
 
             parallelize_module(block, mesh["tp"], plan)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.reshard_after_forward)
-    sharded = fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.reshard_after_forward)
+    sharded = fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.reshard_after_forward
+    )
     if all_gather_policy is not None:
         sharded.set_all_gather_policy(all_gather_policy)
     return sharded
 
 
-def measure_peak(strategy: Strategy, source: ModelSource, *, seq_len: int, micro_batch: int, precision,
-                 activation_checkpointing: bool = False, device: str = "cpu") -> int:
+def measure_peak(
+    strategy: Strategy,
+    source: ModelSource,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    precision,
+    activation_checkpointing: bool = False,
+    device: str = "cpu",
+) -> int:
     """Bytes one rank holds at the peak of a training step of ``strategy``: what the planner's
     ``memory.peak`` predicts. Collective over the current process group (``strategy.gpus`` ranks;
     a fake one simulates rank 0).
@@ -86,8 +105,14 @@ def measure_peak(strategy: Strategy, source: ModelSource, *, seq_len: int, micro
         checkpoint_blocks(model, source.is_block)
     mesh = device_mesh(strategy, torch.device(device).type)
     with PeakMemory(device) as construction:
-        trained = apply(model, strategy, mesh, source=source, mp_policy=precision.policy(),
-                        all_gather_policy=precision.all_gather_policy())
+        trained = apply(
+            model,
+            strategy,
+            mesh,
+            source=source,
+            mp_policy=precision.policy(),
+            all_gather_policy=precision.all_gather_policy(),
+        )
     buckets = construction.net_bytes if strategy.kind is Kind.DDP else 0
     warmup = 2 if strategy.kind is Kind.DDP else 1
     if strategy.kind is Kind.DDP and dist.get_backend() == "fake":
@@ -114,8 +139,9 @@ def _bucket_back(state, bucket):
     return future
 
 
-def count_bytes(strategy: Strategy, source: ModelSource, *, seq_len: int, micro_batch: int, precision,
-                device: str = "cpu") -> dict[str, int]:
+def count_bytes(
+    strategy: Strategy, source: ModelSource, *, seq_len: int, micro_batch: int, precision, device: str = "cpu"
+) -> dict[str, int]:
     """Bytes one rank hands to collectives in one forward + backward of ``strategy``: fsdp2's as
     ``count_comm`` counts them (``all_gather``, ``reduce_scatter``, ``all_reduce``), DTensor's
     tensor-parallel all-reduces (``tensor_parallel``) and torch DDP's bucket all-reduces
@@ -127,10 +153,17 @@ def count_bytes(strategy: Strategy, source: ModelSource, *, seq_len: int, micro_
     torch.manual_seed(0)
     with torch.device(device):
         model = source.build(seq_len)
-    trained = apply(model, strategy, device_mesh(strategy, torch.device(device).type), source=source,
-                    mp_policy=precision.policy(), all_gather_policy=precision.all_gather_policy())
+    trained = apply(
+        model,
+        strategy,
+        device_mesh(strategy, torch.device(device).type),
+        source=source,
+        mp_policy=precision.policy(),
+        all_gather_policy=precision.all_gather_policy(),
+    )
     ddp = [0]
     if strategy.kind is Kind.DDP:
+
         def count_bucket(state, bucket):
             ddp[0] += bucket.buffer().numel() * bucket.buffer().element_size()
             return default_hooks.allreduce_hook(state, bucket)
@@ -153,4 +186,3 @@ class _FunctionalAllReduceBytes(TorchDispatchMode):
         if func is compat.functional_all_reduce():
             self.bytes += args[0].numel() * args[0].element_size()
         return func(*args, **(kwargs or {}))
-

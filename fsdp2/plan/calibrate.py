@@ -47,8 +47,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibrate(source: ModelSource, *, seq_len: int, micro_batch: int, precision: Precision = Precision(),
-              device: str = "cuda", layers: int | None = 2, steps: int = 1, activation_checkpointing: bool = False) -> Calibration:
+def calibrate(
+    source: ModelSource,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    precision: Precision = Precision(),
+    device: str = "cuda",
+    layers: int | None = 2,
+    steps: int = 1,
+    activation_checkpointing: bool = False,
+) -> Calibration:
     from fsdp2.plan.model_source import checkpoint_blocks
 
     device_t = torch.device(device)
@@ -64,8 +73,13 @@ def calibrate(source: ModelSource, *, seq_len: int, micro_batch: int, precision:
         meta = proxy.meta_model(seq_len)
         if activation_checkpointing:
             checkpoint_blocks(meta, proxy.is_block)
-        trace = trace_step(meta, groups=proxy.is_block, mp_policy=precision.policy(),
-                           sample_input=proxy.inputs(micro_batch, seq_len), loss_fn=proxy.loss)
+        trace = trace_step(
+            meta,
+            groups=proxy.is_block,
+            mp_policy=precision.policy(),
+            sample_input=proxy.inputs(micro_batch, seq_len),
+            loss_fn=proxy.loss,
+        )
         est = estimate_memory(meta, 1, groups=proxy.is_block, mp_policy=precision.policy())
         with torch.device(device_t):
             torch.manual_seed(0)

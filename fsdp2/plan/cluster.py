@@ -78,7 +78,9 @@ class Cluster:
     def describe(self) -> str:
         num = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.3g}"  # noqa: E731
         nodes = max(1, self.gpus // self.gpus_per_node)
-        rate = f"{num(self.tflops)} TFLOP/s achievable per GPU" + (f" ({self.calibrated})" if self.calibrated else " (assumed: 40% of peak)")
+        rate = f"{num(self.tflops)} TFLOP/s achievable per GPU" + (
+            f" ({self.calibrated})" if self.calibrated else " (assumed: 40% of peak)"
+        )
         return (
             f"{self.gpus} GPUs = {nodes} node(s) x {self.node_size}; {self.gpu_memory_gib:.1f} GiB each, "
             f"{self.usable_fraction:.0%} usable; {rate}; NVLink {self.intra_node_gbps:.0f} GB/s, "

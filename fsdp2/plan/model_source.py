@@ -47,9 +47,15 @@ class PlanInputError(ValueError):
 PRESETS: dict[str, GPTConfig | LlamaConfig] = {
     "gpt-small": GPTConfig(vocab_size=2048, seq_len=128, dim=256, n_layers=4, n_heads=4),
     "gpt-1b": GPTConfig(vocab_size=32000, seq_len=2048, dim=2048, n_layers=18, n_heads=16),
-    "llama3-8b": LlamaConfig(vocab_size=128256, seq_len=8192, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336),
-    "llama3-70b": LlamaConfig(vocab_size=128256, seq_len=8192, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672),
-    "llama3-405b": LlamaConfig(vocab_size=128256, seq_len=8192, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248),
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256, seq_len=8192, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336
+    ),
+    "llama3-70b": LlamaConfig(
+        vocab_size=128256, seq_len=8192, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672
+    ),
+    "llama3-405b": LlamaConfig(
+        vocab_size=128256, seq_len=8192, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, hidden_dim=53248
+    ),
 }
 
 
@@ -75,7 +81,9 @@ class ModelSource:
         out = model(tokens)
         return out if out.numel() == 1 else out.float().sum()
 
-    def inputs(self, batch: int, seq_len: int, device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(
+        self, batch: int, seq_len: int, device: torch.device | str = "meta"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, self.vocab_size, (batch, seq_len + 1), device=device)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -110,7 +118,9 @@ def _split_dim(style: Any) -> int:
         return 0
     if isinstance(style, RowwiseParallel):
         return 1
-    raise PlanInputError(f"tp_plan: only ColwiseParallel and RowwiseParallel on nn.Linear are planned, got {type(style).__name__}")
+    raise PlanInputError(
+        f"tp_plan: only ColwiseParallel and RowwiseParallel on nn.Linear are planned, got {type(style).__name__}"
+    )
 
 
 def tensor_parallel_local(model: nn.Module, is_block: Callable[[nn.Module], bool], plan: dict, tp: int) -> nn.Module:
@@ -147,7 +157,9 @@ class TensorParallelTraffic:
     backward_calls: int = 0
 
 
-def tensor_parallel_traffic(model: nn.Module, is_block: Callable[[nn.Module], bool], plan: dict) -> TensorParallelTraffic:
+def tensor_parallel_traffic(
+    model: nn.Module, is_block: Callable[[nn.Module], bool], plan: dict
+) -> TensorParallelTraffic:
     """DTensor's Megatron layout: a RowwiseParallel output is a partial sum, all-reduced in forward;
     a ColwiseParallel input is replicated, so its gradient is all-reduced in backward, once per
     column-split Linear (q, k and v each reduce their own)."""
@@ -168,8 +180,10 @@ def tensor_parallel_traffic(model: nn.Module, is_block: Callable[[nn.Module], bo
 def from_config(cfg: GPTConfig | LlamaConfig, name: str | None = None, notes: list[str] | None = None) -> ModelSource:
     if isinstance(cfg, LlamaConfig):
         model, block, tp_plan = Llama, llama_module.Block, tensor_parallel_plan
-        note = ("TP splits the blocks (fsdp2.models.tensor_parallel_plan, no sequence parallelism): the embedding, "
-                "output projection and residual stream are whole on every TP rank")
+        note = (
+            "TP splits the blocks (fsdp2.models.tensor_parallel_plan, no sequence parallelism): the embedding, "
+            "output projection and residual stream are whole on every TP rank"
+        )
     elif isinstance(cfg, GPTConfig):
         model, block, tp_plan = GPT, gpt_module.Block, None
         note = "fsdp2's GPT fuses q/k/v with a fixed head count: no tensor-parallel plan"
@@ -214,8 +228,9 @@ def _read_json(path: str) -> Any:
     except (OSError, ValueError) as e:  # ValueError: not JSON, or a number of more than 4300 digits
         raise PlanInputError(f"cannot read Hugging Face config {path}: {e}") from None
     except RecursionError:
-        raise PlanInputError(f"cannot read Hugging Face config {path}: nested too deeply to be a model "
-                             "config") from None
+        raise PlanInputError(
+            f"cannot read Hugging Face config {path}: nested too deeply to be a model config"
+        ) from None
 
 
 def _size(hf: dict, key: str, path: str, default: Any = None, limit: int = _MAX_SIZE) -> int:
@@ -255,15 +270,22 @@ def from_hf_config(path: str) -> ModelSource:
             kv_heads = _size(hf, "num_key_value_heads", path, default=heads)
             _divides(kv_heads, "num_key_value_heads", heads, "num_attention_heads", path)
             if hf.get("head_dim") not in (None, dim // heads):
-                raise PlanInputError(f"{path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; not supported")
+                raise PlanInputError(
+                    f"{path}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads; not supported"
+                )
             cfg = LlamaConfig(
                 vocab_size=_size(hf, "vocab_size", path),
-                seq_len=_size(hf, "max_position_embeddings", path, 2048, 1 << 31), dim=dim,
-                n_layers=_size(hf, "num_hidden_layers", path, limit=_MAX_LAYERS), n_heads=heads,
-                n_kv_heads=kv_heads, hidden_dim=_size(hf, "intermediate_size", path),
+                seq_len=_size(hf, "max_position_embeddings", path, 2048, 1 << 31),
+                dim=dim,
+                n_layers=_size(hf, "num_hidden_layers", path, limit=_MAX_LAYERS),
+                n_heads=heads,
+                n_kv_heads=kv_heads,
+                hidden_dim=_size(hf, "intermediate_size", path),
                 tie_weights=bool(hf.get("tie_word_embeddings", False)),
             )
-            return from_config(cfg, name, [f"{path}: model_type {kind!r} built as fsdp2's Llama (RMSNorm, rotary, SwiGLU, GQA)"])
+            return from_config(
+                cfg, name, [f"{path}: model_type {kind!r} built as fsdp2's Llama (RMSNorm, rotary, SwiGLU, GQA)"]
+            )
         if kind in _GPT_TYPES:
             if kind == "gpt2":
                 dim, heads = _size(hf, "n_embd", path), _size(hf, "n_head", path)
@@ -280,17 +302,31 @@ def from_hf_config(path: str) -> ModelSource:
                 tie = bool(hf.get("tie_word_embeddings", False))
                 positions = _size(hf, "max_position_embeddings", path, 2048, 1 << 31)
             if inner % dim:
-                raise PlanInputError(f"{path}: MLP width {inner} is not a multiple of the model width {dim}; not supported")
-            cfg = GPTConfig(vocab_size=_size(hf, "vocab_size", path), seq_len=positions, dim=dim, n_layers=layers,
-                            n_heads=heads, mlp_ratio=inner // dim, tie_weights=tie)
-            return from_config(cfg, name, [
-                f"{path}: model_type {kind!r} built as fsdp2's GPT (learned positions, LayerNorm, GELU MLP; "
-                "q/k/v biases and rotary embeddings not modelled: < 0.1% of the parameters)"
-            ])
+                raise PlanInputError(
+                    f"{path}: MLP width {inner} is not a multiple of the model width {dim}; not supported"
+                )
+            cfg = GPTConfig(
+                vocab_size=_size(hf, "vocab_size", path),
+                seq_len=positions,
+                dim=dim,
+                n_layers=layers,
+                n_heads=heads,
+                mlp_ratio=inner // dim,
+                tie_weights=tie,
+            )
+            return from_config(
+                cfg,
+                name,
+                [
+                    f"{path}: model_type {kind!r} built as fsdp2's GPT (learned positions, LayerNorm, GELU MLP; "
+                    "q/k/v biases and rotary embeddings not modelled: < 0.1% of the parameters)"
+                ],
+            )
     except KeyError as e:
         raise PlanInputError(f"{path}: missing field {e.args[0]!r} for model_type {kind!r}") from e
     raise PlanInputError(
-        f"{path}: model_type {kind!r} is not supported; the planner reads {', '.join(_LLAMA_TYPES + _GPT_TYPES)} configs. "
+        f"{path}: model_type {kind!r} is not supported; "
+        f"the planner reads {', '.join(_LLAMA_TYPES + _GPT_TYPES)} configs. "
         "For another architecture pass an importable factory, e.g. --model mypkg.models:build"
     )
 
@@ -313,15 +349,31 @@ def from_factory(spec: str, *, block: str | None = None, tp_plan: Callable[[], d
     return from_module_factory(lambda seq_len: factory(), probe, spec, block=block, tp_plan=tp_plan)
 
 
-def from_module_factory(build: Callable[[int], nn.Module], probe: nn.Module, name: str, *, block: str | None = None,
-                        tp_plan: Callable[[], dict] | None = None) -> ModelSource:
+def from_module_factory(
+    build: Callable[[int], nn.Module],
+    probe: nn.Module,
+    name: str,
+    *,
+    block: str | None = None,
+    tp_plan: Callable[[], dict] | None = None,
+) -> ModelSource:
     is_block = _block_predicate(probe, block, name)
     embeddings = [m for m in probe.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
-        raise PlanInputError(f"{name}: no nn.Embedding found; the planner feeds token ids and needs the vocabulary size")
-    return ModelSource(name=name, build=build, is_block=is_block, vocab_size=embeddings[0].num_embeddings, tp_plan=tp_plan,
-                       notes=[f"{name}: blocks = {block or 'modules of the classes in its largest nn.ModuleList'}; "
-                              "sequence length fixed by the factory's model"])
+        raise PlanInputError(
+            f"{name}: no nn.Embedding found; the planner feeds token ids and needs the vocabulary size"
+        )
+    return ModelSource(
+        name=name,
+        build=build,
+        is_block=is_block,
+        vocab_size=embeddings[0].num_embeddings,
+        tp_plan=tp_plan,
+        notes=[
+            f"{name}: blocks = {block or 'modules of the classes in its largest nn.ModuleList'}; "
+            "sequence length fixed by the factory's model"
+        ],
+    )
 
 
 def _block_predicate(model: nn.Module, block: str | None, name: str) -> Callable[[nn.Module], bool]:
@@ -346,7 +398,9 @@ def model_source(model: Any, *, block: str | None = None, tp_plan: Callable[[], 
     if isinstance(model, nn.Module):
         if any(not p.is_meta for p in model.parameters()):
             raise PlanInputError("plan(model=nn.Module): build it on the meta device (with torch.device('meta'))")
-        return from_module_factory(lambda seq_len: copy.deepcopy(model), model, type(model).__name__, block=block, tp_plan=tp_plan)
+        return from_module_factory(
+            lambda seq_len: copy.deepcopy(model), model, type(model).__name__, block=block, tp_plan=tp_plan
+        )
     if isinstance(model, str):
         if model in PRESETS:
             return from_config(PRESETS[model], model)
@@ -359,7 +413,10 @@ def model_source(model: Any, *, block: str | None = None, tp_plan: Callable[[], 
             f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}), a Hugging Face config.json, "
             "or a factory 'package.module:callable'"
         )
-    raise PlanInputError(f"model must be a preset name, config.json path, factory, GPTConfig/LlamaConfig or meta nn.Module; got {type(model).__name__}")
+    raise PlanInputError(
+        "model must be a preset name, config.json path, factory, GPTConfig/LlamaConfig or meta nn.Module; "
+        f"got {type(model).__name__}"
+    )
 
 
 # -- activation checkpointing ---------------------------------------------------------------------
@@ -380,4 +437,3 @@ def checkpoint_blocks(model: nn.Module, is_block: Callable[[nn.Module], bool]) -
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-

@@ -6,7 +6,6 @@ See fsdp2/plan/__init__.py for the model behind the numbers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,19 +55,26 @@ class _Variant:
 RECORDED_BLOCKS = 4
 
 
-def _record(source: ModelSource, model: nn.Module, tp: int, workload: Workload,
-            kernel_scratch: str | torch.device | None) -> StepTrace:
+def _record(
+    source: ModelSource, model: nn.Module, tp: int, workload: Workload, kernel_scratch: str | torch.device | None
+) -> StepTrace:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(model, source.is_block, plan, tp)
     if workload.activation_checkpointing:
         checkpoint_blocks(local, source.is_block)
-    return trace_step(local, groups=source.is_block, mp_policy=workload.precision.policy(),
-                      sample_input=source.inputs(workload.micro_batch, workload.seq_len), loss_fn=source.loss,
-                      kernel_scratch=kernel_scratch)
+    return trace_step(
+        local,
+        groups=source.is_block,
+        mp_policy=workload.precision.policy(),
+        sample_input=source.inputs(workload.micro_batch, workload.seq_len),
+        loss_fn=source.loss,
+        kernel_scratch=kernel_scratch,
+    )
 
 
-def _variant(source: ModelSource, base: nn.Module, tp: int, workload: Workload,
-             kernel_scratch: str | torch.device | None) -> _Variant:
+def _variant(
+    source: ModelSource, base: nn.Module, tp: int, workload: Workload, kernel_scratch: str | torch.device | None
+) -> _Variant:
     plan = source.tp_plan() if tp > 1 else {}
     local = tensor_parallel_local(base, source.is_block, plan, tp)
     blocks = sum(1 for m in local.modules() if source.is_block(m))
@@ -91,13 +97,20 @@ def _estimate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
         return _ddp_estimate(variant, source, policy, optimizer)
     mesh: Any = (strategy.replicate, strategy.shard) if strategy.replicate > 1 else strategy.shard
     return estimate_memory(
-        variant.model, mesh, groups=source.is_block, mp_policy=policy,
-        reshard_after_forward=strategy.reshard_after_forward, optimizer=optimizer, step_trace=variant.trace,
+        variant.model,
+        mesh,
+        groups=source.is_block,
+        mp_policy=policy,
+        reshard_after_forward=strategy.reshard_after_forward,
+        optimizer=optimizer,
+        step_trace=variant.trace,
         all_gather_policy=workload.precision.all_gather_policy(),
     )
 
 
-def _ddp_estimate(variant: _Variant, source: ModelSource, policy: MixedPrecisionPolicy, optimizer: str) -> MemoryEstimate:
+def _ddp_estimate(
+    variant: _Variant, source: ModelSource, policy: MixedPrecisionPolicy, optimizer: str
+) -> MemoryEstimate:
     """torch DDP as fsdp2 at one rank would hold it, except that nothing is gathered: parameters
     are used in place, and only a compute dtype other than theirs makes a copy of each (what
     autocast caches), alive from its forward until backward ends. DDP's gradient buckets are
@@ -112,7 +125,11 @@ def _ddp_estimate(variant: _Variant, source: ModelSource, policy: MixedPrecision
 def _matrix_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """2-D parameters other than embeddings (Muon orthogonalizes these; AdamW takes the rest)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return [tuple(p.shape) for p in {id(p): p for p in model.parameters()}.values() if p.dim() == 2 and id(p) not in embeddings]
+    return [
+        tuple(p.shape)
+        for p in {id(p): p for p in model.parameters()}.values()
+        if p.dim() == 2 and id(p) not in embeddings
+    ]
 
 
 class _Links:
@@ -123,7 +140,9 @@ class _Links:
         self.cluster = cluster
         self.wire: dict[str, float] = {}
 
-    def collective(self, link: str, nbytes: float, size: int, *, all_reduce: bool = False, times: int = 1) -> Collective | None:
+    def collective(
+        self, link: str, nbytes: float, size: int, *, all_reduce: bool = False, times: int = 1
+    ) -> Collective | None:
         """One collective of an ``nbytes`` buffer over ``size`` ranks, issued ``times`` per micro-step."""
         if size <= 1 or not nbytes:
             return None
@@ -139,19 +158,23 @@ def _group_collectives(est: MemoryEstimate, strategy: Strategy, links: _Links) -
     if strategy.kind is Kind.DDP:
         ddp_link = cluster.link(1, cluster.gpus)
         # at shard size 1 a group's reduce output is its whole gradient in the reduce dtype
-        return [GroupComm(all_reduce=links.collective(ddp_link, g.reduce_output_bytes, cluster.gpus, all_reduce=True))
-                for g in est.groups]
+        return [
+            GroupComm(all_reduce=links.collective(ddp_link, g.reduce_output_bytes, cluster.gpus, all_reduce=True))
+            for g in est.groups
+        ]
     s, r = strategy.shard, strategy.replicate
     shard_link, replicate_link = strategy.shard_link(cluster), strategy.replicate_link(cluster)
     groups = []
     for g in est.groups:
         free = g.frees_after_forward
-        groups.append(GroupComm(
-            gather=links.collective(shard_link, g.all_gather_bytes, s, times=2 if free else 1),
-            reduce=links.collective(shard_link, g.reduce_scatter_input_bytes, s),
-            all_reduce=links.collective(replicate_link, g.reduce_output_bytes if r > 1 else 0, r, all_reduce=True),
-            frees_after_forward=free,
-        ))
+        groups.append(
+            GroupComm(
+                gather=links.collective(shard_link, g.all_gather_bytes, s, times=2 if free else 1),
+                reduce=links.collective(shard_link, g.reduce_scatter_input_bytes, s),
+                all_reduce=links.collective(replicate_link, g.reduce_output_bytes if r > 1 else 0, r, all_reduce=True),
+                frees_after_forward=free,
+            )
+        )
     return groups
 
 
@@ -163,7 +186,9 @@ def _fsdp_bytes(est: MemoryEstimate, strategy: Strategy) -> dict[str, int]:
     return dict(est.comm_bytes_per_step)
 
 
-def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload, cluster: Cluster) -> StrategyResult:
+def _evaluate(
+    strategy: Strategy, variant: _Variant, source: ModelSource, workload: Workload, cluster: Cluster
+) -> StrategyResult:
     result = StrategyResult(strategy)
     accumulation = workload.accumulation(strategy)
     est = _estimate(strategy, variant, source, workload)
@@ -172,9 +197,14 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
 
     buckets = est.sharded_grads if ddp else 0  # DDP's flat gradient buckets, a second copy of the grads
     result.memory = MemoryPerRank(
-        params=est.sharded_params, grads=est.sharded_grads, optimizer=est.optimizer_state,
-        gathered_peak=0 if ddp else est.peak_gathered_params, activations=est.activations or 0,
-        peak=est.peak + buckets, peak_phase=est.peak_phase or "", extra=buckets,
+        params=est.sharded_params,
+        grads=est.sharded_grads,
+        optimizer=est.optimizer_state,
+        gathered_peak=0 if ddp else est.peak_gathered_params,
+        activations=est.activations or 0,
+        peak=est.peak + buckets,
+        peak_phase=est.peak_phase or "",
+        extra=buckets,
     )
     result.fits = result.memory.peak <= cluster.usable_bytes
 
@@ -186,8 +216,10 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     tokens = workload.micro_batch * workload.seq_len
     recomputes = 2 if workload.activation_checkpointing else 1
     traffic = variant.tensor_parallel
-    tp_bytes = (traffic.forward_elements * recomputes * tokens * precision.compute_bytes,
-                traffic.backward_elements * tokens * precision.compute_bytes)
+    tp_bytes = (
+        traffic.forward_elements * recomputes * tokens * precision.compute_bytes,
+        traffic.backward_elements * tokens * precision.compute_bytes,
+    )
     tp_calls = (traffic.forward_calls * recomputes, traffic.backward_calls)
     tp_seconds = [0.0, 0.0]
     for phase in (0, 1):
@@ -196,22 +228,31 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
             tp_seconds[phase] = op.seconds + (tp_calls[phase] - 1) * cluster.latency(tp_link)
 
     micro: MicroStep = simulate(
-        variant.trace, groups, flops_per_second=cluster.tflops * 1e12,
-        tp_forward_seconds=tp_seconds[0], tp_backward_seconds=tp_seconds[1],
+        variant.trace,
+        groups,
+        flops_per_second=cluster.tflops * 1e12,
+        tp_forward_seconds=tp_seconds[0],
+        tp_backward_seconds=tp_seconds[1],
         reduce_window=None if ddp else schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT,
     )
     micro_wire, links.wire = links.wire, {}
     # Micro-steps that communicate: fsdp2 gathers and reduces in every one; DDP accumulates the
     # others under no_sync() (its gradients are full-size anyway) and all-reduces in the last.
     syncs = 1 if ddp else accumulation
-    quiet = simulate(variant.trace, [GroupComm() for _ in groups], flops_per_second=cluster.tflops * 1e12) if ddp else micro
+    quiet = (
+        simulate(variant.trace, [GroupComm() for _ in groups], flops_per_second=cluster.tflops * 1e12) if ddp else micro
+    )
 
     optimizer_seconds, muon_bytes = _optimizer_seconds(est, strategy, variant, workload, cluster, links)
     step = syncs * micro.total + (accumulation - syncs) * quiet.total + optimizer_seconds
     result.time = StepTime(
-        seconds=step, compute=accumulation * micro.compute, tensor_parallel=accumulation * micro.tensor_parallel,
-        exposed_comm=syncs * micro.exposed_comm + (accumulation - syncs) * quiet.exposed_comm, optimizer=optimizer_seconds,
-        accumulation=accumulation, flops_per_gpu=accumulation * variant.trace.flops,
+        seconds=step,
+        compute=accumulation * micro.compute,
+        tensor_parallel=accumulation * micro.tensor_parallel,
+        exposed_comm=syncs * micro.exposed_comm + (accumulation - syncs) * quiet.exposed_comm,
+        optimizer=optimizer_seconds,
+        accumulation=accumulation,
+        flops_per_gpu=accumulation * variant.trace.flops,
     )
     wire = {link: syncs * nbytes for link, nbytes in micro_wire.items()}
     for link, nbytes in links.wire.items():  # once per step: the optimizer's
@@ -228,8 +269,9 @@ def _evaluate(strategy: Strategy, variant: _Variant, source: ModelSource, worklo
     return result
 
 
-def _optimizer_seconds(est: MemoryEstimate, strategy: Strategy, variant: _Variant, workload: Workload,
-                       cluster: Cluster, links: _Links) -> tuple[float, int]:
+def _optimizer_seconds(
+    est: MemoryEstimate, strategy: Strategy, variant: _Variant, workload: Workload, cluster: Cluster, links: _Links
+) -> tuple[float, int]:
     """HBM time of the update (read params, grads, state; write params, state) plus Muon's work."""
     touched = 2 * est.sharded_params + est.sharded_grads + 2 * est.optimizer_state
     seconds = touched / (cluster.hbm_gbps * 1e9)
@@ -263,9 +305,11 @@ def _verdict(results: list[StrategyResult], tolerance: float, cluster: Cluster) 
         if not evaluated:
             return None, "no strategy could be evaluated (see the skipped reasons)"
         least = min(evaluated, key=lambda r: r.memory.peak)
-        return None, (f"nothing fits: the smallest peak is {least.name} at {_size(least.memory.peak)} "
-                      f"> {_size(cluster.usable_bytes)} usable; use activation checkpointing, a smaller "
-                      "micro-batch, more GPUs or a larger TP degree")
+        return None, (
+            f"nothing fits: the smallest peak is {least.name} at {_size(least.memory.peak)} "
+            f"> {_size(cluster.usable_bytes)} usable; use activation checkpointing, a smaller "
+            "micro-batch, more GPUs or a larger TP degree"
+        )
     best = min(fitting, key=lambda r: r.time.seconds)
     close = [r for r in fitting if r.time.seconds <= best.time.seconds * (1 + tolerance)]
     chosen = min(close, key=lambda r: (r.strategy.kind.simplicity, r.time.seconds))
@@ -275,7 +319,10 @@ def _verdict(results: list[StrategyResult], tolerance: float, cluster: Cluster) 
     why = f"{chosen.name} fits ({_size(chosen.memory.peak)} of {usable})"
     if len(simpler) > 1 and not simpler_fits:
         smallest = min(simpler, key=lambda r: r.memory.peak)
-        why = f"nothing simpler fits (the smallest, {smallest.name}, needs {_size(smallest.memory.peak)} > {usable}); " + why
+        why = (
+            f"nothing simpler fits (the smallest, {smallest.name}, needs {_size(smallest.memory.peak)} > {usable}); "
+            + why
+        )
     elif simpler:
         first = min(simpler, key=lambda r: r.strategy.kind.simplicity)
         if not first.fits:
@@ -353,21 +400,31 @@ def plan(
         if not candidates:
             raise PlanInputError(
                 f"strategies={strategies}: none of these names or kinds ({', '.join(k.value for k in Kind)}) apply "
-                f"to {cluster.gpus} GPUs; available: {', '.join(available)}" + "".join(f"; {n}" for n in notes if n.startswith("TP "))
+                f"to {cluster.gpus} GPUs; available: {', '.join(available)}"
+                + "".join(f"; {n}" for n in notes if n.startswith("TP "))
             )
 
     variants: dict[int, _Variant] = {}
     results = []
     for strategy in candidates:
         if workload.accumulation(strategy) is None:
-            results.append(StrategyResult(strategy, skipped=(
-                f"global batch {global_batch} does not split into {strategy.data_parallel} ranks x micro-batch {micro_batch}")))
+            results.append(
+                StrategyResult(
+                    strategy,
+                    skipped=(
+                        f"global batch {global_batch} does not split into {strategy.data_parallel} ranks "
+                        f"x micro-batch {micro_batch}"
+                    ),
+                )
+            )
             continue
         if strategy.tp not in variants:
             variants[strategy.tp] = _variant(source, base, strategy.tp, workload, kernel_scratch)
         results.append(_evaluate(strategy, variants[strategy.tp], source, workload, cluster))
     recommended, reason = _verdict(results, tolerance, cluster)
     if optimizer == "muon":
-        notes.append("Muon is modelled, not replayed: one momentum buffer; all-to-all of 2x the matrix shards; "
-                     f"{MUON_NS_STEPS} Newton-Schulz steps per matrix, split over the shard group")
+        notes.append(
+            "Muon is modelled, not replayed: one momentum buffer; all-to-all of 2x the matrix shards; "
+            f"{MUON_NS_STEPS} Newton-Schulz steps per matrix, split over the shard group"
+        )
     return Plan(source.name, count_params(base), workload, cluster, results, recommended, reason, tolerance, notes)

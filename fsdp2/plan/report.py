@@ -20,14 +20,21 @@ def ascii_plot(plan: "Plan", width: int = 40) -> str:
     top_mem = max(max(r.memory.peak for r in done), plan.cluster.usable_bytes)
     top_time = max(r.time.seconds for r in done)
     limit = round(plan.cluster.usable_bytes / top_mem * width)
-    lines = [f"{'':{name_w}}  peak memory per GPU ('|' = {plan.cluster.usable_bytes / GiB:.0f} GiB usable)".ljust(name_w + width + 6)
-             + "  step time"]
+    lines = [
+        f"{'':{name_w}}  peak memory per GPU ('|' = {plan.cluster.usable_bytes / GiB:.0f} GiB usable)".ljust(
+            name_w + width + 6
+        )
+        + "  step time"
+    ]
     for r in done:
         bar = "#" * max(1, round(r.memory.peak / top_mem * width))
         bar = (bar[:limit] + "|" + bar[limit:]) if len(bar) > limit else bar.ljust(limit) + "|"
         time_bar = "=" * max(1, round(r.time.seconds / top_time * width))
         mark = "*" if plan.recommended is r else " "
-        lines.append(f"{r.name:{name_w}}{mark} {bar.ljust(width + 1)} {_gib(r.memory.peak):>6}  {time_bar} {_ms(r.time.seconds)} ms")
+        lines.append(
+            f"{r.name:{name_w}}{mark} {bar.ljust(width + 1)} {_gib(r.memory.peak):>6}  "
+            f"{time_bar} {_ms(r.time.seconds)} ms"
+        )
     lines.append("* = verdict")
     return "\n".join(lines)
 
@@ -47,8 +54,12 @@ def save_plot(plan: "Plan", path: str) -> str:
     colors = ["tab:green" if r.fits else "tab:red" for r in done]
     edges = ["black" if plan.recommended is r else "none" for r in done]
     ax_mem.barh(names, [r.memory.peak / GiB for r in done], color=colors, edgecolor=edges, linewidth=2)
-    ax_mem.axvline(plan.cluster.usable_bytes / GiB, color="black", linestyle="--",
-                   label=f"usable ({plan.cluster.usable_bytes / GiB:.0f} GiB)")
+    ax_mem.axvline(
+        plan.cluster.usable_bytes / GiB,
+        color="black",
+        linestyle="--",
+        label=f"usable ({plan.cluster.usable_bytes / GiB:.0f} GiB)",
+    )
     ax_mem.set_xlabel("predicted peak memory per GPU (GiB)")
     ax_mem.invert_yaxis()
     ax_mem.legend(loc="lower right")

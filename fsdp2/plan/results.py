@@ -88,8 +88,11 @@ class CommPerStep:
     def per_micro_step(self) -> dict[str, int]:
         """Bytes of one forward + backward, keyed as fsdp2.plan.apply.count_bytes counts them."""
         a = self.micro_batches
-        return {**{k: v // a for k, v in self.fsdp.items()}, "tensor_parallel": self.tensor_parallel // a,
-                "ddp_all_reduce": self.ddp_all_reduce}
+        return {
+            **{k: v // a for k, v in self.fsdp.items()},
+            "tensor_parallel": self.tensor_parallel // a,
+            "ddp_all_reduce": self.ddp_all_reduce,
+        }
 
 
 @dataclass
@@ -175,15 +178,30 @@ def _header(plan: "Plan") -> list[str]:
     ac = ", activation checkpointing" if w.activation_checkpointing else ""
     return [
         f"fsdp2 plan: {plan.model}, {_params(plan.num_params)} params",
-        f"workload: global batch {w.global_batch} x {w.seq_len} tokens, micro-batch {w.micro_batch} per data-parallel rank, "
+        f"workload: global batch {w.global_batch} x {w.seq_len} tokens, "
+        f"micro-batch {w.micro_batch} per data-parallel rank, "
         f"{w.optimizer}, {w.precision.describe()}{ac}",
         f"cluster: {plan.cluster.describe()}",
     ]
 
 
 def _columns(unit: str) -> tuple[str, ...]:
-    return ("strategy", "fits", f"peak {unit}", "params", "grads", "optim", "gathered", "activ.", "NVLink GB", "network GB",
-            "compute+TP ms", "exposed comm ms", "step ms", "tokens/s")
+    return (
+        "strategy",
+        "fits",
+        f"peak {unit}",
+        "params",
+        "grads",
+        "optim",
+        "gathered",
+        "activ.",
+        "NVLink GB",
+        "network GB",
+        "compute+TP ms",
+        "exposed comm ms",
+        "step ms",
+        "tokens/s",
+    )
 
 
 def _row(r: "StrategyResult", scale: float, width: int) -> tuple[str, ...]:
@@ -192,9 +210,20 @@ def _row(r: "StrategyResult", scale: float, width: int) -> tuple[str, ...]:
     m, c, t = r.memory, r.comm, r.time
     mem = lambda nbytes: f"{nbytes / scale:.1f}"  # noqa: E731
     return (
-        r.name, "yes" if r.fits else "NO", mem(m.peak), mem(m.params), mem(m.grads + m.extra), mem(m.optimizer),
-        mem(m.gathered_peak), mem(m.activations), _gb(c.wire.get("intra", 0)), _gb(c.wire.get("inter", 0)),
-        _ms(t.compute + t.tensor_parallel), _ms(t.exposed_comm), _ms(t.seconds), _tokens(r.tokens_per_second),
+        r.name,
+        "yes" if r.fits else "NO",
+        mem(m.peak),
+        mem(m.params),
+        mem(m.grads + m.extra),
+        mem(m.optimizer),
+        mem(m.gathered_peak),
+        mem(m.activations),
+        _gb(c.wire.get("intra", 0)),
+        _gb(c.wire.get("inter", 0)),
+        _ms(t.compute + t.tensor_parallel),
+        _ms(t.exposed_comm),
+        _ms(t.seconds),
+        _tokens(r.tokens_per_second),
     )
 
 
@@ -249,6 +278,10 @@ def _plain(value):
 def to_json(plan: "Plan") -> dict:
     out = _plain(plan)
     out["recommended"] = plan.recommended.name if plan.recommended is not None else None
-    out["units"] = {"memory": "bytes per GPU", "comm": "bytes per step per GPU", "time": "seconds per step",
-                    "tokens_per_second": "whole cluster"}
+    out["units"] = {
+        "memory": "bytes per GPU",
+        "comm": "bytes per step per GPU",
+        "time": "seconds per step",
+        "tokens_per_second": "whole cluster",
+    }
     return out

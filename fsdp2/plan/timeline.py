@@ -84,9 +84,15 @@ class _Streams:
         return end
 
 
-def simulate(trace: StepTrace, groups: list[GroupComm], *, flops_per_second: float,
-             tp_forward_seconds: float = 0.0, tp_backward_seconds: float = 0.0,
-             reduce_window: int | None = schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT) -> MicroStep:
+def simulate(
+    trace: StepTrace,
+    groups: list[GroupComm],
+    *,
+    flops_per_second: float,
+    tp_forward_seconds: float = 0.0,
+    tp_backward_seconds: float = 0.0,
+    reduce_window: int | None = schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT,
+) -> MicroStep:
     """Replay ``trace`` with ``groups``' collectives; ``reduce_window=None``: compute never waits
     for reductions before the end of backward (DDP)."""
     if len(groups) != trace.n_groups:
@@ -108,8 +114,11 @@ def simulate(trace: StepTrace, groups: list[GroupComm], *, flops_per_second: flo
         """Compute ``flops``, with their share of the phase's TP all-reduces (inline on the compute stream)."""
         nonlocal flop_seconds, tp_seconds
         seconds = flops / flops_per_second
-        share = tp_backward_seconds * flops / backward_flops if in_backward and backward_flops else (
-            tp_forward_seconds * flops / forward_flops if not in_backward and forward_flops else 0.0)
+        share = (
+            tp_backward_seconds * flops / backward_flops
+            if in_backward and backward_flops
+            else (tp_forward_seconds * flops / forward_flops if not in_backward and forward_flops else 0.0)
+        )
         flop_seconds += seconds
         tp_seconds += share
         s.compute += seconds + share
@@ -175,7 +184,9 @@ def _through_backward_start(hooks):
             return
 
 
-def ring_seconds(nbytes: float, group_size: int, bandwidth: float, latency: float, *, all_reduce: bool = False) -> float:
+def ring_seconds(
+    nbytes: float, group_size: int, bandwidth: float, latency: float, *, all_reduce: bool = False
+) -> float:
     """A ring collective of an ``nbytes`` buffer over ``group_size`` ranks."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0

@@ -189,4 +189,3 @@ class QuantizedCodec(GatherCodec):
         else:
             quantize.dequantize_from(blocks[0], target, self.policy)
         return []
-

@@ -24,7 +24,16 @@ def _record(kind: str, tensor: torch.Tensor) -> None:
 
 # Dtypes every backend all-gathers natively; others (float8, unsigned ints beyond uint8, bool,
 # complex) travel as their bytes, which is exact for a gather (gloo rejects float8, for one).
-_NATIVE_GATHER_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64}
+_NATIVE_GATHER_DTYPES = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+}
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):

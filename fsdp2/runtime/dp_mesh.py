@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
@@ -99,8 +99,16 @@ class DataParallelMesh:
         else:
             dp_mesh, replicate_group, replicate_size = shard_mesh, None, 1
         return cls(
-            dp_mesh, shard_mesh.get_group(0), shard_mesh.size(0), shard_mesh.get_local_rank(0), replicate_group,
-            replicate_size, mesh, shard, replicate, shard_mesh,
+            dp_mesh,
+            shard_mesh.get_group(0),
+            shard_mesh.size(0),
+            shard_mesh.get_local_rank(0),
+            replicate_group,
+            replicate_size,
+            mesh,
+            shard,
+            replicate,
+            shard_mesh,
         )
 
     @property
@@ -181,7 +189,8 @@ def _default_mesh(module_name: str) -> DeviceMesh:
             dist.init_process_group()
         except ValueError as e:  # FSDPUsageError is a ValueError too: callers catching either still do
             raise FSDPUsageError(
-                f"fully_shard({module_name}): no mesh was given and torch.distributed could not be initialized from the environment "
+                f"fully_shard({module_name}): no mesh was given and torch.distributed could not be initialized "
+                "from the environment "
                 f"({e}). Launch with torchrun, call torch.distributed.init_process_group() first, or pass mesh=."
             ) from e
     # check_available: a CUDA build on a machine without a GPU (or driver) trains on CPU ranks.

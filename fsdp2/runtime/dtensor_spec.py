@@ -35,7 +35,9 @@ class TensorParallelSpec:
     data_parallel_mesh_dims: frozenset[int] = frozenset()
 
     def wrap(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The TP-local gradient, first turning Partial (pending-sum) grads into our placements."""

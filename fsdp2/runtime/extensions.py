@@ -154,7 +154,7 @@ class SubclassCodec(GatherCodec):
                 _allocate(out)
                 return out
         out = torch.empty(numel, dtype=column.dtype, device=self.param.device)
-        self._outputs[index:index + 1] = [out]
+        self._outputs[index : index + 1] = [out]
         return out
 
     def finish(self) -> None:
@@ -162,7 +162,9 @@ class SubclassCodec(GatherCodec):
         outputs = tuple(out.view(-1, *shape[1:]) for out, shape in zip(self._outputs, self._shapes))
         post = getattr(p.local_shard, POST)
         if p.unsharded_param is None:
-            tensor, inner = self._pair(post(outputs, self._metadata, p.param_dtype), POST, "(unsharded_tensor, inner_tensors)")
+            tensor, inner = self._pair(
+                post(outputs, self._metadata, p.param_dtype), POST, "(unsharded_tensor, inner_tensors)"
+            )
             self._inner = tuple(inner)
             p.adopt_unsharded(tensor)
         else:
@@ -181,7 +183,10 @@ class SubclassCodec(GatherCodec):
         return result[0], result[1]
 
     def _where(self, hook: str) -> str:
-        return f"parameter {self.param.fqn} of fully_shard({self.param.owner}): {type(self.param.local_shard).__name__}.{hook}"
+        return (
+            f"parameter {self.param.fqn} of fully_shard({self.param.owner}): "
+            f"{type(self.param.local_shard).__name__}.{hook}"
+        )
 
 
 def _allocate(tensor: torch.Tensor) -> None:

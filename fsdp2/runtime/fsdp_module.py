@@ -1,7 +1,7 @@
 """``FSDPModule``: the methods a fully_shard'ed module gains (its class is swapped to include them).
 
 The method set and signatures are PyTorch FSDP2's (``torch.distributed.fsdp.FSDPModule``);
-tests/test_dropin.py compares them by introspection against the installed torch. The class
+tests/runtime/test_dropin.py compares them by introspection against the installed torch. The class
 derives from PyTorch's, so ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` holds and
 frameworks that branch on it call these methods; PyTorch code that reads private FSDP state
 gets :mod:`fsdp2.runtime.torch_view`.
@@ -103,7 +103,9 @@ class FSDPModule(compat.TorchFSDPModule):
         if state.root is None:
             return  # no forward ran yet: nothing to reset
         if not state.is_root:
-            raise FSDPUsageRuntimeError(f"{type(self).__name__}.reset_iter_state: call it on the root fully_shard module")
+            raise FSDPUsageRuntimeError(
+                f"{type(self).__name__}.reset_iter_state: call it on the root fully_shard module"
+            )
         state.root.reset()
 
     # -- gradient reduction -------------------------------------------------------------------------
@@ -130,12 +132,17 @@ class FSDPModule(compat.TorchFSDPModule):
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
         self.set_gradient_divide_factor(factor)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """``hook(reduce_output)`` runs on each reduced gradient bucket of this module (after the
-        HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``. ``stream`` is accepted
+        HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``.
+        ``stream`` is accepted
         for compatibility: the hook runs where the reduction runs."""
         if not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
@@ -151,9 +158,13 @@ class FSDPModule(compat.TorchFSDPModule):
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight under this module's root (default 2)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise FSDPUsageTypeError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
+            raise FSDPUsageTypeError(
+                f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}"
+            )
         if max_input_buffers < 1:
-            raise FSDPUsageError(f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}")
+            raise FSDPUsageError(
+                f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got {max_input_buffers!r}"
+            )
         state = self._fsdp_state
         state.settings.max_reduces_in_flight = max_input_buffers
         if state.root is not None:
@@ -275,12 +286,16 @@ class FSDPModule(compat.TorchFSDPModule):
 
 def _check_comm(comm: Any, method: str) -> None:
     if not callable(comm) or not callable(getattr(comm, "allocate", None)):
-        raise FSDPUsageError(f"{method}: expected an object with allocate(size, *, dtype, device) and __call__, got {comm!r}")
+        raise FSDPUsageError(
+            f"{method}: expected an object with allocate(size, *, dtype, device) and __call__, got {comm!r}"
+        )
 
 
 def _states_of(modules: Iterable[Any], method: str) -> list[FSDPState]:
     if isinstance(modules, nn.Module):  # would fail later as "object is not iterable"
-        raise FSDPUsageError(f"{method} expects a list of modules, got a single {type(modules).__name__}; wrap it in [ ]")
+        raise FSDPUsageError(
+            f"{method} expects a list of modules, got a single {type(modules).__name__}; wrap it in [ ]"
+        )
     states = []
     for m in modules:
         if not isinstance(m, FSDPModule):

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -35,7 +34,9 @@ _before_change: list[Callable[[], None]] = []
 
 
 def on_fully_shard(
-    *, check: Callable[[tuple[nn.Module, ...], str], None] | None = None, before_change: Callable[[], None] | None = None
+    *,
+    check: Callable[[tuple[nn.Module, ...], str], None] | None = None,
+    before_change: Callable[[], None] | None = None,
 ) -> None:
     """Package wiring: every later ``fully_shard`` calls ``check(modules, name)`` before its own
     validation (it may refuse: nothing is changed yet) and ``before_change()`` once validation is
@@ -80,7 +81,9 @@ def fully_shard(
     name = "+".join(type(m).__name__ for m in modules)
     for m in modules:
         if isinstance(m, FSDPModule):
-            raise FSDPUsageAssertionError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+            raise FSDPUsageAssertionError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
+            )
     for check in _checks:
         check(modules, name)
     _check_policies(mp_policy, offload_policy, name)
@@ -103,8 +106,15 @@ def fully_shard(
         prepare()
     sharded = [
         ShardedParam(
-            p.managed.fqn, p.managed.param, [ParamSlot(m, n) for m, n in p.managed.places], dp, p.shard_dim,
-            p.spec, mp_policy, offload_policy, owner=name,
+            p.managed.fqn,
+            p.managed.param,
+            [ParamSlot(m, n) for m, n in p.managed.places],
+            dp,
+            p.shard_dim,
+            p.spec,
+            mp_policy,
+            offload_policy,
+            owner=name,
         )
         for p in plans
     ]

@@ -121,7 +121,11 @@ class ParamGroup:
     """A group's parameters, their memory state and phase, and the verbs that move them on."""
 
     def __init__(
-        self, params: list[ShardedParam], dp: DataParallelMesh, reshard_after_forward: ReshardAfterForward, name: str = ""
+        self,
+        params: list[ShardedParam],
+        dp: DataParallelMesh,
+        reshard_after_forward: ReshardAfterForward,
+        name: str = "",
     ):
         self.name = name  # the fully_shard'ed module(s) by class, for messages
         # Their paths from the root ("layers.0"; "norm, output" for a list; "" for the root),

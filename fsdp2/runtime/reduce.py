@@ -106,7 +106,9 @@ class Reduction:
     def finish(self) -> None:
         self._completion.wait()
         for pending in self._pending:
-            accumulate_sharded_grads(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes))
+            accumulate_sharded_grads(
+                pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)
+            )
             pending.release()
         self._pending = []
 
@@ -198,7 +200,10 @@ class GroupReduce:
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
         pattern = tuple(
-            [p.sharded_param.requires_grad and (grads.get(id(p)) is not None or self.include_unused) for p in self.params]
+            [
+                p.sharded_param.requires_grad and (grads.get(id(p)) is not None or self.include_unused)
+                for p in self.params
+            ]
         )
         if pattern not in self._buckets:
             chosen = [p for p, keep in zip(self.params, pattern) if keep]
@@ -254,8 +259,9 @@ class GroupReduce:
         (give it zeros there, as PyTorch's FSDP2 does), or a GPU backend may check collective
         inputs for NaN (NCCL's ``TORCH_NCCL_NAN_CHECK``; uninitialized padding could trip it, and
         zeroing costs a GPU one kernel). Only CPU steps skip it, where it costs bytes per step."""
-        return (self.all_reduce_hook is not None or self.custom_reduce_scatter is not None
-                or self.dp.device.type != "cpu")
+        return (
+            self.all_reduce_hook is not None or self.custom_reduce_scatter is not None or self.dp.device.type != "cpu"
+        )
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.custom_reduce_scatter is not None:

@@ -87,13 +87,17 @@ class ReducePlan:
         """PyTorch FSDP2's choice for this configuration (see the module docstring).
         ``replicate_size``: 1 without HSDP. ``divide_factor``: None averages over all
         data-parallel ranks."""
-        plan = cls._choose_ops(shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type)
+        plan = cls._choose_ops(
+            shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type
+        )
         if shard_size == 1 and divide_factor is not None:  # PyTorch's single-rank copy divides, whatever the plan
             plan = dataclasses.replace(plan, divide_before=plan.divide_before + (divide_factor,))
         return plan
 
     @classmethod
-    def _choose_ops(cls, shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type):
+    def _choose_ops(
+        cls, shard_size, replicate_size, reduce_dtype, divide_factor, force_sum, premul_sum_supported, device_type
+    ):
         force_sum = force_sum or device_type == "mtia"  # as PyTorch: MTIA only sums
         data_parallel_size = shard_size * replicate_size
         if reduce_dtype in _NO_OVERFLOW_RISK and not force_sum:

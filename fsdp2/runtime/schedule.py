@@ -24,7 +24,7 @@ DEFAULT_MAX_REDUCES_IN_FLIGHT = 2
 # The all-gather stream runs at most this many groups ahead of the compute stream's copy-outs:
 # before allocating the next all-gather output it waits for the newest copy-out
 # (``streams.GatherBuffers``), so block i+1 gathers while block i computes, and at most this
-# + 1 groups' all-gather outputs are alive at once (tests/test_streams.py checks it).
+# + 1 groups' all-gather outputs are alive at once (tests/runtime/test_streams.py checks it).
 GATHERS_AHEAD_OF_COMPUTE = 1
 
 
@@ -154,4 +154,3 @@ def always_communicate() -> Iterator[None]:
         yield
     finally:
         _one_rank_groups_communicate = previous
-

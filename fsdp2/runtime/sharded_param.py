@@ -177,7 +177,11 @@ class ShardedParam:
     def _adopt(self, new: torch.Tensor) -> nn.Parameter:
         ours = self.sharded_param
         if isinstance(new, DTensor):
-            if new.device_mesh != ours.device_mesh or tuple(new.placements) != tuple(ours.placements) or new.shape != ours.shape:
+            if (
+                new.device_mesh != ours.device_mesh
+                or tuple(new.placements) != tuple(ours.placements)
+                or new.shape != ours.shape
+            ):
                 raise FSDPUsageError(
                     f"parameter {self.fqn} was replaced by a DTensor with mesh {new.device_mesh}, placements "
                     f"{tuple(new.placements)} and shape {tuple(new.shape)}; fully_shard({self.owner}) shards it as "
@@ -362,7 +366,6 @@ class ShardedParam:
             self.sharded_param.grad = compat.dtensor_like(self.sharded_param, local.contiguous())
         else:
             compat.local_tensor(existing).add_(local)
-
 
 
 # -- a group's parameters in one pass ------------------------------------------------------------

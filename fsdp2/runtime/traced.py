@@ -128,7 +128,9 @@ class _GatherReduce(torch.autograd.Function):
     def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        return _all_gather(flat_shards.to(param_dtype), reduction.world, reduction.shard_group, reduction.out_collectives)
+        return _all_gather(
+            flat_shards.to(param_dtype), reduction.world, reduction.shard_group, reduction.out_collectives
+        )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -243,8 +245,19 @@ class TracedGroup:
     # with plain STORE_ATTRs after the graph runs, and a dict-backed object's through a Python
     # call per attribute (``held``, ``prefetched``, ... are written in every trace).
     __slots__ = (
-        "group", "modules", "next", "prefetched", "held", "modules_left", "accumulators", "accumulated",
-        "grad_sinks", "_hand_offs", "param_replaced", "_held_dicts", "__weakref__",
+        "group",
+        "modules",
+        "next",
+        "prefetched",
+        "held",
+        "modules_left",
+        "accumulators",
+        "accumulated",
+        "grad_sinks",
+        "_hand_offs",
+        "param_replaced",
+        "_held_dicts",
+        "__weakref__",
     )
 
     def __init__(self, group: "ParamGroup", modules: tuple[nn.Module, ...]):
@@ -287,7 +300,9 @@ class TracedGroup:
         sinks = [self.grad_sinks.get(bucket.key) for bucket in buckets]
         tensors = [*sinks, *(p.traced_leaf for p in params)]
         if recompute_in_backward:
-            return list(checkpoint(self._gather, buckets, *tensors, use_reentrant=False, context_fn=_recompute_in_backward))
+            return list(
+                checkpoint(self._gather, buckets, *tensors, use_reentrant=False, context_fn=_recompute_in_backward)
+            )
         return self._gather(buckets, *tensors)
 
     def _gather(self, buckets: list[_Bucket], *tensors: torch.Tensor | None) -> list[torch.Tensor]:
@@ -313,7 +328,9 @@ class TracedGroup:
                     "since set_requires_gradient_sync(False); call it again after the change."
                 )
             accumulated = self.accumulated.get(bucket.key)
-            gathered = _GatherReduce.apply(sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync)
+            gathered = _GatherReduce.apply(
+                sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync
+            )
             rows = gathered.view(bucket.reduction.world, -1)
             widths = [p.layout.padded_shard_numel for p in bucket.params]
             for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
@@ -334,9 +351,15 @@ class TracedGroup:
             if key not in by_key:
                 plan = reduce.plan(p.reduce_dtype)
                 reduction = _Reduction(
-                    dp.shard_size, shard_group.group_name, replicate, p.reduce_dtype, p.orig_dtype,
-                    plan.divide_before, plan.divide_after,
-                    plan.reduce_scatter_op.functional_name, plan.all_reduce_op.functional_name,
+                    dp.shard_size,
+                    shard_group.group_name,
+                    replicate,
+                    p.reduce_dtype,
+                    p.orig_dtype,
+                    plan.divide_before,
+                    plan.divide_after,
+                    plan.reduce_scatter_op.functional_name,
+                    plan.all_reduce_op.functional_name,
                     _takes_out_collectives(shard_group),
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction)

@@ -15,7 +15,7 @@ unless ``root=False``. As with fully_shard applied bottom-up, a parameter belong
 group. Without ``sample_input`` no tensor is created: only shapes, dtypes and ``requires_grad``
 are read.
 
-Exact (checked against real runs in tests/test_estimate.py):
+Exact (checked against real runs in tests/plan/test_estimate.py):
     sharded parameters, sharded gradients, optimizer state, communication bytes per step.
     Frozen parameters (``requires_grad=False``: a PEFT model's base) have no gradient and no
     optimizer state; the optimizer is taken to hold the trainable parameters.
@@ -31,7 +31,7 @@ recording for several shardings of the same model and batch) and fills:
     ``peak``: the predicted per-rank allocator peak of a training step (forward, backward,
     optimizer step), everything that is alive at that moment: sharded state, activations,
     gathered params, unsharded grads, fsdp2's buffers. Checked against the CPU allocator peak
-    measured by fsdp2.tools.memory_meter in a fake process group (tests/test_estimate.py).
+    measured by fsdp2.tools.memory_meter in a fake process group (tests/plan/test_estimate.py).
 Never included: allocator caching/fragmentation, communication-library workspaces, kernel
 scratch memory outside PyTorch's allocator. Kernel scratch through PyTorch's allocator is
 machine-dependent and counted only when measured (``kernel_scratch=`` a device).
@@ -128,7 +128,10 @@ class MemoryEstimate:
             ("total (excl. activations)", self.total),
         ]
         if self.peak is not None:
-            rows += [("activations (saved for backward)", self.activations), (f"predicted step peak ({self.peak_phase})", self.peak)]
+            rows += [
+                ("activations (saved for backward)", self.activations),
+                (f"predicted step peak ({self.peak_phase})", self.peak),
+            ]
         width = max(len(r[0]) for r in rows)
         lines = [
             f"fsdp2 memory estimate: {self.num_params / 1e6:.2f}M params, {len(self.groups)} groups, "
@@ -204,7 +207,9 @@ def _assign_params(model: nn.Module, members: list[tuple[str, nn.Module]]) -> li
 
 def _frees_after_forward(members: list, root: bool, setting, world: int) -> list[bool]:
     if isinstance(setting, int) and not isinstance(setting, bool) and setting not in (1, world):
-        raise ValueError(f"estimate_memory: reshard_after_forward={setting} (a subgroup) is not modelled; use None, True or False")
+        raise ValueError(
+            f"estimate_memory: reshard_after_forward={setting} (a subgroup) is not modelled; use None, True or False"
+        )
     return [
         schedule.after_forward(setting, is_root=root and i == 0, shard_size=world) is schedule.AfterForward.FREE
         for i in range(len(members))
@@ -249,7 +254,9 @@ def estimate_memory(
     if sample_input is not None and step_trace is not None:
         raise ValueError("estimate_memory: pass sample_input or step_trace, not both")
     if sample_input is not None and not isinstance(sample_input, tuple):
-        raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
+        raise TypeError(
+            f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}"
+        )
     if loss_fn is not None and sample_input is None:
         raise ValueError("estimate_memory: loss_fn needs sample_input")
     if optimizer not in _OPTIMIZERS:
@@ -325,8 +332,15 @@ def estimate_memory(
         replicate_size=replicate,
     )
     if sample_input is not None:
-        step_trace = trace_step(model, groups=groups, root=root, mp_policy=mp_policy, sample_input=sample_input,
-                                loss_fn=loss_fn, kernel_scratch=kernel_scratch)
+        step_trace = trace_step(
+            model,
+            groups=groups,
+            root=root,
+            mp_policy=mp_policy,
+            sample_input=sample_input,
+            loss_fn=loss_fn,
+            kernel_scratch=kernel_scratch,
+        )
     if step_trace is not None:
         _add_step_peak(est, step_trace, frees)
     return est
@@ -362,13 +376,19 @@ def trace_step(
     kernel scratch is not counted.
     """
     if not isinstance(sample_input, tuple):
-        raise TypeError(f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}")
+        raise TypeError(
+            f"estimate_memory: sample_input must be a tuple of model arguments, got {type(sample_input).__name__}"
+        )
     mp_policy = mp_policy or MixedPrecisionPolicy()
     twin = meta_copy(model, mp_policy.param_dtype)
     members = _group_members(twin, groups, root)
     params = [[m.param for m in group] for group in _assign_params(twin, members)]
     return record_step(
-        twin, [m for _, m in members], params, sample_input, loss_fn=loss_fn,
+        twin,
+        [m for _, m in members],
+        params,
+        sample_input,
+        loss_fn=loss_fn,
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
         kernel_scratch=KernelScratch(kernel_scratch) if kernel_scratch is not None else None,
     )

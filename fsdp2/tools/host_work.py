@@ -11,7 +11,7 @@ outputs alike, by op name in ``bytes_by_op``; views, allocations and the process
 collectives write none here); ``python_calls`` every Python function call, from cProfile, by file. The
 step runs twice, once per counter, so it must be repeatable (a training step is). Neither count
 depends on the CPU's kernels, its thread count or the load: they are what benchmarks and the
-regression guards in tests/test_host_work.py compare. A compiled step (torch.compile) is counted
+regression guards in tests/runtime/test_host_work.py compare. A compiled step (torch.compile) is counted
 with ``count_ops=False``: dynamo refuses to run under a dispatch mode, so only its Python calls
 are counted (``ops`` is None).
 """
@@ -113,7 +113,8 @@ class HostWork:
         """Python calls into functions defined in ``code`` (FSDP_CODE, DTENSOR_CODE)."""
         included, excluded = code
         return sum(
-            n for file, n in self.calls_by_file.items()
+            n
+            for file, n in self.calls_by_file.items()
             if any(w in file for w in included) and not any(w in file for w in excluded)
         )
 

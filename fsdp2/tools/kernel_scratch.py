@@ -32,9 +32,14 @@ _MEASURED: dict[tuple, int] = {}
 
 def _kernel_settings() -> tuple:
     """The process settings that change which kernel an op runs (and so its scratch)."""
-    return (torch.get_num_threads(), torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
-            torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32)
+    return (
+        torch.get_num_threads(),
+        torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.enabled,
+        torch.backends.cudnn.allow_tf32,
+    )
 
 
 class KernelScratch:
@@ -50,8 +55,10 @@ class KernelScratch:
         try:
             torch.empty(0, device=self.device)
         except (RuntimeError, AssertionError) as e:
-            raise ValueError(f"kernel scratch: device {str(self.device)!r} is not usable on this machine ({e}); "
-                             "measure on a device this machine has, or leave kernel_scratch unset") from e
+            raise ValueError(
+                f"kernel scratch: device {str(self.device)!r} is not usable on this machine ({e}); "
+                "measure on a device this machine has, or leave kernel_scratch unset"
+            ) from e
 
     def bytes_of(self, func, args: tuple, kwargs: dict) -> int:
         """Scratch bytes of ``func(*args, **kwargs)`` (meta arguments) on this device."""
@@ -64,19 +71,27 @@ class KernelScratch:
 
     def _measure(self, func, args: tuple, kwargs: dict) -> int:
         real_args, real_kwargs = tree_map(self._materialize, (args, kwargs))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((real_args, real_kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((real_args, real_kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         devices = [self.device] if self.device.type != "cpu" else []
         try:
             # Ops that draw random numbers must not move the caller's generator.
             with torch.random.fork_rng(devices=devices, device_type=self.device.type), PeakMemory(self.device) as meter:
                 out = func(*real_args, **real_kwargs)
         except Exception as e:  # noqa: BLE001 - e.g. a data-dependent op that rejects zeros
-            warnings.warn(f"kernel scratch: {func} could not run on {self.device} with zero-filled inputs "
-                          f"({type(e).__name__}: {e}); its scratch is not counted", stacklevel=2)
+            warnings.warn(
+                f"kernel scratch: {func} could not run on {self.device} with zero-filled inputs "
+                f"({type(e).__name__}: {e}); its scratch is not counted",
+                stacklevel=2,
+            )
             return 0
-        outputs = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tree_flatten(out)[0]
-                                                      if isinstance(t, torch.Tensor))}
+        outputs = {
+            s.data_ptr(): s.nbytes()
+            for s in (t.untyped_storage() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        }
         new_outputs = sum(n for ptr, n in outputs.items() if ptr not in inputs)
         return max(0, meter.peak_bytes - new_outputs)
 

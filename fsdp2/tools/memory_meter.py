@@ -90,8 +90,11 @@ class PeakMemory:
     def _fold(self, events) -> None:
         """Running sum of the CPU allocator's signed byte counts, in time order."""
         deltas = sorted(
-            ((e.start_ns(), e.nbytes()) for e in events
-             if e.name() == _MEMORY_EVENT and e.device_type() == torch.autograd.DeviceType.CPU),
+            (
+                (e.start_ns(), e.nbytes())
+                for e in events
+                if e.name() == _MEMORY_EVENT and e.device_type() == torch.autograd.DeviceType.CPU
+            ),
             key=lambda d: d[0],  # stable: same-timestamp events keep the order they were recorded in
         )
         running = peak = 0

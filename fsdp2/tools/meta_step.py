@@ -101,7 +101,9 @@ class StepTrace:
     events: list[tuple[Event, int, int]] = field(default_factory=list)
     saved_activations: int = 0
     tail_flops: int = 0  # after the last hook event (end of backward)
-    saved_before_forward: dict[int, int] = field(default_factory=dict)  # group -> bytes saved for backward when its forward began
+    saved_before_forward: dict[int, int] = field(
+        default_factory=dict
+    )  # group -> bytes saved for backward when its forward began
 
     @property
     def flops(self) -> int:
@@ -123,8 +125,9 @@ def _cpu_flash_forward_flops(query, key, value, dropout_p=0.0, is_causal=False, 
     return int(full * _causal_share(is_causal))
 
 
-def _cpu_flash_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
-                              *args, out_val=None, **kwargs) -> int:
+def _cpu_flash_backward_flops(
+    grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs
+) -> int:
     full = flop_registry[compat.aten_flash_attention_backward](grad_out, query, key, value, out_val=out_val)
     return int(full * _causal_share(is_causal))
 
@@ -321,7 +324,9 @@ class _FusedAttention(TorchFunctionMode):
 def meta_copy(model: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     """A meta-device copy of ``model`` whose floating parameters are in ``param_dtype``."""
     if any(not p.is_meta for p in model.parameters()):
-        raise ValueError("estimate_memory(sample_input=...): build the model on the meta device (with torch.device('meta'))")
+        raise ValueError(
+            "estimate_memory(sample_input=...): build the model on the meta device (with torch.device('meta'))"
+        )
     twin = copy.deepcopy(model)
     if param_dtype is not None:
         cast: dict[int, nn.Parameter] = {}  # tied parameters stay tied
@@ -404,7 +409,7 @@ def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
     previous block's) are the same for every middle block up to their group numbers, so block
     K-1's are repeated. Checked: blocks K-2 and K-1 must match exactly (events relative to the
     block, FLOPs, bytes, bytes saved for backward), else None. Recording K = 4 blocks of an
-    80-block model this way gives, event for event, its own recording (tests/test_estimate.py).
+    80-block model this way gives, event for event, its own recording (tests/plan/test_estimate.py).
     """
     blocks = trace.n_groups - 1
     if blocks < 4 or total_blocks < blocks:
@@ -424,14 +429,19 @@ def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
         return None  # blocks do not run in order
 
     def period(start: int, end: int, block: int) -> list:
-        return [(kind, value - block if kind not in MEMORY_EVENTS else value, flops)
-                for kind, value, flops in trace.events[start:end]]
+        return [
+            (kind, value - block if kind not in MEMORY_EVENTS else value, flops)
+            for kind, value, flops in trace.events[start:end]
+        ]
 
     forward = period(fwd[m], fwd[m + 1], m)
     backward = period(bwd[m], bwd[m - 1], m)
     saved = trace.saved_before_forward
-    if (forward != period(fwd[m - 1], fwd[m], m - 1) or backward != period(bwd[m - 1], bwd[m - 2], m - 1)
-            or saved[m + 1] - saved[m] != saved[m] - saved[m - 1]):
+    if (
+        forward != period(fwd[m - 1], fwd[m], m - 1)
+        or backward != period(bwd[m - 1], bwd[m - 2], m - 1)
+        or saved[m + 1] - saved[m] != saved[m] - saved[m - 1]
+    ):
         return None
 
     def placed(events: list, block: int) -> list:
@@ -451,12 +461,12 @@ def repeat_blocks(trace: StepTrace, total_blocks: int) -> StepTrace | None:
         return out
 
     events = list(trace.events[: fwd[m]])
-    for copy in range(extra + 1):
-        events += placed(forward, m + copy)
-    events += renumbered(trace.events[fwd[m + 1]: bwd[m]])
-    for copy in range(extra, -1, -1):
-        events += placed(backward, m + copy)
-    events += renumbered(trace.events[bwd[m - 1]:])
+    for repeat in range(extra + 1):
+        events += placed(forward, m + repeat)
+    events += renumbered(trace.events[fwd[m + 1] : bwd[m]])
+    for repeat in range(extra, -1, -1):
+        events += placed(backward, m + repeat)
+    events += renumbered(trace.events[bwd[m - 1] :])
     per_block = saved[m + 1] - saved[m]
     return StepTrace(
         n_groups=trace.n_groups + extra,

@@ -40,12 +40,19 @@ BACKEND_NAME = "noop"
 # etc.; the C++ functional collectives call the ``*_coalesced`` and ``alltoall_base`` virtuals.
 _COLLECTIVES = {
     "all_gather": (
-        "allgather", "allgather_coalesced", "_allgather_base", "all_gather_single",
-        "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+        "allgather",
+        "allgather_coalesced",
+        "_allgather_base",
+        "all_gather_single",
+        "allgather_into_tensor_coalesced",
+        "all_gather_single_coalesced",
     ),
     "reduce_scatter": (
-        "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-        "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
+        "reduce_scatter",
+        "_reduce_scatter_base",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor_coalesced",
+        "reduce_scatter_single_coalesced",
     ),
     "all_reduce": ("allreduce", "allreduce_coalesced"),
     "all_to_all": ("alltoall", "alltoall_base", "all_to_all_single"),
@@ -77,7 +84,9 @@ class NoopProcessGroup(dist.ProcessGroup):
         # fake one for that bookkeeping (its collectives are never reached: see _COLLECTIVES).
         backend = compat.fake_process_group_backend(rank, size)
         for device in ("cpu", "cuda"):
-            compat.register_process_group_backend(self, torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend)
+            compat.register_process_group_backend(
+                self, torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend
+            )
         _groups.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d name

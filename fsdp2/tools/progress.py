@@ -42,8 +42,11 @@ def wanted() -> bool:
         return True
     if setting and setting not in _warned:
         _warned.add(setting)
-        warnings.warn(f"{ENV}={os.environ[ENV]!r} is not a setting, so it is ignored: use 1 (show progress) "
-                      "or 0 (never show it)", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"{ENV}={os.environ[ENV]!r} is not a setting, so it is ignored: use 1 (show progress) or 0 (never show it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     try:
         return bool(sys.stderr.isatty())
     except Exception:  # None, closed, or a stand-in without isatty: not a terminal
@@ -51,7 +54,8 @@ def wanted() -> bool:
 
 
 class ByteProgress:
-    """A bar over ``total`` bytes, labelled ``verb`` and the last part of ``path`` (``save step-100``); a context manager.
+    """A bar over ``total`` bytes, labelled ``verb`` and the last part of ``path`` (``save step-100``);
+    a context manager.
 
     ``show=None`` decides with :func:`wanted`. :meth:`advance` may be called from several threads.
     """
@@ -67,8 +71,17 @@ class ByteProgress:
             self._stream = _Guarded(sys.stderr)
             try:
                 # Decimal units so the rate reads as GB/s, as disks and networks are quoted.
-                self._bar = tqdm(total=total, desc=_label(verb, path), unit="B", unit_scale=True, unit_divisor=1000,
-                                 file=self._stream, mininterval=0.5, ncols=size.columns, nrows=size.lines)
+                self._bar = tqdm(
+                    total=total,
+                    desc=_label(verb, path),
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1000,
+                    file=self._stream,
+                    mininterval=0.5,
+                    ncols=size.columns,
+                    nrows=size.lines,
+                )
             except Exception:
                 self._bar = None
             if self._stream.broken:  # tqdm draws the empty bar at once
@@ -146,7 +159,7 @@ def _label(verb: str, path: str, width: int = 32) -> str:
     """Short enough that the bytes, rate and time left fit on the line after it."""
     name = os.path.basename(os.path.normpath(os.fspath(path))) if path else ""
     if len(name) > width:
-        name = "..." + name[-(width - 3):]
+        name = "..." + name[-(width - 3) :]
     return f"{verb} {name}".rstrip()
 
 
