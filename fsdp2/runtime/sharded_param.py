@@ -226,23 +226,9 @@ class ShardedParam:
     # -- all-gather -----------------------------------------------------------------------------
 
     def copy_in_pair(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(where in its all-gather ``slot`` this rank's shard goes, the shard); None if it has no rows.
-
-        Paired so a group copies all its shards in with one fused (casting) copy; the padding
-        rows are left as they are, since they only land in padding of the gathered tensor.
-        """
-        if not self.layout.local_rows:
-            return None
-        shard = self.local_shard
-        padded_inside = self.layout.dim != 0 and self.layout.local_rows < self.layout.chunk
-        if padded_inside or not shard.is_contiguous():
-            return self.layout.shard_rows(slot), shard  # not a flat prefix of the slot
-        # Cached: the shard tensor changes only in refresh() (after _apply or a load), which
-        # drops the cache; swap_tensors keeps the object but swaps its storage under it.
-        if self._flat_shard_of is not shard:
-            self._flat_shard_of, self._flat_shard = shard, shard.reshape(-1)
-            self._flat_numel = self._flat_shard.numel()
-        return (slot if self._flat_numel == slot.numel() else slot[: self._flat_numel]), self._flat_shard
+        """(where in its all-gather ``slot`` this rank's shard goes, the shard); None if it has no
+        rows (see :func:`copy_in_pairs`)."""
+        return copy_in_pairs((self,), (slot,))[0]
 
     def copy_gathered_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from its ``world x padded_shard_numel`` gathered block."""
@@ -333,47 +319,18 @@ class ShardedParam:
         grad = self._local(grad).to(self.reduce_dtype)
         self._accumulated_grad = grad if self._accumulated_grad is None else self._accumulated_grad.add_(grad)
 
-    def take_unreduced_grad(self) -> torch.Tensor | None:
-        """The full local gradient to reduce (all microbatches), releasing our references to it."""
-        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-        if self.unsharded_param is not None:
-            self.unsharded_param.grad = None
-        if self._accumulated_grad is not None:
-            acc, self._accumulated_grad = self._accumulated_grad, None
-            grad = acc if grad is None else acc.add_(self._local(grad))
-        return self._local(grad)
-
     def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         if grad is None or self.tensor_parallel is None:
             return grad
         return self.tensor_parallel.local_grad(grad)
 
-    def accumulate_sharded_grad(self, reduced_slot: torch.Tensor) -> None:
-        """Add this rank's rows of a reduced padded ``slot`` to the sharded ``.grad`` (a DTensor).
-
-        The gradient lives where the shard lives: on the CPU under offload, whatever the mesh's
-        device, so the optimizer steps on the CPU.
-        """
-        local = self.layout.shard_rows(reduced_slot)
-        if local.dtype != self.orig_dtype:
-            local = local.to(self.orig_dtype)
-        existing = self.sharded_param.grad
-        if self.offload:
-            # A fresh gradient may arrive asynchronously (the root syncs the host once at the
-            # end of backward); one the host adds to right away must be there now.
-            local = local.to(self.storage_device, non_blocking=existing is None and self._pin)
-        if existing is None:
-            self.sharded_param.grad = compat.dtensor_like(self.sharded_param, local.contiguous())
-        else:
-            compat.local_tensor(existing).add_(local)
-
 
 # -- a group's parameters in one pass ------------------------------------------------------------
 #
-# The verbs a group applies to all its parameters on every unshard and reshard, each one loop
-# with no Python call per parameter in the common case, so that host work per step grows with
-# the number of groups rather than of parameters. The per-parameter methods above
-# call these with one parameter.
+# The verbs a group applies to all its parameters on every unshard, reshard and reduction: the one
+# implementation of each, a loop with no Python call per parameter in the common case, so that host
+# work per step grows with the number of groups rather than of parameters. The per-parameter
+# methods above (hold_sharded, hold_unsharded, copy_in_pair) call these with one parameter.
 
 
 def hold_all_sharded(params: Sequence[ShardedParam]) -> None:
@@ -442,42 +399,73 @@ def gather_real_row_targets(params: Sequence[ShardedParam]) -> list[torch.Tensor
 
 
 def copy_in_pairs(params: Sequence[ShardedParam], slots: Sequence[torch.Tensor]) -> list:
-    """Every parameter's :meth:`ShardedParam.copy_in_pair` for its plain codec's all-gather ``slot``
-    (``padded_shard_numel`` elements; on one rank, its unsharded storage)."""
+    """Per parameter, (where in its all-gather ``slot`` this rank's shard goes, the shard), or None
+    if it has no rows here. ``slot`` is its plain codec's all-gather slot (``padded_shard_numel``
+    elements; on one rank, its unsharded storage). Paired so a group copies all its shards in with
+    one fused (casting) copy; padding rows are left as they are (they only land in padding)."""
     pairs = []
     for p, slot, shard in zip(params, slots, compat.local_tensors([p.sharded_param for p in params])):
-        if p._flat_shard_of is shard:  # the common case: a contiguous shard, its flat view cached
-            pairs.append((slot if p._flat_numel == p._slot_numel else slot[: p._flat_numel], p._flat_shard))
-        else:
-            pairs.append(p.copy_in_pair(slot))
+        if p._flat_shard_of is not shard:  # not the cached contiguous shard: first use, or refreshed
+            layout = p.layout
+            if not layout.local_rows:
+                pairs.append(None)
+                continue
+            padded_inside = layout.dim != 0 and layout.local_rows < layout.chunk
+            if padded_inside or not shard.is_contiguous():
+                pairs.append((layout.shard_rows(slot), shard))  # not a flat prefix of the slot
+                continue
+            # Cached: the shard tensor changes only in refresh() (after _apply or a load), which
+            # drops the cache; swap_tensors keeps the object but swaps its storage under it.
+            p._flat_shard_of, p._flat_shard = shard, shard.reshape(-1)
+            p._flat_numel = p._flat_shard.numel()
+        pairs.append((slot if p._flat_numel == p._slot_numel else slot[: p._flat_numel], p._flat_shard))
     return pairs
 
 
 def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tensor | None]:
-    """``id(p) -> p.take_unreduced_grad()`` for every parameter that requires a gradient."""
+    """``id(p) ->`` the full local gradient to reduce (this backward's, plus what backwards without
+    sync kept) for every parameter that requires a gradient, releasing our references to it."""
     grads = {}
     for p in params:
         if not p.sharded_param.requires_grad:
             continue
         unsharded = p.unsharded_param
-        if unsharded is None or p._accumulated_grad is not None or p.tensor_parallel is not None:
-            grads[id(p)] = p.take_unreduced_grad()
-        else:  # the common case, inlined: this backward's gradient as autograd left it
-            grads[id(p)] = unsharded.grad
-            unsharded.grad = None
+        grad = None
+        if unsharded is not None:
+            grad, unsharded.grad = unsharded.grad, None
+        if p.tensor_parallel is not None and grad is not None:
+            grad = p.tensor_parallel.local_grad(grad)
+        accumulated = p._accumulated_grad
+        if accumulated is not None:
+            p._accumulated_grad = None
+            grad = accumulated if grad is None else accumulated.add_(grad)
+        grads[id(p)] = grad
     return grads
 
 
 def accumulate_sharded_grads(params: Sequence[ShardedParam], reduced_slots: Sequence[torch.Tensor]) -> None:
-    """:meth:`ShardedParam.accumulate_sharded_grad` of each parameter's reduced padded slot."""
+    """Add each parameter's rows of its reduced padded slot to its sharded ``.grad`` (a DTensor),
+    which lives where the shard lives: on the CPU under offload, whatever the mesh's device, so the
+    optimizer steps there. First gradients are assigned in one call for the group."""
     fresh_params, fresh_grads = [], []
     for p, slot in zip(params, reduced_slots):
         layout = p.layout
-        if p.offload or p.sharded_param.grad is not None or layout.local_rows != layout.chunk:
-            p.accumulate_sharded_grad(slot)
+        existing = p.sharded_param.grad
+        if not p.offload and existing is None and layout.local_rows == layout.chunk:
+            # A first gradient, no padding on this rank, on the shard's device: a view of the slot.
+            local = slot.view(layout.local_shape)
+            fresh_params.append(p.sharded_param)
+            fresh_grads.append(local if local.dtype == p.orig_dtype else local.to(p.orig_dtype))
             continue
-        # The common case, inlined: a first gradient, no padding on this rank, on the shard's device.
-        local = slot.view(layout.local_shape)
-        fresh_params.append(p.sharded_param)
-        fresh_grads.append(local if local.dtype == p.orig_dtype else local.to(p.orig_dtype))
+        local = layout.shard_rows(slot)
+        if local.dtype != p.orig_dtype:
+            local = local.to(p.orig_dtype)
+        if p.offload:
+            # A fresh gradient may arrive asynchronously (the root syncs the host once at the
+            # end of backward); one the host adds to right away must be there now.
+            local = local.to(p.storage_device, non_blocking=existing is None and p._pin)
+        if existing is None:
+            p.sharded_param.grad = compat.dtensor_like(p.sharded_param, local.contiguous())
+        else:
+            compat.local_tensor(existing).add_(local)
     compat.assign_dtensor_grads(fresh_params, fresh_grads)
