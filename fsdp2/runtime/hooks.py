@@ -207,10 +207,9 @@ class FSDPState:
 
     def _begin_group_forward(self) -> None:
         root = self.root
-        if torch.is_grad_enabled():
-            for state in root.states if self.is_root else (self,):
-                if state.traced.accumulated:
-                    raise _compiled_accumulation_pending(state)
+        for state in root.states if self.is_root else (self,):
+            if state.traced.accumulated and torch.is_grad_enabled():
+                raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
