@@ -511,17 +511,7 @@ def test_strategies_are_laid_out_on_the_nodes():
 def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path, bad):
     """Each was once wrong: --tolerance -1 said "min() arg is an empty sequence", nan/inf rates gave verdicts,
     an unwritable --json printed a traceback."""
-    argv = [
-        "--model",
-        "tests.plan.test_plan:tiny_factory",
-        "--gpus",
-        "8",
-        "--seq-len",
-        "32",
-        "--strategies",
-        "DDP,FSDP",
-        *bad,
-    ]
+    argv = [*_PLOT_ARGS, *bad]
     from fsdp2.plan.__main__ import main
 
     captured = io.StringIO()
