@@ -168,6 +168,7 @@ def _load_values(rank, ws, path):
     return full_state(model)
 
 
+@pytest.mark.slow  # kills a rank: its world is started again
 @pytest.mark.parametrize("crash", ["after_write:1", "before_publish:0"])
 def test_rank_killed_during_save_keeps_previous_checkpoint(worlds, tmp_path, crash):
     path = str(tmp_path / "c")
