@@ -22,7 +22,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.runtime.param_group import BackwardEnd, ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
-from fsdp2.runtime.traced import TracedGroup
+from fsdp2.runtime.traced import ONE_EXECUTOR_PER_ACCUMULATION, TracedGroup
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
 # PyTorch's own, under the same event names.
@@ -283,8 +283,7 @@ class FSDPState:
 def _compiled_accumulation_pending(state: "FSDPState") -> FSDPUsageError:
     return FSDPUsageError(
         f"fully_shard({state.name}): a compiled backward without gradient sync left gradients that an eager "
-        "step would not add to its reduction. Run every microbatch of one accumulation through the same "
-        "module: all through the compiled one, or all eager."
+        f"step would not add to its reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
     )
 
 

@@ -594,6 +594,12 @@ def check_traceable(traced: TracedGroup) -> None:
     check_no_eager_state(traced)
 
 
+# How to avoid mixing executors within one accumulation (each keeps its own unsynced gradients).
+ONE_EXECUTOR_PER_ACCUMULATION = (
+    "Run every microbatch of one accumulation through the same module: all through the compiled one, or all eager."
+)
+
+
 def check_no_eager_state(traced: TracedGroup) -> None:
     """Refuse a compiled step that would ignore what an eager call left in the group: the traced
     path gathers from the shards and hands gradients straight to ``.grad``, so eager's gathered
@@ -604,18 +610,18 @@ def check_no_eager_state(traced: TracedGroup) -> None:
     if group.holds_unsynced_grads:
         raise FSDPUsageError(
             f"{where}: an eager backward without gradient sync (set_requires_gradient_sync(False)) left "
-            "gradients that this compiled step would not add to its reduction. Run every microbatch of one "
-            "accumulation through the same module: all through the compiled one, or all eager."
+            f"gradients that this compiled step would not add to its reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
         )
-    if group.state is not GroupState.SHARDED:
-        raise FSDPUsageError(
-            f"{where}: its parameters are gathered outside the compiled step (unshard(), or an eager "
-            "step with set_reshard_after_backward(False)); the compiled step gathers its own and would leave "
-            "these registered. Call reshard() on the module before the compiled step."
-        )
+    # The setting before the state it leaves behind: an eager step with it leaves the group gathered.
     if not group.reshard_after_backward:
         raise FSDPUsageError(
             f"{where}: set_reshard_after_backward(False) keeps the gathered parameters for the next step, "
             "which eager and PyTorch's FSDP2 then compute with (not the optimizer's update); the compiled "
             "step gathers afresh. Compile with the default (True), or run these steps eagerly."
+        )
+    if group.state is not GroupState.SHARDED:
+        raise FSDPUsageError(
+            f"{where}: its parameters are gathered outside the compiled step (unshard()); the compiled step "
+            "gathers its own and would leave these registered. Call reshard() on the module before the "
+            "compiled step."
         )
