@@ -100,16 +100,25 @@ class SubclassCodec(GatherCodec):
         self._inner: tuple[torch.Tensor, ...] = ()  # the post hook's inner tensors, freed on reshard
 
     def prepare(self) -> None:
-        p, layout = self.param, self.param.layout
+        p = self.param
         shard = p.local_shard
         if shard.device != p.device:  # CPU offload: the hook sees the shard on the device (as in PyTorch)
             shard = shard.to(p.device, non_blocking=True)
+        inputs, self._metadata = self.pre_all_gather(shard)
+        self._inputs = inputs
+        self._shapes = [t.shape for t in inputs]
+        self._columns = tuple(Column(t.dtype, t.numel()) for t in inputs)
+
+    def pre_all_gather(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """``(inputs, metadata)`` of the subclass's pre-all-gather hook on ``shard``, checked. The
+        eager gather (``prepare``) and the traced path (fsdp2.runtime.traced) both call it."""
+        p, layout = self.param, self.param.layout
         if self._mesh_only:
             result = getattr(shard, PRE)(self.shard_mesh)
         else:
             module = p.slots[0].module
             result = getattr(shard, PRE)(self.shard_mesh, layout.full_shape, layout.full_strides, module, p.mp_policy)
-        inputs, self._metadata = self._pair(result, PRE, "(all_gather_inputs, metadata)")
+        inputs, metadata = self._pair(result, PRE, "(all_gather_inputs, metadata)")
         inputs = tuple(inputs)
         if not all(isinstance(t, torch.Tensor) for t in inputs):
             raise FSDPUsageError(f"{self._where(PRE)} returned all-gather inputs that are not all tensors: {inputs!r}")
@@ -120,9 +129,16 @@ class SubclassCodec(GatherCodec):
                 f"must have the padded shard's {layout.chunk} rows along dim 0 (pad this rank's "
                 f"{layout.local_rows} rows, e.g. from outer_size and the mesh size)."
             )
-        self._inputs = inputs
-        self._shapes = [t.shape for t in inputs]
-        self._columns = tuple(Column(t.dtype, t.numel()) for t in inputs)
+        return inputs, metadata
+
+    def post_all_gather(self, shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any) -> torch.Tensor:
+        """The unsharded tensor ``shard``'s post-all-gather hook builds from the gathered ``outputs``
+        (each ``world * rows`` along dim 0), without ``out=``: the traced path's form."""
+        post = getattr(shard, POST)
+        tensor, _ = self._pair(
+            post(outputs, metadata, self.param.param_dtype), POST, "(unsharded_tensor, inner_tensors)"
+        )
+        return tensor
 
     def columns(self) -> tuple[Column, ...]:
         if self._columns is None:

@@ -50,6 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_ops
+from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
 
@@ -117,6 +118,26 @@ def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op:
     return _c10d.wait_tensor(reduced)
 
 
+def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a bucket's gather: ``(reduced flat shard, None)`` with gradient sync, else
+    ``(None, the unreduced gradient)`` for the accumulator (see :class:`_GatherReduce`)."""
+    r: _Reduction = ctx.reduction
+    grad = grad.to(r.reduce_dtype).contiguous()
+    if not ctx.sync:
+        return None, grad
+    (accumulated,) = ctx.saved_tensors
+    if accumulated is not None:
+        grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
+    for divisor in r.divide_before:
+        grad = grad / divisor  # fp16 would overflow summing before dividing
+    reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
+    if r.replicate_group is not None:
+        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
+    if r.divide_after != 1:
+        reduced = reduced / r.divide_after
+    return reduced.to(r.grad_dtype), None
+
+
 class _GatherReduce(torch.autograd.Function):
     """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
     gradient of the gathered row as eager's post-backward reduces a group's gradients, and hand
@@ -134,21 +155,41 @@ class _GatherReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        r: _Reduction = ctx.reduction
-        grad = grad.to(r.reduce_dtype).contiguous()
-        if not ctx.sync:
-            return None, None, grad, None, None, None, None
-        (accumulated,) = ctx.saved_tensors
-        if accumulated is not None:
-            grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
-        for divisor in r.divide_before:
-            grad = grad / divisor  # fp16 would overflow summing before dividing
-        reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
-        if r.replicate_group is not None:
-            reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
-        if r.divide_after != 1:
-            reduced = reduced / r.divide_after
-        return reduced.to(r.grad_dtype), None, None, None, None, None, None
+        reduced, unreduced = _reduce_gathered_grad(ctx, grad)
+        return reduced, None, unreduced, None, None, None, None
+
+
+class _ReduceOnly(torch.autograd.Function):
+    """The backward half of :class:`_GatherReduce`, for a bucket of parameters gathered through
+    their tensor subclass's own hooks (its float8 bytes travel outside autograd). Forward returns
+    an uninitialised row of the gathered size in ``param_dtype`` that no op reads (a compiler
+    drops it): the unsharded parameters' gradients reach this backward through it
+    (:class:`_GradientFrom`), and it reduces them as :class:`_GatherReduce` does."""
+
+    @staticmethod
+    def forward(ctx, grad_sink, like, accumulator, accumulated, numel, param_dtype, reduction: _Reduction, sync: bool):
+        ctx.reduction, ctx.sync = reduction, sync
+        ctx.save_for_backward(accumulated)
+        return like.new_empty(numel, dtype=param_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        reduced, unreduced = _reduce_gathered_grad(ctx, grad)
+        return reduced, None, unreduced, None, None, None, None, None
+
+
+class _GradientFrom(torch.autograd.Function):
+    """``unsharded`` (built outside autograd by a subclass's post-all-gather hook, e.g. torchao's
+    float8 weight), made differentiable: its gradient (``param_dtype``, the parameter's shape)
+    goes to ``carrier``, the parameter's part of a :class:`_ReduceOnly` row."""
+
+    @staticmethod
+    def forward(ctx, carrier, unsharded):
+        return unsharded.view_as(unsharded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _takes_grad(dtype: torch.dtype) -> bool:
@@ -171,6 +212,7 @@ class _Bucket:
     params: list["ShardedParam"]
     param_dtype: torch.dtype
     reduction: _Reduction
+    through_hooks: bool  # gathered through the parameters' tensor-subclass hooks (SubclassCodec)
 
     @property
     def gathered_numel(self) -> int:
@@ -312,8 +354,6 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            # One op, not torch.cat: see traced_ops.
-            flat = traced_ops.flat_cat([p.layout.padded_slot(shards[index[id(p)]]) for p in bucket.params])
             stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
@@ -328,6 +368,12 @@ class TracedGroup:
                     "since set_requires_gradient_sync(False); call it again after the change."
                 )
             accumulated = self.accumulated.get(bucket.key)
+            bucket_shards = [shards[index[id(p)]] for p in bucket.params]
+            if bucket.through_hooks:
+                by_param.update(self._gather_through_hooks(bucket, bucket_shards, sink, accumulator, accumulated))
+                continue
+            # One op, not torch.cat: see traced_ops.
+            flat = traced_ops.flat_cat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
             gathered = _GatherReduce.apply(
                 sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync
             )
@@ -340,6 +386,47 @@ class TracedGroup:
                 by_param[id(p)] = full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
         return [by_param[id(p)] for p in self.group.params]
 
+    def _gather_through_hooks(
+        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated
+    ) -> dict[int, torch.Tensor]:
+        """A bucket whose parameters gather through their subclass's hooks (eager: ``SubclassCodec``):
+        every pre-all-gather input, as bytes, side by side in ONE all-gather (gloo has no float8
+        collectives; eager's buffer is bytes too), then each parameter's post-all-gather hook. The
+        result is made differentiable into a :class:`_ReduceOnly` row, which reduces as any bucket.
+
+        The hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
+        ``precompute_float8_dynamic_scale_for_fsdp`` set (and a subclass input carrying it fails
+        torchao's ``__tensor_flatten__`` under the compiler), so its hook computes the scale in the
+        step, all-reducing the amax over the shard mesh: the same value, for weights that only
+        FSDP shards (``check_traceable`` refuses tensor-parallel ones)."""
+        r = bucket.reduction
+        hooked = [p.codec.pre_all_gather(shard) for p, shard in zip(bucket.params, shards)]
+        inputs = [t for wire, _ in hooked for t in wire]
+        if not inputs:
+            return {}
+        flat = traced_ops.flat_cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+        rows = _all_gather(flat, r.world, r.shard_group, r.out_collectives).view(r.world, -1)
+        blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
+        carrier = _ReduceOnly.apply(
+            sink,
+            flat,
+            accumulator,
+            accumulated,
+            bucket.gathered_numel,
+            bucket.param_dtype,
+            r,
+            self.group.requires_gradient_sync,
+        )
+        carriers = torch.split_with_sizes(
+            carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1
+        )
+        by_param = {}
+        for p, shard, (wire, metadata), carried in zip(bucket.params, shards, hooked, carriers):
+            outputs = tuple(next(blocks).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in wire)
+            unsharded = p.codec.post_all_gather(shard, outputs, metadata)
+            by_param[id(p)] = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded)
+        return by_param
+
     def _buckets(self) -> list[_Bucket]:
         group, dp = self.group, self.group.dp
         reduce = group.reduce
@@ -347,7 +434,8 @@ class TracedGroup:
         replicate = dp.replicate_group.group_name if dp.is_hybrid else None
         by_key: dict[tuple, _Bucket] = {}
         for p in group.params:
-            key = (p.param_dtype, p.reduce_dtype, p.orig_dtype)
+            through_hooks = isinstance(p.codec, SubclassCodec)
+            key = (through_hooks, p.param_dtype, p.reduce_dtype, p.orig_dtype)
             if key not in by_key:
                 plan = reduce.plan(p.reduce_dtype)
                 reduction = _Reduction(
@@ -362,7 +450,7 @@ class TracedGroup:
                     plan.all_reduce_op.functional_name,
                     _takes_out_collectives(shard_group),
                 )
-                by_key[key] = _Bucket(key, [], p.param_dtype, reduction)
+                by_key[key] = _Bucket(key, [], p.param_dtype, reduction, through_hooks)
             by_key[key].params.append(p)
         return list(by_key.values())
 
@@ -557,8 +645,10 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
     elif group.all_gather_policy is not None:
         problem = "set_all_gather_policy (fsdp2's quantized all-gather)"
-    elif any(not p.codec.plain for p in group.params):
-        problem = "a tensor subclass's own all-gather (fsdp_pre_all_gather, e.g. torchao's float8 all-gather)"
+    elif any(isinstance(p.codec, SubclassCodec) and p.tensor_parallel is not None for p in group.params):
+        # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
+        # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
+        problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
     elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif group.reduce.all_reduce_hook is not None:

@@ -18,7 +18,15 @@ from fsdp2 import compat
 
 _lib = torch.library.Library("fsdp2", "FRAGMENT")
 _lib.define("flat_cat(Tensor[] tensors) -> Tensor")
-_lib.impl("flat_cat", compat.flatten_dense_tensors, "CompositeExplicitAutograd")
+
+
+def _flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:  # a custom op's output may not alias its input
+        return tensors[0].reshape(-1).clone()
+    return compat.flatten_dense_tensors(tensors)
+
+
+_lib.impl("flat_cat", _flat_cat, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fsdp2::flat_cat", lib=_lib)

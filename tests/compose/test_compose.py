@@ -189,32 +189,77 @@ def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
 # -- torchao float8 all-gather under the compiled whole step ------------------------------------------
 
 
-def _float8_compiled(rank, ws):
-    """torchao float8 training with fp8 all-gather (the weights' tensor-subclass hooks) through the
-    compiled whole step: refused by name, before any step ran."""
+def _float8_compiled_vs_eager(rank, ws, param_dtype):
+    """torchao float8 training with the float8 all-gather (the weights' tensor-subclass hooks),
+    eager and compiled whole (fullgraph, aot_eager) from the same init: the first step before any
+    precomputed scale, then ``precompute_float8_dynamic_scale_for_fsdp`` after each step, and one
+    step of two microbatches, the first without gradient sync."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    from fsdp2 import fully_shard
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
     from tests.frameworks.test_frameworks import _float8_mlp
 
     torch._dynamo.reset()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    runs = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = _float8_mlp()
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        for index in (0, 2):
+            fully_shard(model[index], mesh=init_device_mesh("cpu", (ws,)), mp_policy=mp)
+        fully_shard(model, mesh=init_device_mesh("cpu", (ws,)), mp_policy=mp)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(4):
+            microbatches = 2 if step == 2 else 1
+            for micro in range(microbatches):
+                model.set_requires_gradient_sync(micro == microbatches - 1)
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                loss = run(x).float().pow(2).mean()
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            if step:  # the first step after one without: the scale comes from the compiled step itself
+                precompute_float8_dynamic_scale_for_fsdp(model)
+        runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
+    for a, b in zip(eager_losses, losses):
+        assert torch.equal(b, a), (a, b)
+    for a, b in zip(eager_params, params):
+        assert torch.equal(b, a), (a - b).abs().max()
+    assert all(not torch.equal(a, b) for a, b in zip(eager_params, _initial_float8_mlp_params(ws)))
+
+
+def _initial_float8_mlp_params(ws):
+    from tests.frameworks.test_frameworks import _float8_mlp
+
     torch.manual_seed(0)
-    model = _float8_mlp()
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    for index in (0, 2):
-        fully_shard(model[index], mesh=init_device_mesh("cpu", (ws,)))
-    fully_shard(model, mesh=init_device_mesh("cpu", (ws,)))
-    before = [p.detach().full_tensor() for p in model.parameters()]
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    _refused(lambda: compiled(torch.randn(8, 32)).sum().backward(), "fsdp_pre_all_gather")
-    assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
-    assert all(p.grad is None for p in model.parameters())
+    return [p.detach() for p in _float8_mlp().parameters()]
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torchao_float8_all_gather_compiled_whole_equals_eager(worlds, param_dtype):
+    """The compiled whole step gathers float8 weights through torchao's hooks as eager does (one
+    all-gather of their bytes per group) and reduces their gradients as any bucket's: bitwise."""
+    pytest.importorskip("torchao")
+    worlds.run(2, _float8_compiled_vs_eager, param_dtype)
+
+
+def _float8_tensor_parallel_compiled(rank, ws):
+    from tests.compose.test_matrix import Setup, _Stage, _train
+
+    setup = Setup(mesh="tp", float8="gather", compile=True)
+    _refused(lambda: _train(setup, "fsdp2", rank, ws, None, _Stage()), "torchao's float8 all-gather.*tensor-parallel")
     torch._dynamo.reset()
 
 
-def test_torchao_float8_all_gather_under_the_compiled_whole_step_is_refused_by_name(worlds):
-    """The traced path cannot yet carry a tensor subclass's own all-gather (dynamo traces the
-    gradient of the float8 weight as the subclass); eager fsdp2 runs it (tests/frameworks/test_frameworks.py)."""
+def test_torchao_float8_all_gather_on_tensor_parallel_weights_under_the_compiled_whole_step_is_refused(worlds):
+    """Under TP the compiled step's float8 hooks would scale each TP shard by its own amax (the
+    precomputed whole-weight scale does not reach them), where eager uses the precomputed one."""
     pytest.importorskip("torchao")
-    worlds.run(2, _float8_compiled)
+    worlds.run(4, _float8_tensor_parallel_compiled)
