@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 
-from fsdp2 import compat
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -22,8 +21,9 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
-    """``value`` with every tensor ``t`` replaced by ``fn(t)``; containers rebuilt only if changed."""
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any, rebuild: bool = False) -> Any:
+    """``value`` with every tensor ``t`` replaced by ``fn(t)``; containers rebuilt only if changed
+    (always with ``rebuild``)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -32,20 +32,20 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
             if not field.init:
                 continue
             old = getattr(value, field.name)
-            new = map_tensors(fn, old)
-            if new is not old:
+            new = map_tensors(fn, old, rebuild)
+            if rebuild or new is not old:
                 changes[field.name] = new
         return dataclasses.replace(value, **changes) if changes else value
     if isinstance(value, dict):
-        items = {k: map_tensors(fn, v) for k, v in value.items()}
-        if all(items[k] is value[k] for k in value):
+        items = {k: map_tensors(fn, v, rebuild) for k, v in value.items()}
+        if not rebuild and all(items[k] is value[k] for k in value):
             return value
         rebuilt = value.copy()  # keeps the mapping's own type (OrderedDict, ModelOutput, ...)
         rebuilt.update(items)
         return rebuilt
     if isinstance(value, (list, tuple)):
-        items = [map_tensors(fn, v) for v in value]
-        if all(a is b for a, b in zip(items, value)):
+        items = [map_tensors(fn, v, rebuild) for v in value]
+        if not rebuild and all(a is b for a, b in zip(items, value)):
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)(*items)  # named tuple
@@ -56,8 +56,6 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor cast to ``dtype``."""
     cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    if torch.compiler.is_compiling():
-        # torch.compile cannot compare containers by identity (map_tensors' "unchanged" check);
-        # pytree's containers only (a dataclass output is not cast under compile).
-        return compat.tree_map_only(torch.Tensor, cast, value)
-    return map_tensors(cast, value)
+    # In a trace, containers are always rebuilt: dynamo cannot compare a traced tensor with the
+    # original by identity (map_tensors' "unchanged" check).
+    return map_tensors(cast, value, rebuild=torch.compiler.is_compiling())

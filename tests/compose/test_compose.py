@@ -263,3 +263,39 @@ def test_torchao_float8_all_gather_on_tensor_parallel_weights_under_the_compiled
     precomputed whole-weight scale does not reach them), where eager uses the precomputed one."""
     pytest.importorskip("torchao")
     worlds.run(4, _float8_tensor_parallel_compiled)
+
+
+# -- inputs cast under the compiled whole step ---------------------------------------------------------
+
+
+def _dataclass_input_compiled_vs_eager(rank, ws):
+    """A dataclass input (nested) to a model with bf16 parameters and ``cast_forward_inputs``:
+    the compiled step casts it as eager does (output and gradients bitwise)."""
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
+    from tests.runtime.test_dropin import _Activation, _DataclassModel, _Features
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _DataclassModel()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(rank)
+    x = _Activation(torch.randn(4, 12, generator=generator), _Features(torch.randn(4, 12, generator=generator)))
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        out = run(x)
+        out.float().sum().backward()
+        runs[name] = (out.detach(), [_full(p.grad) for p in model.parameters()])
+    torch._dynamo.reset()
+    (eager_out, eager_grads), (out, grads) = runs["eager"], runs["compiled"]
+    assert out.dtype == torch.bfloat16 and torch.equal(out, eager_out)
+    for a, b in zip(eager_grads, grads):
+        assert torch.equal(a, b)
+
+
+def test_dataclass_inputs_are_cast_under_the_compiled_whole_step(worlds):
+    worlds.run(2, _dataclass_input_compiled_vs_eager)
