@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 
-
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in ``value``: through sequences, mappings and dataclass fields, at any depth."""
     found: list[torch.Tensor] = []
