@@ -147,6 +147,7 @@ class FSDPModule(compat.TorchFSDPModule):
         if not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         self._fsdp_state.group.reduce.all_reduce_hook = hook
+        self._fsdp_state.traced.prepare_grad_sinks()  # the compiled step hands the hook undivided shards
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: parameters without a gradient this backward are reduced as zeros, so ranks whose

@@ -77,6 +77,14 @@ class _Reduction:
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
+    # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
+    # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
+    hooked: bool
+
+    @property
+    def sink_dtype(self) -> torch.dtype:
+        """The dtype the bucket's reduced flat shard reaches its grad sink in."""
+        return self.reduce_dtype if self.hooked else self.grad_dtype
 
 
 # The compiled code calls each collective op through the dispatcher on every step. torch 2.13
@@ -133,6 +141,8 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
     if r.replicate_group is not None:
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
+    if r.hooked:
+        return reduced, None  # see _Reduction.hooked
     if r.divide_after != 1:
         reduced = reduced / r.divide_after
     return reduced.to(r.grad_dtype), None
@@ -244,6 +254,9 @@ class _GradHandOff:
         reduced, sink.grad = sink.grad, None
         if reduced is None:
             return  # a backward without gradient sync: the group's accumulator took it
+        hook = self.group.group.reduce.all_reduce_hook  # guarded in the trace: the graph agrees
+        if hook is not None:
+            reduced = self._finish_after_hook(hook, reduced)
         dtensors = self.dtensors
         fresh = self.packed
         for p, dtensor in zip(self.params, dtensors):
@@ -260,6 +273,17 @@ class _GradHandOff:
         # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
         trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
+
+    def _finish_after_hook(self, hook, reduced: torch.Tensor) -> torch.Tensor:
+        """Eager's order after the reduce-scatter (and HSDP all-reduce): the user's all-reduce hook
+        on the whole reduced bucket (``reduce_dtype``), in place, then the division, then the
+        shards' dtype (one for the bucket)."""
+        hook(reduced)
+        divisor = self.group.group.reduce.plan(reduced.dtype).divide_after
+        if divisor != 1:
+            reduced.div_(divisor)
+        grad_dtype = self.shapes[0].dtype
+        return reduced if reduced.dtype == grad_dtype else reduced.to(grad_dtype)
 
 
 def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
@@ -354,7 +378,11 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            stale_sink = sink is None or sink.numel() * bucket.reduction.world != bucket.gathered_numel
+            stale_sink = (
+                sink is None
+                or sink.numel() * bucket.reduction.world != bucket.gathered_numel
+                or sink.dtype != bucket.reduction.sink_dtype
+            )
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
                 raise FSDPUsageError(
@@ -449,6 +477,7 @@ class TracedGroup:
                     plan.reduce_scatter_op.functional_name,
                     plan.all_reduce_op.functional_name,
                     _takes_out_collectives(shard_group),
+                    reduce.all_reduce_hook is not None,
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction, through_hooks)
             by_key[key].params.append(p)
@@ -464,13 +493,19 @@ class TracedGroup:
         (``torch.func.jvp`` over the module), where no new leaf may be made."""
         sinks, hand_offs = {}, {}
         for bucket in self._buckets():
-            dtype = bucket.reduction.grad_dtype
+            dtype = bucket.reduction.sink_dtype
             if not _takes_grad(dtype):
                 continue
             params = tuple(bucket.params)
             numel = bucket.gathered_numel // bucket.reduction.world
             sink, hand_off = self.grad_sinks.get(bucket.key), self._hand_offs.get(bucket.key)
-            if sink is None or hand_off is None or hand_off.params != params or sink.numel() != numel:
+            if (
+                sink is None
+                or hand_off is None
+                or hand_off.params != params
+                or sink.numel() != numel
+                or sink.dtype != dtype
+            ):
                 hand_off = _GradHandOff(params, self)
                 sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
                 sink.register_post_accumulate_grad_hook(hand_off)
@@ -651,8 +686,6 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
     elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
-    elif group.reduce.all_reduce_hook is not None:
-        problem = "set_all_reduce_hook"
     elif not group.reduce.requires_all_reduce:
         problem = "set_requires_all_reduce(False)"
     elif (

@@ -299,3 +299,51 @@ def _dataclass_input_compiled_vs_eager(rank, ws):
 
 def test_dataclass_inputs_are_cast_under_the_compiled_whole_step(worlds):
     worlds.run(2, _dataclass_input_compiled_vs_eager)
+
+
+# -- the all-reduce hook under the compiled whole step -------------------------------------------------
+
+
+def _all_reduce_hook_compiled_vs_eager(rank, ws):
+    """A hook that scales each reduced bucket in place, with bf16 reduction of fp32 parameters:
+    the compiled step calls it on the same tensors (dtype, values) as eager, before the division."""
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        seen = []
+
+        def hook(reduced, seen=seen):
+            seen.append(reduced.clone())
+            reduced.mul_(0.5)
+
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        for module in (*model.blocks, model):
+            module.set_all_reduce_hook(hook)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            _loss(run, *_batch(step, rank, ws)).backward()
+            opt.step()
+            opt.zero_grad()
+        # As a multiset: the two executors may call the hooks of one backward in another order.
+        seen.sort(key=lambda t: (t.numel(), t.float().sum().item()))
+        runs[name] = (seen, [_full(p) for p in model.parameters()])
+    torch._dynamo.reset()
+    (eager_seen, eager_params), (seen, params) = runs["eager"], runs["compiled"]
+    assert len(seen) == len(eager_seen) == 2 * (len(base.blocks) + 1)
+    for a, b in zip(eager_seen, seen):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+    for a, b in zip(eager_params, params):
+        assert torch.equal(a, b)
+
+
+def test_all_reduce_hook_under_the_compiled_whole_step_equals_eager(worlds):
+    worlds.run(2, _all_reduce_hook_compiled_vs_eager)

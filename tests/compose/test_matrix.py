@@ -314,7 +314,7 @@ CELLS: dict[str, str] = {
     "compile+float8": "reference:0:the same run eager; float8 training without the float8 all-gather",
     "compile+lowp": "refused:FSDPUsageError:set_all_gather_policy \\(fsdp2's quantized all-gather\\) is not supported on the traced path -- the compiled whole step has no quantized all-gather (compile each block instead)",
     "compile+muon": "reference:0:the same run eager; torch.optim.Muon on an unsharded replica",
-    "compile+ft": "refused:FSDPUsageError:set_all_reduce_hook is not supported on the traced path -- the compiled whole step calls no all-reduce hook (compile each block instead)",
+    "compile+ft": "reference:0:the same run eager",
     "compile+frozen": "reference:0:the same run eager",
     "compile+meta": "reference:0:the same run eager",
     "compile+offload": "refused:FSDPUsageError:CPUOffloadPolicy is not supported on the traced path -- the compiled whole step does not offload (compile each block instead)",

@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--die-while-healing", action="store_true", help="SIGKILL while loading a peer's state")
     ap.add_argument("--gate-at", type=int, nargs="*", default=[], help="before these steps wait for gates/go_<step>")
     ap.add_argument("--timeout", type=float, default=15.0, help="seconds a dead peer may stall a collective")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) for the steps")
     args = ap.parse_args()
 
     from fsdp2.ft import FaultTolerantHSDP
@@ -80,6 +81,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build_model(args.impl, mesh, args.hidden, args.wrap)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if args.compile else model
     gates, out = Path(args.gates), Path(args.out)
     tag = f"r{args.replica}i{args.incarnation}s{rank}"
     timeout = timedelta(seconds=args.timeout)
@@ -122,7 +124,7 @@ def main() -> None:
             step = ft.step  # a healed group takes its peer's step
             in_step.update(step=step, all_reduces=0)
             x, y = batch(step, args.replica, rank)
-            nn.functional.mse_loss(model(x), y).backward()
+            nn.functional.mse_loss(run(x), y).backward()
             committed = ft.commit_step()
             log.append(
                 {

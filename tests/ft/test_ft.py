@@ -97,6 +97,35 @@ def test_parameters_equal_pytorch_fsdp2_under_torchft_bitwise(schedule_runs):
             assert torch.equal(value, theirs["params"][name]), (who, name)
 
 
+def _run_two_groups(workdir, extra: list[str], steps: int = 3) -> dict:
+    with FTJob(workdir) as job:
+        for replica in (0, 1):
+            job.launch(replica, worker_args=["--steps", str(steps), "--gate-at", "0", *extra])
+        job.wait_lighthouse(participants=0, heartbeating=2)
+        job.open_gate(0)
+        assert job.wait_group(0) == [0, 0] and job.wait_group(1) == [0, 0], job.stderr_tails()
+        return {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
+
+
+def test_the_compiled_whole_step_equals_eager_under_torchft(tmp_path):
+    """``torch.compile(model, fullgraph=True)`` under FaultTolerantHSDP: the graph hands each
+    reduced bucket to torchft's all-reduce (the all-reduce hook) before its division, as eager."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {
+            name: pool.submit(_run_two_groups, tmp_path / name, extra)
+            for name, extra in (("eager", []), ("compiled", ["--compile"]))
+        }
+        eager, compiled = (runs[name].result() for name in ("eager", "compiled"))
+    for who, theirs in eager.items():
+        ours = compiled[who]
+        assert _commits(ours["log"]) == _commits(theirs["log"]) == [(0, True, 2), (1, True, 2), (2, True, 2)]
+        for name, value in theirs["params"].items():
+            assert torch.equal(value, ours["params"][name]), (who, name)
+    replicas = [compiled[0, s]["params"] for s in range(2)], [compiled[1, s]["params"] for s in range(2)]
+    for a, b in zip(*replicas):
+        assert all(torch.equal(a[name], b[name]) for name in a)  # the groups stayed replicas
+
+
 BAD_JOINERS = {
     "other_model": (
         {"worker_args": ["--hidden", "34"]},
