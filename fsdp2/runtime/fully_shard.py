@@ -99,7 +99,8 @@ def fully_shard(
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
         if 1 < reshard_after_forward < dp.shard_size:
             group, position = dp.subgroup(reshard_after_forward)  # collective: before any change
-            subgroup = Subgroup(group, position, reshard_after_forward)
+            across = dp.across_subgroups(reshard_after_forward)
+            subgroup = Subgroup(group, position, reshard_after_forward, across)
 
     # Validation is over: from here on we change the module.
     for prepare in _before_change:

@@ -44,6 +44,7 @@ class Subgroup:
     group: dist.ProcessGroup
     position: int
     size: int
+    across: dist.ProcessGroup  # the ranks at our position in every subgroup (dp_mesh.across_subgroups)
 
 
 class KeptGatherOutput(KeptBuffer):

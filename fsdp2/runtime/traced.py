@@ -353,8 +353,9 @@ class TracedGroup:
 
     # -- the gather ---------------------------------------------------------------------------
 
-    def gather(self, recompute_in_backward: bool) -> list[torch.Tensor]:
-        """Every parameter of the group unsharded, in ``group.params`` order (one collective per bucket)."""
+    def gather(self, after_forward: schedule.AfterForward) -> list[torch.Tensor]:
+        """Every parameter of the group unsharded, in ``group.params`` order (one collective per
+        bucket; two with ``reshard_after_forward=k``, see :meth:`_gather_keeping_rows`)."""
         if self.prefetched is not None:
             gathered, self.prefetched = self.prefetched, None
             return gathered
@@ -365,14 +366,18 @@ class TracedGroup:
         # Passed in (not read inside): the checkpoint region's inputs are its arguments.
         sinks = [self.grad_sinks.get(bucket.key) for bucket in buckets]
         tensors = [*sinks, *(p.traced_leaf for p in params)]
-        if recompute_in_backward:
+        if after_forward is schedule.AfterForward.FREE:
             return list(
                 checkpoint(self._gather, buckets, *tensors, use_reentrant=False, context_fn=_recompute_in_backward)
             )
-        return self._gather(buckets, *tensors)
+        keep_rows = after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD
+        return self._gather(buckets, *tensors, keep_rows=keep_rows)
 
-    def _gather(self, buckets: list[_Bucket], *tensors: torch.Tensor | None) -> list[torch.Tensor]:
-        """``tensors``: each bucket's grad sink, then every parameter's shard."""
+    def _gather(
+        self, buckets: list[_Bucket], *tensors: torch.Tensor | None, keep_rows: bool = False
+    ) -> list[torch.Tensor]:
+        """``tensors``: each bucket's grad sink, then every parameter's shard. ``keep_rows``:
+        reshard after forward to 1/k (see :meth:`_gather_keeping_rows`)."""
         sinks, shards = tensors[: len(buckets)], tensors[len(buckets) :]
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
@@ -402,17 +407,56 @@ class TracedGroup:
                 continue
             # One op, not torch.cat: see traced_ops.
             flat = traced_ops.flat_cat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
-            gathered = _GatherReduce.apply(
-                sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync
-            )
-            rows = gathered.view(bucket.reduction.world, -1)
-            widths = [p.layout.padded_shard_numel for p in bucket.params]
-            for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
-                full = p.layout.full_from_rank_rows(block)
-                # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
-                # backward turns a pending-sum gradient into these placements, as eager's local_grad.
-                by_param[id(p)] = full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
+            if keep_rows:
+                carrier = _ReduceOnly.apply(
+                    sink,
+                    flat,
+                    accumulator,
+                    accumulated,
+                    bucket.gathered_numel,
+                    bucket.param_dtype,
+                    bucket.reduction,
+                    sync,
+                )
+                unsharded = self._gather_keeping_rows(bucket, flat, carrier)
+            else:
+                gathered = _GatherReduce.apply(
+                    sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync
+                )
+                unsharded = self._unsharded_params(bucket, gathered)
+            by_param.update(zip(map(id, bucket.params), unsharded))
         return [by_param[id(p)] for p in self.group.params]
+
+    @staticmethod
+    def _unsharded_params(bucket: _Bucket, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out)."""
+        rows = gathered.view(bucket.reduction.world, -1)
+        widths = [p.layout.padded_shard_numel for p in bucket.params]
+        unsharded = []
+        for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
+            full = p.layout.full_from_rank_rows(block)
+            # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
+            # backward turns a pending-sum gradient into these placements, as eager's local_grad.
+            unsharded.append(full if p.tensor_parallel is None else p.tensor_parallel.wrap(full))
+        return unsharded
+
+    def _gather_keeping_rows(self, bucket: _Bucket, flat: torch.Tensor, carrier: torch.Tensor) -> list[torch.Tensor]:
+        """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
+        over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
+        over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
+        the rows eager keeps and is saved for backward; then over the subgroup, in a region that
+        backward recomputes from the kept rows. Both outside autograd: the gradient reaches
+        ``carrier`` (a :class:`_ReduceOnly` row), which reduces over all ranks as any bucket's."""
+        r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
+        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, subgroup.across.group_name, False)
+
+        def unshard(carrier: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
+            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False)
+            # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
+            rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
+            return self._unsharded_params(bucket, _GradientFrom.apply(carrier, rows))
+
+        return list(checkpoint(unshard, carrier, kept, use_reentrant=False, context_fn=_recompute_in_backward))
 
     def _gather_through_hooks(
         self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated
@@ -574,14 +618,14 @@ class TracedGroup:
         if is_root:
             _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
         check_traceable(self)
-        self.hold(self.gather(self.recomputes(is_root)))
+        self.hold(self.gather(self.after_forward(is_root)))
         self.modules_left = len(self.modules)
         _trace.touched.append(self)
         targets = forward_prefetch or ([self.next] if self.next is not None else [])
         for other in targets:
             if other.held is None and other.prefetched is None:
                 check_traceable(other)
-                other.prefetched = other.gather(other.recomputes(is_root=False))
+                other.prefetched = other.gather(other.after_forward(is_root=False))
                 _trace.touched.append(other)
 
     def post_forward(self) -> None:
@@ -602,12 +646,12 @@ class TracedGroup:
             _trace.touched.clear()
             _trace.root = None
 
-    def recomputes(self, is_root: bool) -> bool:
-        """Whether backward gathers again (eager: the group reshards after forward)."""
+    def after_forward(self, is_root: bool) -> schedule.AfterForward:
+        """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
         if not torch.is_grad_enabled():
-            return False  # no backward: nothing is saved anyway
+            return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
         setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
-        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size) is schedule.AfterForward.FREE
+        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size)
 
 
 class _TraceScope:
@@ -688,11 +732,6 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif not group.reduce.requires_all_reduce:
         problem = "set_requires_all_reduce(False)"
-    elif (
-        schedule.after_forward(group.reshard_after_forward.setting, is_root=False, shard_size=group.dp.shard_size)
-        is schedule.AfterForward.KEEP_SUBGROUP_SHARD
-    ):
-        problem = "reshard_after_forward=k with 1 < k < shard size (set_reshard_after_forward(True) frees all)"
     elif group.reduce.include_unused:
         problem = "set_reduce_scatter_unused_params(True)"
     elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):

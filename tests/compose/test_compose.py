@@ -347,3 +347,80 @@ def _all_reduce_hook_compiled_vs_eager(rank, ws):
 
 def test_all_reduce_hook_under_the_compiled_whole_step_equals_eager(worlds):
     worlds.run(2, _all_reduce_hook_compiled_vs_eager)
+
+
+# -- reshard_after_forward=k under the compiled whole step ---------------------------------------------
+
+
+def _gather_ops(graph) -> list[tuple[int, str]]:
+    """(group size, group name) of each all-gather in an FX graph."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if "all_gather_into_tensor" in str(node.target):
+            found.append((node.args[1], node.args[2]))
+        elif "auto_functionalized" in str(node.target) and "all_gather_into_tensor_out" in str(node.args[0]):
+            found.append((node.kwargs["group_size"], node.kwargs["group_name"]))  # the *_out variant
+    return found
+
+
+def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
+    """``reshard_after_forward=2`` on 4 ranks: compiled (fullgraph) equals eager bitwise, and
+    with a rematerialising partitioner the backward graph re-gathers each block over 2 ranks (the
+    forward gathers over the 2 ranks at this rank's subgroup position, then over the subgroup)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fsdp2 import fully_shard
+
+    graphs = {"forward": [], "backward": []}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm.graph)
+            return gm.forward
+
+        return compiler
+
+    backend = aot_autograd(
+        fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition
+    )
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=2)
+        fully_shard(model)
+        run = torch.compile(model, backend=backend, fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            loss = _loss(run, *_batch(step, rank, ws))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        base_subgroup = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
+    torch._dynamo.reset()
+    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    (forward,), (backward,) = graphs["forward"], graphs["backward"]
+    blocks = len(base.blocks)
+    forward_sizes = sorted(size for size, _ in _gather_ops(forward))
+    assert forward_sizes == [2] * (2 * blocks) + [ws], forward_sizes  # each block: across, then subgroup; the root
+    subgroup = base_subgroup[0].group.group_name
+    assert _gather_ops(backward) == [(2, subgroup)] * blocks, (
+        _gather_ops(backward),
+        subgroup,
+        _gather_ops(forward),
+    )  # over the subgroup, from the kept rows
+
+
+def test_reshard_after_forward_to_a_subgroup_under_the_compiled_whole_step(worlds):
+    worlds.run(4, _reshard_to_subgroup_compiled_vs_eager)
