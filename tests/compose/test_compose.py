@@ -405,7 +405,7 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
             opt.zero_grad()
             losses.append(loss.detach())
         runs[name] = (losses, [_full(p) for p in model.parameters()])
-        base_subgroup = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
+        subgroups = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
     torch._dynamo.reset()
     (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
@@ -414,12 +414,8 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
     blocks = len(base.blocks)
     forward_sizes = sorted(size for size, _ in _gather_ops(forward))
     assert forward_sizes == [2] * (2 * blocks) + [ws], forward_sizes  # each block: across, then subgroup; the root
-    subgroup = base_subgroup[0].group.group_name
-    assert _gather_ops(backward) == [(2, subgroup)] * blocks, (
-        _gather_ops(backward),
-        subgroup,
-        _gather_ops(forward),
-    )  # over the subgroup, from the kept rows
+    subgroup = subgroups[0].group.group_name
+    assert _gather_ops(backward) == [(2, subgroup)] * blocks  # over the subgroup, from the kept rows
 
 
 def test_reshard_after_forward_to_a_subgroup_under_the_compiled_whole_step(worlds):
