@@ -347,6 +347,18 @@ def default_process_group() -> Any:
 functional_collectives = torch.ops._c10d_functional
 
 
+def register_ordered_effect(op) -> bool:
+    """Make the compilers keep ``op`` (it returns nothing: its effect is all it does) and run it in
+    program order, in forward and backward graphs, as ``aten::_print``. False where this torch
+    has no such registration (the caller then does without the op under compile)."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:
+        return False
+    _register_effectful_op(op, _EffectType.ORDERED)
+    return True
+
+
 def held_parameter_registry(module: nn.Module) -> dict:
     """``module``'s ``_parameters`` dict object itself, read as the compiled step reads it (through
     the instance dict: a trace reaches this ``def``)."""

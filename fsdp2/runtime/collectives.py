@@ -17,7 +17,12 @@ active_counters: list = []
 
 
 def _record(kind: str, tensor: torch.Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
+    record(kind, tensor.numel() * tensor.element_size())
+
+
+def record(kind: str, nbytes: int) -> None:
+    """Count one collective of ``kind`` moving ``nbytes`` in every active counter (also called by
+    a compiled step's graph, through ``fsdp2.runtime.traced_ops.record_comm``)."""
     for counter in active_counters:
         counter.record(kind, nbytes)
 

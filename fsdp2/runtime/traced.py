@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,9 +78,13 @@ class _Reduction:
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
+    counted: bool  # traced inside count_comm: the graph records its collectives (traced_ops.record_comm)
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
     # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
     hooked: bool
+    # The bytes backward gathers again (recomputing a gather of reshard_after_forward), which
+    # backward records for count_comm: a recomputed region's own record op is not recomputed.
+    regathered_bytes: int = 0
 
     @property
     def sink_dtype(self) -> torch.dtype:
@@ -110,7 +115,9 @@ def _takes_out_collectives(group: dist.ProcessGroup) -> bool:
     return takes
 
 
-def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool) -> torch.Tensor:
+def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool, counted: bool) -> torch.Tensor:
+    if counted:  # count_comm's record of it, as eager's: the output buffer
+        traced_ops.record_comm("all_gather", world * send.numel() * send.element_size())
     if not out_op:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
     gathered = send.new_empty(world * send.numel())
@@ -118,7 +125,9 @@ def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool) -> tor
     return _c10d.wait_tensor(gathered)
 
 
-def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op: bool) -> torch.Tensor:
+def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op: bool, counted: bool) -> torch.Tensor:
+    if counted:  # the input buffer, as eager's
+        traced_ops.record_comm("reduce_scatter", grad.numel() * grad.element_size())
     if not out_op:
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
     reduced = grad.new_empty(grad.numel() // world)
@@ -130,6 +139,8 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     """The backward of a bucket's gather: ``(reduced flat shard, None)`` with gradient sync, else
     ``(None, the unreduced gradient)`` for the accumulator (see :class:`_GatherReduce`)."""
     r: _Reduction = ctx.reduction
+    if r.counted and r.regathered_bytes:
+        traced_ops.record_comm("all_gather", r.regathered_bytes)
     grad = grad.to(r.reduce_dtype).contiguous()
     if not ctx.sync:
         return None, grad
@@ -138,8 +149,10 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None,
         grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
     for divisor in r.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
-    reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives)
+    reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted)
     if r.replicate_group is not None:
+        if r.counted:
+            traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
     if r.hooked:
         return reduced, None  # see _Reduction.hooked
@@ -160,7 +173,11 @@ class _GatherReduce(torch.autograd.Function):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
         return _all_gather(
-            flat_shards.to(param_dtype), reduction.world, reduction.shard_group, reduction.out_collectives
+            flat_shards.to(param_dtype),
+            reduction.world,
+            reduction.shard_group,
+            reduction.out_collectives,
+            reduction.counted,
         )
 
     @staticmethod
@@ -367,17 +384,17 @@ class TracedGroup:
         sinks = [self.grad_sinks.get(bucket.key) for bucket in buckets]
         tensors = [*sinks, *(p.traced_leaf for p in params)]
         if after_forward is schedule.AfterForward.FREE:
-            return list(
-                checkpoint(self._gather, buckets, *tensors, use_reentrant=False, context_fn=_recompute_in_backward)
-            )
-        keep_rows = after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD
-        return self._gather(buckets, *tensors, keep_rows=keep_rows)
+            gather = functools.partial(self._gather, buckets, after_forward=after_forward)
+            return list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=_recompute_in_backward))
+        return self._gather(buckets, *tensors, after_forward=after_forward)
 
     def _gather(
-        self, buckets: list[_Bucket], *tensors: torch.Tensor | None, keep_rows: bool = False
+        self, buckets: list[_Bucket], *tensors: torch.Tensor | None, after_forward: schedule.AfterForward
     ) -> list[torch.Tensor]:
-        """``tensors``: each bucket's grad sink, then every parameter's shard. ``keep_rows``:
-        reshard after forward to 1/k (see :meth:`_gather_keeping_rows`)."""
+        """``tensors``: each bucket's grad sink, then every parameter's shard. ``after_forward``:
+        FREE runs in a region backward recomputes; KEEP_SUBGROUP_SHARD see :meth:`_gather_keeping_rows`."""
+        keep_rows = after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD
+        regathers = after_forward is not schedule.AfterForward.KEEP
         sinks, shards = tensors[: len(buckets)], tensors[len(buckets) :]
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
@@ -402,9 +419,17 @@ class TracedGroup:
                 )
             accumulated = self.accumulated.get(bucket.key)
             bucket_shards = [shards[index[id(p)]] for p in bucket.params]
-            if bucket.through_hooks:
-                by_param.update(self._gather_through_hooks(bucket, bucket_shards, sink, accumulator, accumulated))
+            if bucket.through_hooks:  # with reshard_after_forward=k too: what it gathered is kept
+                regathers_hooked = after_forward is schedule.AfterForward.FREE
+                gathered = self._gather_through_hooks(
+                    bucket, bucket_shards, sink, accumulator, accumulated, regathers_hooked
+                )
+                by_param.update(gathered)
                 continue
+            reduction = bucket.reduction
+            if regathers and reduction.counted:
+                nbytes = bucket.gathered_numel * bucket.param_dtype.itemsize
+                reduction = dataclasses.replace(reduction, regathered_bytes=nbytes)
             # One op, not torch.cat: see traced_ops.
             flat = traced_ops.flat_cat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
             if keep_rows:
@@ -415,13 +440,13 @@ class TracedGroup:
                     accumulated,
                     bucket.gathered_numel,
                     bucket.param_dtype,
-                    bucket.reduction,
+                    reduction,
                     sync,
                 )
                 unsharded = self._gather_keeping_rows(bucket, flat, carrier)
             else:
                 gathered = _GatherReduce.apply(
-                    sink, flat, accumulator, accumulated, bucket.param_dtype, bucket.reduction, sync
+                    sink, flat, accumulator, accumulated, bucket.param_dtype, reduction, sync
                 )
                 unsharded = self._unsharded_params(bucket, gathered)
             by_param.update(zip(map(id, bucket.params), unsharded))
@@ -448,10 +473,11 @@ class TracedGroup:
         backward recomputes from the kept rows. Both outside autograd: the gradient reaches
         ``carrier`` (a :class:`_ReduceOnly` row), which reduces over all ranks as any bucket's."""
         r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
-        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, subgroup.across.group_name, False)
+        across = subgroup.across.group_name
+        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted)
 
         def unshard(carrier: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
-            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False)
+            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted)
             # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
             rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
             return self._unsharded_params(bucket, _GradientFrom.apply(carrier, rows))
@@ -459,7 +485,7 @@ class TracedGroup:
         return list(checkpoint(unshard, carrier, kept, use_reentrant=False, context_fn=_recompute_in_backward))
 
     def _gather_through_hooks(
-        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated
+        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, regathers: bool
     ) -> dict[int, torch.Tensor]:
         """A bucket whose parameters gather through their subclass's hooks (eager: ``SubclassCodec``):
         every pre-all-gather input, as bytes, side by side in ONE all-gather (gloo has no float8
@@ -477,8 +503,10 @@ class TracedGroup:
         if not inputs:
             return {}
         flat = traced_ops.flat_cat([t.reshape(-1).view(torch.uint8) for t in inputs])
-        rows = _all_gather(flat, r.world, r.shard_group, r.out_collectives).view(r.world, -1)
+        rows = _all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted).view(r.world, -1)
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
+        if regathers and r.counted:
+            r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
         carrier = _ReduceOnly.apply(
             sink,
             flat,
@@ -504,6 +532,8 @@ class TracedGroup:
         reduce = group.reduce
         shard_group = reduce.reduce_scatter_group or dp.shard_group
         replicate = dp.replicate_group.group_name if dp.is_hybrid else None
+        # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
+        counted = bool(collectives.active_counters)
         by_key: dict[tuple, _Bucket] = {}
         for p in group.params:
             through_hooks = isinstance(p.codec, SubclassCodec)
@@ -521,6 +551,7 @@ class TracedGroup:
                     plan.reduce_scatter_op.functional_name,
                     plan.all_reduce_op.functional_name,
                     _takes_out_collectives(shard_group),
+                    counted,
                     reduce.all_reduce_hook is not None,
                 )
                 by_key[key] = _Bucket(key, [], p.param_dtype, reduction, through_hooks)
@@ -715,9 +746,8 @@ def check_traceable(traced: TracedGroup) -> None:
     group = traced.group
     where = f"torch.compile over fully_shard({group.name})"
     problem = None
-    if collectives.active_counters:  # read in every trace: dynamo guards on it, so entering count_comm retraces
-        # Its counters see the collectives fsdp2 issues eagerly; a compiled step's are graph ops.
-        problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step (it would count nothing)"
+    if collectives.active_counters and not traced_ops.records_comm:
+        problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step on this torch (no ordered effects)"
     elif any(p.offload for p in group.params):
         problem = "CPUOffloadPolicy"
     elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):

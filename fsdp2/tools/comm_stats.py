@@ -17,10 +17,10 @@ What is counted, per call on this rank:
 These are buffer sizes, not bytes on the wire: a ring all-gather or reduce-scatter moves
 ``(group_size - 1) / group_size`` of the buffer through each rank's link. Only collectives
 issued through :mod:`fsdp2.runtime.collectives` are seen (not DTensor ops such as ``full_tensor()``, nor
-user calls to ``torch.distributed``), and not a compiled step's (``torch.compile(model)`` over
-fully_shard: its collectives are graph ops), which the traced path refuses to trace inside a
-counter under ``fullgraph``; without ``fullgraph`` dynamo runs the hooks eagerly and they are
-counted. Counters nest; with none active the collectives do one empty-list check and nothing else.
+user calls to ``torch.distributed``), and those of a step compiled whole (``torch.compile(model)``
+over fully_shard): a step traced inside a counter records its collectives from the graph
+(``fsdp2.runtime.traced_ops.record_comm``). Counters nest; with none active the collectives do one
+empty-list check and nothing else, and compiled graphs record nothing.
 """
 
 from __future__ import annotations
