@@ -443,10 +443,14 @@ def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tens
     return grads
 
 
-def accumulate_sharded_grads(params: Sequence[ShardedParam], reduced_slots: Sequence[torch.Tensor]) -> None:
+def accumulate_sharded_grads(
+    params: Sequence[ShardedParam], reduced_slots: Sequence[torch.Tensor], host_syncs_later: bool = True
+) -> None:
     """Add each parameter's rows of its reduced padded slot to its sharded ``.grad`` (a DTensor),
     which lives where the shard lives: on the CPU under offload, whatever the mesh's device, so the
-    optimizer steps there. First gradients are assigned in one call for the group."""
+    optimizer steps there. First gradients are assigned in one call for the group.
+    ``host_syncs_later``: the eager root waits for the device once at the end of backward, so a
+    first offloaded gradient may copy asynchronously; else (the compiled step) every copy waits."""
     fresh_params, fresh_grads = [], []
     for p, slot in zip(params, reduced_slots):
         layout = p.layout
@@ -463,7 +467,7 @@ def accumulate_sharded_grads(params: Sequence[ShardedParam], reduced_slots: Sequ
         if p.offload:
             # A fresh gradient may arrive asynchronously (the root syncs the host once at the
             # end of backward); one the host adds to right away must be there now.
-            local = local.to(p.storage_device, non_blocking=existing is None and p._pin)
+            local = local.to(p.storage_device, non_blocking=host_syncs_later and existing is None and p._pin)
         if existing is None:
             p.sharded_param.grad = compat.dtensor_like(p.sharded_param, local.contiguous())
         else:

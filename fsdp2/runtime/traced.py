@@ -258,7 +258,7 @@ class _GradHandOff:
         self.group = group  # its sums of backwards without sync are added in now
         self.widths = [p.layout.padded_shard_numel for p in params]
         # No padding on this rank: the reduced flat shard is the local shards back to back.
-        self.packed = all(p.layout.local_rows == p.layout.chunk for p in params)
+        self.packed = all(p.layout.local_rows == p.layout.chunk and not p.offload for p in params)
         self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
         self.take_params()
 
@@ -289,7 +289,8 @@ class _GradHandOff:
         slots = torch.split_with_sizes(reduced, self.widths)
         # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
         trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
-        accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable])
+        # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
+        accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable], False)
 
     def _finish_after_hook(self, hook, reduced: torch.Tensor) -> torch.Tensor:
         """Eager's order after the reduce-scatter (and HSDP all-reduce): the user's all-reduce hook
@@ -432,6 +433,7 @@ class TracedGroup:
                 reduction = dataclasses.replace(reduction, regathered_bytes=nbytes)
             # One op, not torch.cat: see traced_ops.
             flat = traced_ops.flat_cat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
+            flat = flat.to(self.group.dp.device)  # CPU offload: the shards live on the host
             if keep_rows:
                 carrier = _ReduceOnly.apply(
                     sink,
@@ -498,7 +500,8 @@ class TracedGroup:
         step, all-reducing the amax over the shard mesh: the same value, for weights that only
         FSDP shards (``check_traceable`` refuses tensor-parallel ones)."""
         r = bucket.reduction
-        hooked = [p.codec.pre_all_gather(shard) for p, shard in zip(bucket.params, shards)]
+        # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
+        hooked = [p.codec.pre_all_gather(shard.to(p.device)) for p, shard in zip(bucket.params, shards)]
         inputs = [t for wire, _ in hooked for t in wire]
         if not inputs:
             return {}
@@ -748,8 +751,6 @@ def check_traceable(traced: TracedGroup) -> None:
     problem = None
     if collectives.active_counters and not traced_ops.records_comm:
         problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step on this torch (no ordered effects)"
-    elif any(p.offload for p in group.params):
-        problem = "CPUOffloadPolicy"
     elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):
         problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
     elif group.all_gather_policy is not None:

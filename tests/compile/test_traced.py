@@ -404,16 +404,11 @@ def _compile_with(rank, world_size, setup):
     """The message of the error a compiled step raises after ``setup(model)`` (None: no error)."""
     import torch._dynamo
 
-    from fsdp2 import CPUOffloadPolicy
-
     torch._dynamo.reset()
     model, cfg = _build("gpt")
-    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if setup == "offload" else {}
-    model = _shard(model, **kwargs)
+    model = _shard(model)
     if setup == "replaced":
         model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
-    elif setup == "all_reduce_hook":
-        model.blocks[1].set_all_reduce_hook(lambda grad: None)
     elif setup == "premul_sum":
         model.blocks[1].set_gradient_divide_factor(3.0)  # PREMUL_SUM(1/3) on NCCL
     elif setup == "stale_grad_sink":  # as if its dtypes had changed without fsdp2 re-reading them
@@ -438,8 +433,6 @@ def _compile_with(rank, world_size, setup):
 @pytest.mark.parametrize(
     "setup, names",
     [
-        ("offload", ["fully_shard(GPT)", "CPUOffloadPolicy", "block.compile()"]),
-        ("all_reduce_hook", ["fully_shard(Block)", "set_all_reduce_hook"]),
         ("replaced", ["fully_shard(Block)", "mlp.0.weight", "load_state_dict"]),
         (
             "premul_sum",

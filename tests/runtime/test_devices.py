@@ -67,3 +67,12 @@ def _train_one_step(mesh, mp: bool):
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
 def test_cpu_offload_keeps_shards_and_grads_on_cpu_with_an_accelerator_mesh(accelerator_mesh, mp):
     _train_one_step(accelerator_mesh, mp=mp)
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
+def test_the_compiled_steps_path_keeps_offloaded_shards_and_grads_on_cpu(accelerator_mesh, mp, monkeypatch):
+    """The same step through the path a compiled whole step traces (fsdp2.runtime.traced), run
+    eagerly: the shards are moved to the device before the gather and the reduced gradients back
+    to the host, where the optimizer steps."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    _train_one_step(accelerator_mesh, mp=mp)
