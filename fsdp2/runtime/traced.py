@@ -219,6 +219,12 @@ class _GradientFrom(torch.autograd.Function):
         return grad, None
 
 
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` flattened side by side: one op, not torch.cat (see traced_ops); one tensor is
+    its own flat view (a custom op's output may not alias its input)."""
+    return tensors[0].reshape(-1) if len(tensors) == 1 else traced_ops.flat_cat(tensors)
+
+
 def _takes_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
@@ -432,8 +438,9 @@ class TracedGroup:
                 nbytes = bucket.gathered_numel * bucket.param_dtype.itemsize
                 reduction = dataclasses.replace(reduction, regathered_bytes=nbytes)
             # One op, not torch.cat: see traced_ops.
-            flat = traced_ops.flat_cat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
-            flat = flat.to(self.group.dp.device)  # CPU offload: the shards live on the host
+            flat = _flat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
+            if bucket.params[0].offload:  # CPU offload: the shards live on the host (the group's all do)
+                flat = flat.to(self.group.dp.device)
             if keep_rows:
                 carrier = _ReduceOnly.apply(
                     sink,
@@ -501,11 +508,14 @@ class TracedGroup:
         FSDP shards (``check_traceable`` refuses tensor-parallel ones)."""
         r = bucket.reduction
         # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
-        hooked = [p.codec.pre_all_gather(shard.to(p.device)) for p, shard in zip(bucket.params, shards)]
+        hooked = [
+            p.codec.pre_all_gather(shard.to(p.device) if p.offload else shard)
+            for p, shard in zip(bucket.params, shards)
+        ]
         inputs = [t for wire, _ in hooked for t in wire]
         if not inputs:
             return {}
-        flat = traced_ops.flat_cat([t.reshape(-1).view(torch.uint8) for t in inputs])
+        flat = _flat([t.reshape(-1).view(torch.uint8) for t in inputs])
         rows = _all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted).view(r.world, -1)
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
         if regathers and r.counted:

@@ -5,10 +5,12 @@ counters when the compiled step runs (an ordered effect: kept in the graph, in p
 forward and backward). The traced path emits it only in a step traced inside ``count_comm``.
 
 ``flat_cat(tensors)``: the tensors flattened and concatenated, as ``torch.cat([t.reshape(-1) ...])``,
-but one opaque op to the compiler. It packs a bucket's shards into the all-gather input. Inductor
-lowers ``torch.cat`` on the CPU as one aliasing view of the output per input, each a Python call
-in the compiled code on every step (and again for the re-gather in backward); an op it does not
-know runs as one call to ATen's ``cat``, which copies all inputs in one kernel on any device.
+but one opaque op to the compiler. It packs a bucket's shards into the all-gather input. Two or
+more tensors: of one, ATen's kernel returns a view, which a custom op's output may not be (the
+traced path reshapes a single tensor instead). Inductor lowers ``torch.cat`` on the CPU as one
+aliasing view of the output per input, each a Python call in the compiled code on every step
+(and again for the re-gather in backward); an op it does not know runs as one call to ATen's
+``cat``, which copies all inputs in one kernel on any device.
 
 It has no autograd formula: the traced path hands the all-gather's gradient to its grad sinks,
 never to the shards (plain tensors that take no gradient).
@@ -23,15 +25,7 @@ from fsdp2.runtime import collectives
 
 _lib = torch.library.Library("fsdp2", "FRAGMENT")
 _lib.define("flat_cat(Tensor[] tensors) -> Tensor")
-
-
-def _flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:  # a custom op's output may not alias its input
-        return tensors[0].reshape(-1).clone()
-    return compat.flatten_dense_tensors(tensors)
-
-
-_lib.impl("flat_cat", _flat_cat, "CompositeExplicitAutograd")
+_lib.impl("flat_cat", compat.flatten_dense_tensors, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fsdp2::flat_cat", lib=_lib)
