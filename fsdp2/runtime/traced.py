@@ -78,6 +78,7 @@ class _Reduction:
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
+    params: int  # in the bucket: the sink's tail holds which forward used (see _reduce_gathered_grad)
     counted: bool  # traced inside count_comm: the graph records its collectives (traced_ops.record_comm)
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
     # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
@@ -135,15 +136,22 @@ def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op:
     return _c10d.wait_tensor(reduced)
 
 
-def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The backward of a bucket's gather: ``(reduced flat shard, None)`` with gradient sync, else
-    ``(None, the unreduced gradient)`` for the accumulator (see :class:`_GatherReduce`)."""
+def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward of a bucket's gather: ``(the grad sink's gradient, the accumulator's)``.
+
+    The sink's gradient is the reduced flat shard (zeros without gradient sync, when the
+    unreduced gradient goes to the accumulator instead), then a tail: per parameter whether this
+    backward reached it (``used``: 1 where :class:`_GradientFrom`'s backward ran, i.e. forward
+    used the parameter), then 1 if the gradients were synced. Eager reduces and writes only
+    parameters some backward reached (a gradient exists); the hand-off reads the tail to match.
+    """
     r: _Reduction = ctx.reduction
     if r.counted and r.regathered_bytes:
         traced_ops.record_comm("all_gather", r.regathered_bytes)
     grad = grad.to(r.reduce_dtype).contiguous()
     if not ctx.sync:
-        return None, grad
+        tail = torch.cat([used.to(r.sink_dtype), used.new_zeros(1, dtype=r.sink_dtype)])
+        return torch.cat([tail.new_zeros(grad.numel() // r.world), tail]), grad
     (accumulated,) = ctx.saved_tensors
     if accumulated is not None:
         grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
@@ -154,11 +162,11 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None,
         if r.counted:
             traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
-    if r.hooked:
-        return reduced, None  # see _Reduction.hooked
-    if r.divide_after != 1:
-        reduced = reduced / r.divide_after
-    return reduced.to(r.grad_dtype), None
+    if not r.hooked:  # else the hand-off divides and casts after the hook (see _Reduction.hooked)
+        if r.divide_after != 1:
+            reduced = reduced / r.divide_after
+        reduced = reduced.to(r.grad_dtype)
+    return torch.cat([reduced, used.to(reduced.dtype), reduced.new_ones(1)]), None
 
 
 class _GatherReduce(torch.autograd.Function):
@@ -172,18 +180,19 @@ class _GatherReduce(torch.autograd.Function):
     def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        return _all_gather(
+        gathered = _all_gather(
             flat_shards.to(param_dtype),
             reduction.world,
             reduction.shard_group,
             reduction.out_collectives,
             reduction.counted,
         )
+        return gathered, gathered.new_zeros(reduction.params)  # the second: see _GradientFrom
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        reduced, unreduced = _reduce_gathered_grad(ctx, grad)
-        return reduced, None, unreduced, None, None, None, None
+    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
+        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
+        return to_sink, None, to_accumulator, None, None, None, None
 
 
 class _ReduceOnly(torch.autograd.Function):
@@ -197,26 +206,41 @@ class _ReduceOnly(torch.autograd.Function):
     def forward(ctx, grad_sink, like, accumulator, accumulated, numel, param_dtype, reduction: _Reduction, sync: bool):
         ctx.reduction, ctx.sync = reduction, sync
         ctx.save_for_backward(accumulated)
-        return like.new_empty(numel, dtype=param_dtype)
+        return like.new_empty(numel, dtype=param_dtype), like.new_zeros(reduction.params, dtype=param_dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        reduced, unreduced = _reduce_gathered_grad(ctx, grad)
-        return reduced, None, unreduced, None, None, None, None, None
+    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
+        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
+        return to_sink, None, to_accumulator, None, None, None, None, None
 
 
 class _GradientFrom(torch.autograd.Function):
-    """``unsharded`` (built outside autograd by a subclass's post-all-gather hook, e.g. torchao's
-    float8 weight), made differentiable: its gradient (``param_dtype``, the parameter's shape)
-    goes to ``carrier``, the parameter's part of a :class:`_ReduceOnly` row."""
+    """One unsharded parameter as the modules see it: ``unsharded`` (a view of the gathered row,
+    or a tensor a subclass's post-all-gather hook built outside autograd, e.g. torchao's float8
+    weight), its gradient (``param_dtype``, the parameter's shape) going to ``carrier`` (its part
+    of the gathered row, or of a :class:`_ReduceOnly` row), and a 1 to ``used``, its slot in the
+    bucket's usage row, only if backward reaches it (forward used the parameter)."""
 
     @staticmethod
-    def forward(ctx, carrier, unsharded):
+    def forward(ctx, carrier, unsharded, used):
         return unsharded.view_as(unsharded)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, grad.new_ones(())
+
+
+class _MarkUsed(torch.autograd.Function):
+    """One unsharded parameter, a view of the gathered row, as the modules see it: its gradient
+    flows to the row as a view's would, and a 1 to ``used`` (as :class:`_GradientFrom`)."""
+
+    @staticmethod
+    def forward(ctx, unsharded, used):
+        return unsharded.view_as(unsharded)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(())
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -251,6 +275,11 @@ class _Bucket:
     def gathered_numel(self) -> int:
         return self.reduction.world * sum(p.layout.padded_shard_numel for p in self.params)
 
+    @property
+    def sink_numel(self) -> int:
+        """The reduced flat shard, then the tail of :func:`_reduce_gathered_grad`."""
+        return self.gathered_numel // self.reduction.world + len(self.params) + 1
+
 
 class _GradHandOff:
     """A bucket's reduced flat shard (``padded_shard_numel`` per parameter, parameter after
@@ -266,6 +295,9 @@ class _GradHandOff:
         # No padding on this rank: the reduced flat shard is the local shards back to back.
         self.packed = all(p.layout.local_rows == p.layout.chunk and not p.offload for p in params)
         self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
+        # Which parameters the backwards without gradient sync since the last synced one reached.
+        self.used_before: list[float] | None = None
+        self.tail = len(params) + 1  # see _reduce_gathered_grad
         self.take_params()
 
     def take_params(self) -> None:
@@ -274,27 +306,37 @@ class _GradHandOff:
         self.dtensors: list[DTensor] = [p.sharded_param for p in self.params]
 
     def __call__(self, sink: torch.Tensor) -> None:
-        reduced, sink.grad = sink.grad, None
-        if reduced is None:
-            return  # a backward without gradient sync: the group's accumulator took it
+        delivered, sink.grad = sink.grad, None
+        tail = self.tail
+        *used, synced = delivered[-tail:].tolist()
+        if self.used_before is not None:
+            used = [now or before for now, before in zip(used, self.used_before)]
+        if not synced:  # a backward without gradient sync: the group's accumulator took its gradients
+            self.used_before = used
+            return
+        self.used_before = None
+        if self.group.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
+            used = [1.0] * len(used)
+        reduced = delivered  # the tail is past every parameter's slot: nothing below reads it
         hook = self.group.group.reduce.all_reduce_hook  # guarded in the trace: the graph agrees
         if hook is not None:
-            reduced = self._finish_after_hook(hook, reduced)
+            reduced = self._finish_after_hook(hook, delivered[:-tail])  # the hook sees eager's bucket
         dtensors = self.dtensors
         fresh = self.packed
-        for p, dtensor in zip(self.params, dtensors):
+        for p, dtensor, reached in zip(self.params, dtensors, used):
             if compat.local_tensor_of(dtensor) is not p.traced_source:
                 raise _swapped_shard_error(p)
-            if dtensor.grad is not None or not dtensor.requires_grad:
+            if dtensor.grad is not None or not dtensor.requires_grad or not reached:
                 fresh = False
         if self.group.accumulated:
             self.group.drop_accumulated()
         if fresh:
             compat.assign_dtensor_grads(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
             return
-        slots = torch.split_with_sizes(reduced, self.widths)
-        # Frozen after fully_shard (the graph does not see it): eager computes no gradient for it.
-        trainable = [i for i, d in enumerate(dtensors) if d.requires_grad]
+        slots = torch.split_with_sizes(reduced[: sum(self.widths)], self.widths)
+        # As eager: a parameter no backward reached (unused in forward) gets no gradient, nor one
+        # frozen after fully_shard (the graph does not see it).
+        trainable = [i for i, d in enumerate(dtensors) if d.requires_grad and used[i]]
         # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable], False)
 
@@ -407,11 +449,7 @@ class TracedGroup:
         index = {id(p): i for i, p in enumerate(self.group.params)}
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
-            stale_sink = (
-                sink is None
-                or sink.numel() * bucket.reduction.world != bucket.gathered_numel
-                or sink.dtype != bucket.reduction.sink_dtype
-            )
+            stale_sink = sink is None or sink.numel() != bucket.sink_numel or sink.dtype != bucket.reduction.sink_dtype
             if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
                 raise FSDPUsageError(
@@ -442,7 +480,7 @@ class TracedGroup:
             if bucket.params[0].offload:  # CPU offload: the shards live on the host (the group's all do)
                 flat = flat.to(self.group.dp.device)
             if keep_rows:
-                carrier = _ReduceOnly.apply(
+                carrier, used = _ReduceOnly.apply(
                     sink,
                     flat,
                     accumulator,
@@ -452,29 +490,41 @@ class TracedGroup:
                     reduction,
                     sync,
                 )
-                unsharded = self._gather_keeping_rows(bucket, flat, carrier)
+                unsharded = self._gather_keeping_rows(bucket, flat, carrier, used)
             else:
-                gathered = _GatherReduce.apply(
+                gathered, used = _GatherReduce.apply(
                     sink, flat, accumulator, accumulated, bucket.param_dtype, reduction, sync
                 )
-                unsharded = self._unsharded_params(bucket, gathered)
+                unsharded = self._unsharded_params(bucket, gathered, gathered, used)
             by_param.update(zip(map(id, bucket.params), unsharded))
         return [by_param[id(p)] for p in self.group.params]
 
     @staticmethod
-    def _unsharded_params(bucket: _Bucket, gathered: torch.Tensor) -> list[torch.Tensor]:
-        """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out)."""
-        rows = gathered.view(bucket.reduction.world, -1)
+    def _unsharded_params(
+        bucket: _Bucket, gathered: torch.Tensor, carrier: torch.Tensor, used: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out), their
+        gradients to ``carrier`` (the same row, or a :class:`_ReduceOnly` one), each use to ``used``."""
+        world = bucket.reduction.world
         widths = [p.layout.padded_shard_numel for p in bucket.params]
+        blocks = torch.split_with_sizes(gathered.view(world, -1), widths, dim=1)
+        same = carrier is gathered
+        carriers = blocks if same else torch.split_with_sizes(carrier.view(world, -1), widths, dim=1)
         unsharded = []
-        for p, block in zip(bucket.params, torch.split_with_sizes(rows, widths, dim=1)):
-            full = p.layout.full_from_rank_rows(block)
+        for i, (p, block, carried) in enumerate(zip(bucket.params, blocks, carriers)):
+            value = p.layout.full_from_rank_rows(block)
+            if same:
+                full = _MarkUsed.apply(value, used[i])
+            else:
+                full = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, used[i])
             # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
             # backward turns a pending-sum gradient into these placements, as eager's local_grad.
             unsharded.append(full if p.tensor_parallel is None else p.tensor_parallel.wrap(full))
         return unsharded
 
-    def _gather_keeping_rows(self, bucket: _Bucket, flat: torch.Tensor, carrier: torch.Tensor) -> list[torch.Tensor]:
+    def _gather_keeping_rows(
+        self, bucket: _Bucket, flat: torch.Tensor, carrier: torch.Tensor, used: torch.Tensor
+    ) -> list[torch.Tensor]:
         """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
         over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
         over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
@@ -485,13 +535,13 @@ class TracedGroup:
         across = subgroup.across.group_name
         kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted)
 
-        def unshard(carrier: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
+        def unshard(carrier: torch.Tensor, used: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
             gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted)
             # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
             rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
-            return self._unsharded_params(bucket, _GradientFrom.apply(carrier, rows))
+            return self._unsharded_params(bucket, rows, carrier, used)
 
-        return list(checkpoint(unshard, carrier, kept, use_reentrant=False, context_fn=_recompute_in_backward))
+        return list(checkpoint(unshard, carrier, used, kept, use_reentrant=False, context_fn=_recompute_in_backward))
 
     def _gather_through_hooks(
         self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, regathers: bool
@@ -520,7 +570,7 @@ class TracedGroup:
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
         if regathers and r.counted:
             r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
-        carrier = _ReduceOnly.apply(
+        carrier, used = _ReduceOnly.apply(
             sink,
             flat,
             accumulator,
@@ -534,10 +584,10 @@ class TracedGroup:
             carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1
         )
         by_param = {}
-        for p, shard, (wire, metadata), carried in zip(bucket.params, shards, hooked, carriers):
+        for i, (p, shard, (wire, metadata), carried) in enumerate(zip(bucket.params, shards, hooked, carriers)):
             outputs = tuple(next(blocks).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in wire)
             unsharded = p.codec.post_all_gather(shard, outputs, metadata)
-            by_param[id(p)] = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded)
+            by_param[id(p)] = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
         return by_param
 
     def _buckets(self) -> list[_Bucket]:
@@ -547,29 +597,32 @@ class TracedGroup:
         replicate = dp.replicate_group.group_name if dp.is_hybrid else None
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
-        by_key: dict[tuple, _Bucket] = {}
+        by_key: dict[tuple, list] = {}
         for p in group.params:
-            through_hooks = isinstance(p.codec, SubclassCodec)
-            key = (through_hooks, p.param_dtype, p.reduce_dtype, p.orig_dtype)
-            if key not in by_key:
-                plan = reduce.plan(p.reduce_dtype)
-                reduction = _Reduction(
-                    dp.shard_size,
-                    shard_group.group_name,
-                    replicate,
-                    p.reduce_dtype,
-                    p.orig_dtype,
-                    plan.divide_before,
-                    plan.divide_after,
-                    plan.reduce_scatter_op.functional_name,
-                    plan.all_reduce_op.functional_name,
-                    _takes_out_collectives(shard_group),
-                    counted,
-                    reduce.all_reduce_hook is not None,
-                )
-                by_key[key] = _Bucket(key, [], p.param_dtype, reduction, through_hooks)
-            by_key[key].params.append(p)
-        return list(by_key.values())
+            by_key.setdefault(
+                (isinstance(p.codec, SubclassCodec), p.param_dtype, p.reduce_dtype, p.orig_dtype), []
+            ).append(p)
+        buckets = []
+        for key, params in by_key.items():
+            through_hooks, param_dtype, reduce_dtype, orig_dtype = key
+            plan = reduce.plan(reduce_dtype)
+            reduction = _Reduction(
+                dp.shard_size,
+                shard_group.group_name,
+                replicate,
+                reduce_dtype,
+                orig_dtype,
+                plan.divide_before,
+                plan.divide_after,
+                plan.reduce_scatter_op.functional_name,
+                plan.all_reduce_op.functional_name,
+                _takes_out_collectives(shard_group),
+                len(params),
+                counted,
+                reduce.all_reduce_hook is not None,
+            )
+            buckets.append(_Bucket(key, params, param_dtype, reduction, through_hooks))
+        return buckets
 
     # -- the gradient hand-off ----------------------------------------------------------------
 
@@ -585,7 +638,7 @@ class TracedGroup:
             if not _takes_grad(dtype):
                 continue
             params = tuple(bucket.params)
-            numel = bucket.gathered_numel // bucket.reduction.world
+            numel = bucket.sink_numel
             sink, hand_off = self.grad_sinks.get(bucket.key), self._hand_offs.get(bucket.key)
             if (
                 sink is None
@@ -773,8 +826,6 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif not group.reduce.requires_all_reduce:
         problem = "set_requires_all_reduce(False)"
-    elif group.reduce.include_unused:
-        problem = "set_reduce_scatter_unused_params(True)"
     elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):
         problem = (
             "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "

@@ -210,8 +210,9 @@ def _count_calls(step) -> tuple[int, int, int]:
 
 # Compiled fsdp2 against the compiled unsharded model here (torch 2.13), AdamW's default (a loop
 # over parameters on the CPU) on local shards: the whole step (forward, backward, step, zero_grad)
-# makes 1938 calls against 1641 (1.18x), forward + backward 1066 against 791 (1.35x). The rest over
-# the unsharded model is mostly PyTorch's:
+# makes 1954 calls against 1641 (1.19x), forward + backward 1082 against 791 (1.37x); of those, 16
+# read which parameters backward reached (eager writes no gradient for one forward did not use).
+# The rest over the unsharded model is mostly PyTorch's:
 # wait_tensor's Python autograd kernel, inductor's views of the gathered buffers and of the
 # gradient it concatenates, AOTAutograd's and inductor's per-input checks of the shards saved for
 # the backward's re-gather, the gradients' DTensors and dynamo's replay of the modules' parameter
@@ -220,7 +221,7 @@ MAX_STEP_CALLS_OVER_UNSHARDED = 1.2  # the target: within 1.2x of the compiled u
 # Forward + backward: 1.37x with the hooks as bound methods and a reduce-plan cache keyed by process
 # group (Python guards), 1.53x with torch.cat's views and the collectives' Python autograd, 1.86x
 # with DTensor guards.
-MAX_CALLS_OVER_UNSHARDED = 1.36
+MAX_CALLS_OVER_UNSHARDED = 1.38
 
 
 def test_python_calls_of_the_compiled_step_against_the_unsharded_model(fake_world):

@@ -420,3 +420,91 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
 
 def test_reshard_after_forward_to_a_subgroup_under_the_compiled_whole_step(worlds):
     worlds.run(4, _reshard_to_subgroup_compiled_vs_eager)
+
+
+# -- parameters forward did not use ----------------------------------------------------------------------
+
+
+class _WithUnused(torch.nn.Module):
+    """``skipped`` runs only when asked; ``never`` never does (both in the root's group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.skipped, self.never = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_skipped: bool):
+        h = torch.relu(self.first(x))
+        if use_skipped:
+            h = torch.relu(self.skipped(h))
+        return self.head(h)
+
+
+def _unused_params_compiled_vs_eager(rank, ws):
+    """A parameter no forward used gets no gradient (``.grad`` None, so AdamW's weight decay leaves
+    it alone), in the compiled step as in eager fsdp2 and PyTorch's FSDP2: alone, and in an
+    accumulation whose first microbatch (without sync) used it and whose last did not."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp2 import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _WithUnused()
+    runs = {}
+    for name in ("pytorch", "eager", "compiled"):
+        model = copy.deepcopy(base)
+        (torch_fully_shard if name == "pytorch" else fully_shard)(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        grads = []
+        for step, uses in enumerate(([False], [True, False])):
+            for micro, use_skipped in enumerate(uses):
+                model.set_requires_gradient_sync(micro == len(uses) - 1)
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro + rank))
+                run(x, use_skipped).sum().backward()
+            grads.append({n: p.grad is None for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        runs[name] = (grads, [_full(p) for p in model.parameters()])
+    torch._dynamo.reset()
+    for name in ("eager", "compiled"):
+        assert runs[name][0] == runs["pytorch"][0], (name, runs[name][0])
+        assert all(torch.equal(a, b) for a, b in zip(runs["pytorch"][1], runs[name][1])), name
+    none_at_first = runs["pytorch"][0][0]
+    assert none_at_first["skipped.weight"] and none_at_first["never.weight"] and not none_at_first["first.weight"]
+    assert not runs["pytorch"][0][1]["skipped.weight"] and runs["pytorch"][0][1]["never.weight"]
+
+
+def test_unused_parameters_get_no_gradient_under_the_compiled_whole_step(worlds):
+    worlds.run(2, _unused_params_compiled_vs_eager)
+
+
+def _unused_params_reduced_compiled_vs_eager(rank, ws):
+    """``set_reduce_scatter_unused_params(True)``: a zero gradient for a parameter forward did not
+    use, compiled as eager (AdamW's weight decay then moves it in both)."""
+    from fsdp2 import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _WithUnused()
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        fully_shard(model)
+        model.set_reduce_scatter_unused_params(True)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        run(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)), False).sum().backward()
+        grads = {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        runs[name] = (grads, [_full(p) for p in model.parameters()])
+    torch._dynamo.reset()
+    (eager_grads, eager_params), (grads, params) = runs["eager"], runs["compiled"]
+    assert eager_grads["never.weight"] is not None and not eager_grads["never.weight"].any()
+    assert all(torch.equal(eager_grads[n], grads[n]) for n in eager_grads)
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+
+
+def test_reduce_scatter_unused_params_under_the_compiled_whole_step(worlds):
+    worlds.run(2, _unused_params_reduced_compiled_vs_eager)
