@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.distributed.fsdp as torch_fsdp
 from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
+from torch._subclasses.fake_tensor import DataDependentOutputException as _DataDependentOutputException
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.autograd import Variable
@@ -260,6 +261,8 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 
 # Fake tensors (torch.compile's tracing, FakeTensorMode): they have no storage, hence no data_ptr.
 FakeTensor = _FakeTensor
+# What reading a value out of a FakeTensor raises (a RuntimeError).
+DataDependentOutputException = _DataDependentOutputException
 
 # torch's multi-tensor kernels, one op for a whole list (torch.optim's foreach paths run on them),
 # and the chunk-and-concatenate kernel PyTorch's FSDP2 packs reduce-scatter inputs with: ``out``

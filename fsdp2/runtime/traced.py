@@ -223,11 +223,13 @@ class _GradientFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, carrier, unsharded, used):
+        ctx.used = (used.dtype, used.device)  # not from ``grad``: it may be a subclass (float8's)
         return unsharded.view_as(unsharded)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, grad.new_ones(())
+        dtype, device = ctx.used
+        return grad, None, torch.ones((), dtype=dtype, device=device)
 
 
 class _MarkUsed(torch.autograd.Function):
@@ -308,7 +310,10 @@ class _GradHandOff:
     def __call__(self, sink: torch.Tensor) -> None:
         delivered, sink.grad = sink.grad, None
         tail = self.tail
-        *used, synced = delivered[-tail:].tolist()
+        try:
+            *used, synced = delivered[-tail:].tolist()
+        except compat.DataDependentOutputException:  # a run without data (FakeTensorMode): no tail to read
+            used, synced = [1.0] * len(self.params), self.group.group.requires_gradient_sync
         if self.used_before is not None:
             used = [now or before for now, before in zip(used, self.used_before)]
         if not synced:  # a backward without gradient sync: the group's accumulator took its gradients
