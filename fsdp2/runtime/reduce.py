@@ -277,10 +277,15 @@ class GroupReduce:
                 return
             self._add_partial(pending)
             collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
+        self.finish_reduced(pending.output, plan)
+
+    def finish_reduced(self, output: torch.Tensor, plan: ReducePlan) -> None:
+        """A reduced bucket after its collectives: the user's all-reduce hook on it, then the
+        division, in place (PyTorch FSDP2's order). The compiled step's hand-off calls it too."""
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(pending.output)  # before the division, as PyTorch's FSDP2
+            self.all_reduce_hook(output)
         if plan.divide_after != 1:
-            pending.output.div_(plan.divide_after)
+            output.div_(plan.divide_after)
 
     def _keep_partial(self, pending: PendingReduce) -> None:
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):

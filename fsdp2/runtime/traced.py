@@ -323,9 +323,8 @@ class _GradHandOff:
         if self.group.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
             used = [1.0] * len(used)
         reduced = delivered  # the tail is past every parameter's slot: nothing below reads it
-        hook = self.group.group.reduce.all_reduce_hook  # guarded in the trace: the graph agrees
-        if hook is not None:
-            reduced = self._finish_after_hook(hook, delivered[:-tail])  # the hook sees eager's bucket
+        if self.group.group.reduce.all_reduce_hook is not None:  # guarded in the trace: the graph agrees
+            reduced = self._finish_after_hook(delivered[:-tail])  # the hook sees eager's bucket
         dtensors = self.dtensors
         fresh = self.packed
         for p, dtensor, reached in zip(self.params, dtensors, used):
@@ -345,14 +344,11 @@ class _GradHandOff:
         # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable], False)
 
-    def _finish_after_hook(self, hook, reduced: torch.Tensor) -> torch.Tensor:
-        """Eager's order after the reduce-scatter (and HSDP all-reduce): the user's all-reduce hook
-        on the whole reduced bucket (``reduce_dtype``), in place, then the division, then the
-        shards' dtype (one for the bucket)."""
-        hook(reduced)
-        divisor = self.group.group.reduce.plan(reduced.dtype).divide_after
-        if divisor != 1:
-            reduced.div_(divisor)
+    def _finish_after_hook(self, reduced: torch.Tensor) -> torch.Tensor:
+        """What the graph left undivided in ``reduce_dtype`` (``_Reduction.hooked``): eager's
+        finish (the hook, then the division), then the shards' dtype (one for the bucket)."""
+        reduce = self.group.group.reduce
+        reduce.finish_reduced(reduced, reduce.plan(reduced.dtype))
         grad_dtype = self.shapes[0].dtype
         return reduced if reduced.dtype == grad_dtype else reduced.to(grad_dtype)
 
