@@ -277,7 +277,8 @@ class GroupReduce:
                 return
             self._add_partial(pending)
             collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
-        self.finish_reduced(pending.output, plan)
+        if self.all_reduce_hook is not None or plan.divide_after != 1:  # else no call: host work per step
+            self.finish_reduced(pending.output, plan)
 
     def finish_reduced(self, output: torch.Tensor, plan: ReducePlan) -> None:
         """A reduced bucket after its collectives: the user's all-reduce hook on it, then the
