@@ -482,14 +482,7 @@ class TracedGroup:
                 flat = flat.to(self.group.dp.device)
             if keep_rows:
                 carrier, used = _ReduceOnly.apply(
-                    sink,
-                    flat,
-                    accumulator,
-                    accumulated,
-                    bucket.gathered_numel,
-                    bucket.param_dtype,
-                    reduction,
-                    sync,
+                    sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, reduction, sync
                 )
                 unsharded = self._gather_keeping_rows(bucket, flat, carrier, used)
             else:
@@ -571,15 +564,9 @@ class TracedGroup:
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
         if regathers and r.counted:
             r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
+        sync = self.group.requires_gradient_sync
         carrier, used = _ReduceOnly.apply(
-            sink,
-            flat,
-            accumulator,
-            accumulated,
-            bucket.gathered_numel,
-            bucket.param_dtype,
-            r,
-            self.group.requires_gradient_sync,
+            sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, r, sync
         )
         carriers = torch.split_with_sizes(
             carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1

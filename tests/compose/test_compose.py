@@ -30,6 +30,15 @@ def _refused(call, match: str) -> None:
     assert isinstance(raised.value, FSDPUsageError) or "FSDPUsageError(" in str(raised.value), raised.value
 
 
+def _assert_compiled_equals_eager(runs: dict) -> None:
+    """``runs``: per executor ("eager", "compiled") its losses and final full parameters; bitwise."""
+    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
+    for a, b in zip(eager_losses, losses, strict=True):
+        assert torch.equal(b, a), (a, b)
+    for a, b in zip(eager_params, params, strict=True):
+        assert torch.equal(b, a), (a - b).abs().max()
+
+
 def _grads(model):
     return {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
 
@@ -175,11 +184,7 @@ def _tp_compiled_vs_eager(rank, ws, steps):
             losses.append(loss.detach())
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
-    for a, b in zip(eager_losses, losses):
-        assert torch.equal(b, a), (a, b)
-    for a, b in zip(eager_params, params):
-        assert torch.equal(b, a)
+    _assert_compiled_equals_eager(runs)
 
 
 def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
@@ -227,12 +232,8 @@ def _float8_compiled_vs_eager(rank, ws, param_dtype):
                 precompute_float8_dynamic_scale_for_fsdp(model)
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
-    for a, b in zip(eager_losses, losses):
-        assert torch.equal(b, a), (a, b)
-    for a, b in zip(eager_params, params):
-        assert torch.equal(b, a), (a - b).abs().max()
-    assert all(not torch.equal(a, b) for a, b in zip(eager_params, _initial_float8_mlp_params(ws)))
+    _assert_compiled_equals_eager(runs)
+    assert all(not torch.equal(a, b) for a, b in zip(runs["eager"][1], _initial_float8_mlp_params(ws)))
 
 
 def _initial_float8_mlp_params(ws):
@@ -407,9 +408,7 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
         runs[name] = (losses, [_full(p) for p in model.parameters()])
         subgroups = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
     torch._dynamo.reset()
-    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
-    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
-    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    _assert_compiled_equals_eager(runs)
     (forward,), (backward,) = graphs["forward"], graphs["backward"]
     blocks = len(base.blocks)
     forward_sizes = sorted(size for size, _ in _gather_ops(forward))
