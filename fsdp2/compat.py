@@ -350,6 +350,13 @@ def default_process_group() -> Any:
 functional_collectives = torch.ops._c10d_functional
 
 
+def process_group_named(name: str) -> torch.distributed.ProcessGroup:
+    """The process group a functional collective names ``name`` (``group.group_name``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def register_ordered_effect(op) -> bool:
     """Make the compilers keep ``op`` (it returns nothing: its effect is all it does) and run it in
     program order, in forward and backward graphs, as ``aten::_print``. False where this torch

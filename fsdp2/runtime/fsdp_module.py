@@ -189,6 +189,7 @@ class FSDPModule(compat.TorchFSDPModule):
         async_op)``) for this module's all-gathers instead of c10d's."""
         _check_comm(comm, "set_custom_all_gather")
         self._fsdp_state.group.gather.custom_all_gather = comm
+        self._fsdp_state.traced.use_custom_comm("all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
@@ -196,6 +197,7 @@ class FSDPModule(compat.TorchFSDPModule):
         instead of c10d's."""
         _check_comm(comm, "set_custom_reduce_scatter")
         self._fsdp_state.group.reduce.custom_reduce_scatter = comm
+        self._fsdp_state.traced.use_custom_comm("reduce_scatter", comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: this module's gradient collectives reduce with SUM only, and the division by the

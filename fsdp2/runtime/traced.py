@@ -79,6 +79,9 @@ class _Reduction:
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
     params: int  # in the bucket: the sink's tail holds which forward used (see _reduce_gathered_grad)
+    # set_custom_all_gather / set_custom_reduce_scatter: the user's objects' keys (traced_ops.register_comm)
+    custom_all_gather: str | None
+    custom_reduce_scatter: str | None
     counted: bool  # traced inside count_comm: the graph records its collectives (traced_ops.record_comm)
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
     # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
@@ -116,9 +119,13 @@ def _takes_out_collectives(group: dist.ProcessGroup) -> bool:
     return takes
 
 
-def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool, counted: bool) -> torch.Tensor:
+def _all_gather(
+    send: torch.Tensor, world: int, group: str, out_op: bool, counted: bool, custom: str | None
+) -> torch.Tensor:
     if counted:  # count_comm's record of it, as eager's: the output buffer
         traced_ops.record_comm("all_gather", world * send.numel() * send.element_size())
+    if custom is not None:  # set_custom_all_gather
+        return traced_ops.custom_all_gather(send, world, group, custom)
     if not out_op:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
     gathered = send.new_empty(world * send.numel())
@@ -126,9 +133,13 @@ def _all_gather(send: torch.Tensor, world: int, group: str, out_op: bool, counte
     return _c10d.wait_tensor(gathered)
 
 
-def _reduce_scatter(grad: torch.Tensor, op: str, world: int, group: str, out_op: bool, counted: bool) -> torch.Tensor:
+def _reduce_scatter(
+    grad: torch.Tensor, op: str, world: int, group: str, out_op: bool, counted: bool, custom: str | None
+) -> torch.Tensor:
     if counted:  # the input buffer, as eager's
         traced_ops.record_comm("reduce_scatter", grad.numel() * grad.element_size())
+    if custom is not None:  # set_custom_reduce_scatter
+        return traced_ops.custom_reduce_scatter(grad, world, op, group, custom)
     if not out_op:
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
     reduced = grad.new_empty(grad.numel() // world)
@@ -157,7 +168,9 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[
         grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
     for divisor in r.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
-    reduced = _reduce_scatter(grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted)
+    reduced = _reduce_scatter(
+        grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_reduce_scatter
+    )
     if r.replicate_group is not None:
         if r.counted:
             traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
@@ -186,6 +199,7 @@ class _GatherReduce(torch.autograd.Function):
             reduction.shard_group,
             reduction.out_collectives,
             reduction.counted,
+            reduction.custom_all_gather,
         )
         return gathered, gathered.new_zeros(reduction.params)  # the second: see _GradientFrom
 
@@ -389,6 +403,7 @@ class TracedGroup:
         "grad_sinks",
         "_hand_offs",
         "param_replaced",
+        "custom_comm_keys",
         "_held_dicts",
         "__weakref__",
     )
@@ -404,6 +419,7 @@ class TracedGroup:
         self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
         self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
         self._hand_offs: dict[tuple, _GradHandOff] = {}  # their hooks
+        self.custom_comm_keys: dict[str, str] = {}  # see use_custom_comm
         self.prepare_grad_sinks()
         # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
         # the group's slots; a trace reads it (one guard), and only then compares each parameter.
@@ -411,6 +427,12 @@ class TracedGroup:
         self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
         group.on_params_refreshed = self.params_refreshed
         _registrations.watch(self)
+
+    def use_custom_comm(self, kind: str, comm: object) -> None:
+        """``set_custom_all_gather`` (``kind`` "all_gather") / ``set_custom_reduce_scatter``
+        ("reduce_scatter"): the graph calls ``comm`` through ``traced_ops`` (read in the trace:
+        setting another retraces)."""
+        self.custom_comm_keys = {**self.custom_comm_keys, kind: traced_ops.register_comm(comm)}
 
     def params_refreshed(self) -> None:
         """fsdp2 re-read the parameters (ShardedParam.refresh): replacements are taken over, and
@@ -527,10 +549,11 @@ class TracedGroup:
         ``carrier`` (a :class:`_ReduceOnly` row), which reduces over all ranks as any bucket's."""
         r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
         across = subgroup.across.group_name
-        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted)
+        custom = r.custom_all_gather
+        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom)
 
         def unshard(carrier: torch.Tensor, used: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
-            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted)
+            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted, custom)
             # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
             rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
             return self._unsharded_params(bucket, rows, carrier, used)
@@ -560,7 +583,8 @@ class TracedGroup:
         if not inputs:
             return {}
         flat = _flat([t.reshape(-1).view(torch.uint8) for t in inputs])
-        rows = _all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted).view(r.world, -1)
+        gathered = _all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_all_gather)
+        rows = gathered.view(r.world, -1)
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
         if regathers and r.counted:
             r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
@@ -606,6 +630,8 @@ class TracedGroup:
                 plan.all_reduce_op.functional_name,
                 _takes_out_collectives(shard_group),
                 len(params),
+                self.custom_comm_keys.get("all_gather"),
+                self.custom_comm_keys.get("reduce_scatter"),
                 counted,
                 reduce.all_reduce_hook is not None,
             )
@@ -810,8 +836,6 @@ def check_traceable(traced: TracedGroup) -> None:
         # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
         # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
         problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
-    elif group.gather.custom_all_gather is not None or group.reduce.custom_reduce_scatter is not None:
-        problem = "set_custom_all_gather / set_custom_reduce_scatter"
     elif not group.reduce.requires_all_reduce:
         problem = "set_requires_all_reduce(False)"
     elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):

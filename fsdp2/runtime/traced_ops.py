@@ -4,6 +4,11 @@
 counters when the compiled step runs (an ordered effect: kept in the graph, in program order,
 forward and backward). The traced path emits it only in a step traced inside ``count_comm``.
 
+``custom_all_gather(send, world, group, comm)`` / ``custom_reduce_scatter(grad, world, op, group, comm)``:
+a user's collective (``set_custom_all_gather`` / ``set_custom_reduce_scatter``: an object with
+``allocate`` and ``__call__``, PyTorch FSDP2's protocol) called as eager calls it, from the graph,
+as one opaque op; ``comm`` is its key from :func:`register_comm`, ``group`` a process group name.
+
 ``flat_cat(tensors)``: the tensors flattened and concatenated, as ``torch.cat([t.reshape(-1) ...])``,
 but one opaque op to the compiler. It packs a bucket's shards into the all-gather input. Two or
 more tensors: of one, ATen's kernel returns a view, which a custom op's output may not be (the
@@ -18,7 +23,10 @@ never to the shards (plain tensors that take no gradient).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.distributed
 
 from fsdp2 import compat
 from fsdp2.runtime import collectives
@@ -48,3 +56,55 @@ def _record_comm_fake(kind: str, nbytes: int) -> None:
 # False on a torch that cannot keep it in a graph: count_comm around a compiled step is refused there.
 records_comm = compat.register_ordered_effect(torch.ops.fsdp2.record_comm.default)
 record_comm = torch.ops.fsdp2.record_comm.default
+
+
+# The user's collective objects, by the key the graph names them with (set eagerly, at
+# set_custom_all_gather / set_custom_reduce_scatter; weakly: the module owns them).
+_comms: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+
+
+def register_comm(comm: object) -> str:
+    """Make ``comm`` callable from a graph; returns its key."""
+    key = f"{type(comm).__qualname__}@{id(comm):x}"
+    _comms[key] = comm
+    return key
+
+
+def _custom_all_gather(send: torch.Tensor, world: int, group: str, comm: str) -> torch.Tensor:
+    user, pg, numel = _comms[comm], compat.process_group_named(group), send.numel()
+    gathered = user.allocate((world * numel,), dtype=send.dtype, device=send.device)
+    own = gathered.narrow(0, torch.distributed.get_rank(pg) * numel, numel)
+    own.copy_(send.reshape(-1))
+    work = user(gathered, own, pg, async_op=False)  # eager's call: this rank's slot is in place
+    if work is not None:
+        work.wait()
+    return gathered
+
+
+def _custom_reduce_scatter(grad: torch.Tensor, world: int, op: str, group: str, comm: str) -> torch.Tensor:
+    user, pg = _comms[comm], compat.process_group_named(group)
+    reduced = user.allocate((grad.numel() // world,), dtype=grad.dtype, device=grad.device)
+    work = user(reduced, grad.reshape(-1), pg, op=getattr(torch.distributed.ReduceOp, op.upper()), async_op=False)
+    if work is not None:
+        work.wait()
+    return reduced
+
+
+_lib.define("custom_all_gather(Tensor send, int world, str group, str comm) -> Tensor")
+_lib.impl("custom_all_gather", _custom_all_gather, "CompositeExplicitAutograd")
+_lib.define("custom_reduce_scatter(Tensor grad, int world, str op, str group, str comm) -> Tensor")
+_lib.impl("custom_reduce_scatter", _custom_reduce_scatter, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fsdp2::custom_all_gather", lib=_lib)
+def _custom_all_gather_fake(send: torch.Tensor, world: int, group: str, comm: str) -> torch.Tensor:
+    return send.new_empty(world * send.numel())
+
+
+@torch.library.register_fake("fsdp2::custom_reduce_scatter", lib=_lib)
+def _custom_reduce_scatter_fake(grad: torch.Tensor, world: int, op: str, group: str, comm: str) -> torch.Tensor:
+    return grad.new_empty(grad.numel() // world)
+
+
+custom_all_gather = torch.ops.fsdp2.custom_all_gather.default
+custom_reduce_scatter = torch.ops.fsdp2.custom_reduce_scatter.default

@@ -507,3 +507,76 @@ def _unused_params_reduced_compiled_vs_eager(rank, ws):
 
 def test_reduce_scatter_unused_params_under_the_compiled_whole_step(worlds):
     worlds.run(2, _unused_params_reduced_compiled_vs_eager)
+
+
+# -- custom collectives under the compiled whole step ------------------------------------------------
+
+
+class _UserAllGather:
+    """A user's all-gather (PyTorch's ``AllGather`` protocol): c10d's, with its calls counted."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        import torch.distributed as dist
+
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _UserReduceScatter:
+    """A user's reduce-scatter (PyTorch's ``ReduceScatter`` protocol), with its calls and ops noted."""
+
+    def __init__(self):
+        self.ops = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+
+        self.ops.append(str(op))
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _custom_collectives_compiled_vs_eager(rank, ws):
+    """``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on every group: the compiled step
+    calls the user's objects where eager does (as many calls, the same reduce ops), bitwise."""
+    from fsdp2 import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    runs, calls = {}, {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        gather, scatter = _UserAllGather(), _UserReduceScatter()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        for module in (*model.blocks, model):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            loss = _loss(run, *_batch(step, rank, ws))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        calls[name] = (gather.calls, sorted(scatter.ops))
+    torch._dynamo.reset()
+    _assert_compiled_equals_eager(runs)
+    assert calls["compiled"] == calls["eager"] and calls["eager"][0] > 0, calls
+
+
+def test_custom_collectives_under_the_compiled_whole_step_equal_eager(worlds):
+    worlds.run(2, _custom_collectives_compiled_vs_eager)
