@@ -2,8 +2,9 @@
 
 ``torch.compile(model, fullgraph=True)`` over fully_shard'ed modules traces the hooks (fsdp2's
 ``FSDPState`` sends them here while dynamo traces) instead of breaking the graph at each one.
-Nothing here keeps eager state: each step's collectives are functional collectives in the graph,
-and autograd builds the backward. How it maps to the eager path:
+Nothing here keeps eager state: each step's collectives are functional collectives in the graph
+(fsdp2.runtime.traced_graph builds a bucket's), and autograd builds the backward. How it maps to
+the eager path:
 
 - gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
   side in one flat row (the layout of ``GatherBucket``: parameter after parameter; one
@@ -44,13 +45,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime import collectives, schedule, traced_ops
+from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
@@ -61,221 +61,6 @@ if TYPE_CHECKING:
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
-_c10d = compat.functional_collectives
-
-
-@dataclass(frozen=True)
-class _Reduction:
-    """How a bucket's gradient is reduced: what eager's ``GroupReduce`` would do with it."""
-
-    world: int
-    shard_group: str  # process group names: functional collectives take names
-    replicate_group: str | None  # HSDP: all-reduce across replicas after the reduce-scatter
-    reduce_dtype: torch.dtype
-    grad_dtype: torch.dtype  # the shards' dtype
-    divide_before: tuple[float, ...]
-    divide_after: float
-    reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
-    all_reduce_op: str
-    out_collectives: bool  # see _OUT_COLLECTIVES
-    params: int  # in the bucket: the sink's tail holds which forward used (see _reduce_gathered_grad)
-    # set_custom_all_gather / set_custom_reduce_scatter: the user's objects' keys (traced_ops.register_comm)
-    custom_all_gather: str | None
-    custom_reduce_scatter: str | None
-    counted: bool  # traced inside count_comm: the graph records its collectives (traced_ops.record_comm)
-    # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
-    # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
-    hooked: bool
-    # The bytes backward gathers again (recomputing a gather of reshard_after_forward), which
-    # backward records for count_comm: a recomputed region's own record op is not recomputed.
-    regathered_bytes: int = 0
-
-    @property
-    def sink_dtype(self) -> torch.dtype:
-        """The dtype the bucket's reduced flat shard reaches its grad sink in."""
-        return self.reduce_dtype if self.hooked else self.grad_dtype
-
-
-# The compiled code calls each collective op through the dispatcher on every step. torch 2.13
-# registers the functional collectives' autograd in Python (7 Python calls per op call, even
-# without grad); their ``*_out`` variants have none, and inductor runs them in place into a buffer
-# it allocates. ``wait_tensor`` has no such variant.
-_OUT_COLLECTIVES = compat.out_collectives_traceable()
-
-
-# By group name, noted eagerly (fully_shard, refresh_params): a trace cannot ask a group its class.
-_groups_taking_out_collectives: dict[str, bool] = {}
-
-
-def _takes_out_collectives(group: dist.ProcessGroup) -> bool:
-    """Whether the graph may run ``group``'s all-gather and reduce-scatter as ``*_out`` ops. Not
-    for a process group implemented in Python (a subclass, e.g. ``fsdp2.tools.noop_pg``): the
-    ``*_out`` ops go to its C++ backend directly, past the methods it overrides. A group not seen
-    eagerly gets the functional ops (same results, a few more Python calls)."""
-    if torch.compiler.is_compiling():
-        return _groups_taking_out_collectives.get(group.group_name, False)
-    takes = _OUT_COLLECTIVES and type(group) is dist.ProcessGroup
-    _groups_taking_out_collectives[group.group_name] = takes
-    return takes
-
-
-def _all_gather(
-    send: torch.Tensor, world: int, group: str, out_op: bool, counted: bool, custom: str | None
-) -> torch.Tensor:
-    if counted:  # count_comm's record of it, as eager's: the output buffer
-        traced_ops.record_comm("all_gather", world * send.numel() * send.element_size())
-    if custom is not None:  # set_custom_all_gather
-        return traced_ops.custom_all_gather(send, world, group, custom)
-    if not out_op:
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
-    gathered = send.new_empty(world * send.numel())
-    _c10d.all_gather_into_tensor_out(send, world, group, out=gathered)
-    return _c10d.wait_tensor(gathered)
-
-
-def _reduce_scatter(
-    grad: torch.Tensor, op: str, world: int, group: str, out_op: bool, counted: bool, custom: str | None
-) -> torch.Tensor:
-    if counted:  # the input buffer, as eager's
-        traced_ops.record_comm("reduce_scatter", grad.numel() * grad.element_size())
-    if custom is not None:  # set_custom_reduce_scatter
-        return traced_ops.custom_reduce_scatter(grad, world, op, group, custom)
-    if not out_op:
-        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
-    reduced = grad.new_empty(grad.numel() // world)
-    _c10d.reduce_scatter_tensor_out(grad, op, world, group, out=reduced)
-    return _c10d.wait_tensor(reduced)
-
-
-def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The backward of a bucket's gather: ``(the grad sink's gradient, the accumulator's)``.
-
-    The sink's gradient is the reduced flat shard (zeros without gradient sync, when the
-    unreduced gradient goes to the accumulator instead), then a tail: per parameter whether this
-    backward reached it (``used``: 1 where :class:`_GradientFrom`'s backward ran, i.e. forward
-    used the parameter), then 1 if the gradients were synced. Eager reduces and writes only
-    parameters some backward reached (a gradient exists); the hand-off reads the tail to match.
-    """
-    r: _Reduction = ctx.reduction
-    if r.counted and r.regathered_bytes:
-        traced_ops.record_comm("all_gather", r.regathered_bytes)
-    grad = grad.to(r.reduce_dtype).contiguous()
-    if not ctx.sync:
-        tail = torch.cat([used.to(r.sink_dtype), used.new_zeros(1, dtype=r.sink_dtype)])
-        return torch.cat([tail.new_zeros(grad.numel() // r.world), tail]), grad
-    (accumulated,) = ctx.saved_tensors
-    if accumulated is not None:
-        grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
-    for divisor in r.divide_before:
-        grad = grad / divisor  # fp16 would overflow summing before dividing
-    reduced = _reduce_scatter(
-        grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_reduce_scatter
-    )
-    if r.replicate_group is not None:
-        if r.counted:
-            traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
-    if not r.hooked:  # else the hand-off divides and casts after the hook (see _Reduction.hooked)
-        if r.divide_after != 1:
-            reduced = reduced / r.divide_after
-        reduced = reduced.to(r.grad_dtype)
-    return torch.cat([reduced, used.to(reduced.dtype), reduced.new_ones(1)]), None
-
-
-class _GatherReduce(torch.autograd.Function):
-    """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
-    gradient of the gathered row as eager's post-backward reduces a group's gradients, and hand
-    the reduced flat shard to ``grad_sink`` (a leaf; ``flat_shards`` takes no gradient); without
-    gradient sync, hand it unreduced to ``accumulator`` (a leaf: autograd sums it over
-    microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
-
-    @staticmethod
-    def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: _Reduction, sync: bool):
-        ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated)
-        gathered = _all_gather(
-            flat_shards.to(param_dtype),
-            reduction.world,
-            reduction.shard_group,
-            reduction.out_collectives,
-            reduction.counted,
-            reduction.custom_all_gather,
-        )
-        return gathered, gathered.new_zeros(reduction.params)  # the second: see _GradientFrom
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
-        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None
-
-
-class _ReduceOnly(torch.autograd.Function):
-    """The backward half of :class:`_GatherReduce`, for a bucket of parameters gathered through
-    their tensor subclass's own hooks (its float8 bytes travel outside autograd). Forward returns
-    an uninitialised row of the gathered size in ``param_dtype`` that no op reads (a compiler
-    drops it): the unsharded parameters' gradients reach this backward through it
-    (:class:`_GradientFrom`), and it reduces them as :class:`_GatherReduce` does."""
-
-    @staticmethod
-    def forward(ctx, grad_sink, like, accumulator, accumulated, numel, param_dtype, reduction: _Reduction, sync: bool):
-        ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated)
-        return like.new_empty(numel, dtype=param_dtype), like.new_zeros(reduction.params, dtype=param_dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
-        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None, None
-
-
-class _GradientFrom(torch.autograd.Function):
-    """One unsharded parameter as the modules see it: ``unsharded`` (a view of the gathered row,
-    or a tensor a subclass's post-all-gather hook built outside autograd, e.g. torchao's float8
-    weight), its gradient (``param_dtype``, the parameter's shape) going to ``carrier`` (its part
-    of the gathered row, or of a :class:`_ReduceOnly` row), and a 1 to ``used``, its slot in the
-    bucket's usage row, only if backward reaches it (forward used the parameter)."""
-
-    @staticmethod
-    def forward(ctx, carrier, unsharded, used):
-        ctx.used = (used.dtype, used.device)  # not from ``grad``: it may be a subclass (float8's)
-        return unsharded.view_as(unsharded)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dtype, device = ctx.used
-        return grad, None, torch.ones((), dtype=dtype, device=device)
-
-
-class _MarkUsed(torch.autograd.Function):
-    """One unsharded parameter, a view of the gathered row, as the modules see it: its gradient
-    flows to the row as a view's would, and a 1 to ``used`` (as :class:`_GradientFrom`)."""
-
-    @staticmethod
-    def forward(ctx, unsharded, used):
-        return unsharded.view_as(unsharded)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_ones(())
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` flattened side by side: one op, not torch.cat (see traced_ops); one tensor is
-    its own flat view (a custom op's output may not alias its input)."""
-    return tensors[0].reshape(-1) if len(tensors) == 1 else traced_ops.flat_cat(tensors)
-
-
-def _takes_grad(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
-
-
-def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _recompute_in_backward():
-    return create_selective_checkpoint_contexts(_recompute_everything)
-
 
 @dataclass
 class _Bucket:
@@ -284,7 +69,7 @@ class _Bucket:
     key: tuple
     params: list["ShardedParam"]
     param_dtype: torch.dtype
-    reduction: _Reduction
+    reduction: graph.Reduction
     through_hooks: bool  # gathered through the parameters' tensor-subclass hooks (SubclassCodec)
 
     @property
@@ -359,7 +144,7 @@ class _GradHandOff:
         accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable], False)
 
     def _finish_after_hook(self, reduced: torch.Tensor) -> torch.Tensor:
-        """What the graph left undivided in ``reduce_dtype`` (``_Reduction.hooked``): eager's
+        """What the graph left undivided in ``reduce_dtype`` (``graph.Reduction.hooked``): eager's
         finish (the hook, then the division), then the shards' dtype (one for the bucket)."""
         reduce = self.group.group.reduce
         reduce.finish_reduced(reduced, reduce.plan(reduced.dtype))
@@ -457,7 +242,7 @@ class TracedGroup:
         tensors = [*sinks, *(p.traced_leaf for p in params)]
         if after_forward is schedule.AfterForward.FREE:
             gather = functools.partial(self._gather, buckets, after_forward=after_forward)
-            return list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=_recompute_in_backward))
+            return list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=graph.recompute_in_backward))
         return self._gather(buckets, *tensors, after_forward=after_forward)
 
     def _gather(
@@ -473,7 +258,7 @@ class TracedGroup:
         sync = self.group.requires_gradient_sync
         for bucket, sink in zip(buckets, sinks):
             stale_sink = sink is None or sink.numel() != bucket.sink_numel or sink.dtype != bucket.reduction.sink_dtype
-            if _takes_grad(bucket.reduction.grad_dtype) and stale_sink:
+            if graph.takes_grad(bucket.reduction.grad_dtype) and stale_sink:
                 # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
                 raise FSDPUsageError(
                     f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
@@ -499,16 +284,16 @@ class TracedGroup:
                 nbytes = bucket.gathered_numel * bucket.param_dtype.itemsize
                 reduction = dataclasses.replace(reduction, regathered_bytes=nbytes)
             # One op, not torch.cat: see traced_ops.
-            flat = _flat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
+            flat = graph.flat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
             if bucket.params[0].offload:  # CPU offload: the shards live on the host (the group's all do)
                 flat = flat.to(self.group.dp.device)
             if keep_rows:
-                carrier, used = _ReduceOnly.apply(
+                carrier, used = graph.ReduceOnly.apply(
                     sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, reduction, sync
                 )
                 unsharded = self._gather_keeping_rows(bucket, flat, carrier, used)
             else:
-                gathered, used = _GatherReduce.apply(
+                gathered, used = graph.GatherReduce.apply(
                     sink, flat, accumulator, accumulated, bucket.param_dtype, reduction, sync
                 )
                 unsharded = self._unsharded_params(bucket, gathered, gathered, used)
@@ -520,7 +305,7 @@ class TracedGroup:
         bucket: _Bucket, gathered: torch.Tensor, carrier: torch.Tensor, used: torch.Tensor
     ) -> list[torch.Tensor]:
         """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out), their
-        gradients to ``carrier`` (the same row, or a :class:`_ReduceOnly` one), each use to ``used``."""
+        gradients to ``carrier`` (the same row, or a :class:`graph.ReduceOnly` one), each use to ``used``."""
         world = bucket.reduction.world
         widths = [p.layout.padded_shard_numel for p in bucket.params]
         blocks = torch.split_with_sizes(gathered.view(world, -1), widths, dim=1)
@@ -530,9 +315,9 @@ class TracedGroup:
         for i, (p, block, carried) in enumerate(zip(bucket.params, blocks, carriers)):
             value = p.layout.full_from_rank_rows(block)
             if same:
-                full = _MarkUsed.apply(value, used[i])
+                full = graph.MarkUsed.apply(value, used[i])
             else:
-                full = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, used[i])
+                full = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, used[i])
             # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
             # backward turns a pending-sum gradient into these placements, as eager's local_grad.
             unsharded.append(full if p.tensor_parallel is None else p.tensor_parallel.wrap(full))
@@ -546,19 +331,21 @@ class TracedGroup:
         over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
         the rows eager keeps and is saved for backward; then over the subgroup, in a region that
         backward recomputes from the kept rows. Both outside autograd: the gradient reaches
-        ``carrier`` (a :class:`_ReduceOnly` row), which reduces over all ranks as any bucket's."""
+        ``carrier`` (a :class:`graph.ReduceOnly` row), which reduces over all ranks as any bucket's."""
         r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
         across = subgroup.across.group_name
         custom = r.custom_all_gather
-        kept = _all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom)
+        kept = graph.all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom)
 
         def unshard(carrier: torch.Tensor, used: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
-            gathered = _all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted, custom)
+            gathered = graph.all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted, custom)
             # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
             rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
             return self._unsharded_params(bucket, rows, carrier, used)
 
-        return list(checkpoint(unshard, carrier, used, kept, use_reentrant=False, context_fn=_recompute_in_backward))
+        return list(
+            checkpoint(unshard, carrier, used, kept, use_reentrant=False, context_fn=graph.recompute_in_backward)
+        )
 
     def _gather_through_hooks(
         self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, regathers: bool
@@ -566,7 +353,7 @@ class TracedGroup:
         """A bucket whose parameters gather through their subclass's hooks (eager: ``SubclassCodec``):
         every pre-all-gather input, as bytes, side by side in ONE all-gather (gloo has no float8
         collectives; eager's buffer is bytes too), then each parameter's post-all-gather hook. The
-        result is made differentiable into a :class:`_ReduceOnly` row, which reduces as any bucket.
+        result is made differentiable into a :class:`graph.ReduceOnly` row, which reduces as any bucket.
 
         The hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
         ``precompute_float8_dynamic_scale_for_fsdp`` set (and a subclass input carrying it fails
@@ -582,14 +369,14 @@ class TracedGroup:
         inputs = [t for wire, _ in hooked for t in wire]
         if not inputs:
             return {}
-        flat = _flat([t.reshape(-1).view(torch.uint8) for t in inputs])
-        gathered = _all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_all_gather)
+        flat = graph.flat([t.reshape(-1).view(torch.uint8) for t in inputs])
+        gathered = graph.all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_all_gather)
         rows = gathered.view(r.world, -1)
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
         if regathers and r.counted:
             r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
         sync = self.group.requires_gradient_sync
-        carrier, used = _ReduceOnly.apply(
+        carrier, used = graph.ReduceOnly.apply(
             sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, r, sync
         )
         carriers = torch.split_with_sizes(
@@ -599,7 +386,7 @@ class TracedGroup:
         for i, (p, shard, (wire, metadata), carried) in enumerate(zip(bucket.params, shards, hooked, carriers)):
             outputs = tuple(next(blocks).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in wire)
             unsharded = p.codec.post_all_gather(shard, outputs, metadata)
-            by_param[id(p)] = _GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
+            by_param[id(p)] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
         return by_param
 
     def _buckets(self) -> list[_Bucket]:
@@ -618,7 +405,7 @@ class TracedGroup:
         for key, params in by_key.items():
             through_hooks, param_dtype, reduce_dtype, orig_dtype = key
             plan = reduce.plan(reduce_dtype)
-            reduction = _Reduction(
+            reduction = graph.Reduction(
                 dp.shard_size,
                 shard_group.group_name,
                 replicate,
@@ -628,7 +415,7 @@ class TracedGroup:
                 plan.divide_after,
                 plan.reduce_scatter_op.functional_name,
                 plan.all_reduce_op.functional_name,
-                _takes_out_collectives(shard_group),
+                graph.takes_out_collectives(shard_group),
                 len(params),
                 self.custom_comm_keys.get("all_gather"),
                 self.custom_comm_keys.get("reduce_scatter"),
@@ -649,7 +436,7 @@ class TracedGroup:
         sinks, hand_offs = {}, {}
         for bucket in self._buckets():
             dtype = bucket.reduction.sink_dtype
-            if not _takes_grad(dtype):
+            if not graph.takes_grad(dtype):
                 continue
             params = tuple(bucket.params)
             numel = bucket.sink_numel
