@@ -167,8 +167,13 @@ class QuantizedCodec(GatherCodec):
         return (quantized_column(self.param.layout, self.policy),)
 
     def pack(self, slots: list[torch.Tensor]) -> Pairs:
+        self.quantize(self.param.local_shard, slots[0])
+        return []
+
+    def quantize(self, shard: torch.Tensor, slot: torch.Tensor) -> None:
+        """``shard`` (this rank's, in its own dtype) in wire format into ``slot`` (uint8). The
+        eager gather (``pack``) and the compiled step (fsdp2.runtime.traced) both call it."""
         p, layout = self.param, self.param.layout
-        shard = p.local_shard
         if shard.device != p.device:  # CPU offload: quantize on the device
             shard = shard.to(p.device, non_blocking=shard.is_pinned())
         if layout.dim != 0 and 0 < layout.local_rows < layout.chunk:
@@ -176,16 +181,21 @@ class QuantizedCodec(GatherCodec):
             padded = shard.new_zeros(layout.padded_shard_shape)
             layout.shard_rows(padded.view(-1)).copy_(shard)
             shard = padded
-        quantize.quantize_into(shard, slots[0], self.policy, numel=layout.padded_shard_numel)
-        return []
+        quantize.quantize_into(shard, slot, self.policy, numel=layout.padded_shard_numel)
 
     def unpack(self, blocks: list[torch.Tensor]) -> Pairs:
         p = self.param
         target = p.gather_target()
         if target is None:
-            rows = torch.empty(p.layout.world, p.layout.padded_shard_numel, dtype=p.param_dtype, device=p.device)
-            quantize.dequantize_from(blocks[0], rows, self.policy)
-            p.copy_gathered_out(rows)
+            p.copy_gathered_out(self.dequantized_rows(blocks[0]))
         else:
             quantize.dequantize_from(blocks[0], target, self.policy)
         return []
+
+    def dequantized_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Every rank's slot (``gathered``: ``world x wire bytes``) decoded into a new
+        ``world x padded_shard_numel`` tensor in ``param_dtype``."""
+        p = self.param
+        rows = torch.empty(p.layout.world, p.layout.padded_shard_numel, dtype=p.param_dtype, device=p.device)
+        quantize.dequantize_from(gathered, rows, self.policy)
+        return rows

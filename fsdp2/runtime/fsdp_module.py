@@ -217,6 +217,7 @@ class FSDPModule(compat.TorchFSDPModule):
         and head exact: ``model.set_all_gather_policy(None, recurse=False)`` after setting it on all)."""
         for state in self._fsdp_states(recurse):
             state.group.set_all_gather_policy(policy, type(self).__name__)
+            state.traced.prepare_grad_sinks()  # the compiled step buckets quantized parameters apart
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise FSDPUsageError(

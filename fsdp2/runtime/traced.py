@@ -42,7 +42,7 @@ import functools
 import weakref
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,8 @@ from torch.utils.checkpoint import checkpoint
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
+from fsdp2.runtime import quantize
+from fsdp2.runtime.codecs import QuantizedCodec
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads
@@ -70,7 +72,7 @@ class _Bucket:
     params: list["ShardedParam"]
     param_dtype: torch.dtype
     reduction: graph.Reduction
-    through_hooks: bool  # gathered through the parameters' tensor-subclass hooks (SubclassCodec)
+    encoded: bool  # travels encoded: a subclass's hooks or the quantized all-gather (_gather_encoded)
 
     @property
     def gathered_numel(self) -> int:
@@ -164,6 +166,32 @@ def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
         "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
         "model.load_state_dict(model.state_dict())."
     )
+
+
+def _encoded(p: "ShardedParam") -> bool:
+    """Whether ``p`` travels encoded (see :meth:`TracedGroup._gather_encoded`)."""
+    return isinstance(p.codec, (SubclassCodec, QuantizedCodec))
+
+
+def _encode(p: "ShardedParam", shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """What ``p``'s codec all-gathers for this rank's ``shard``, and what decoding needs of it."""
+    if isinstance(p.codec, QuantizedCodec):
+        nbytes = quantize.wire_bytes(p.layout.padded_shard_numel, p.codec.policy)
+        slot = torch.empty(nbytes, dtype=torch.uint8, device=p.device)  # CPU offload: quantized on the device
+        p.codec.quantize(shard, slot)
+        return (slot,), None
+    # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
+    return p.codec.pre_all_gather(shard.to(p.device) if p.offload else shard)
+
+
+def _decode(
+    p: "ShardedParam", shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context: Any, blocks: list[torch.Tensor]
+) -> torch.Tensor:
+    """``p`` unsharded from the gathered ``blocks`` (``world x bytes``, one per wire tensor)."""
+    if isinstance(p.codec, QuantizedCodec):
+        return p.layout.full_from_rank_rows(p.codec.dequantized_rows(blocks[0]))
+    outputs = tuple(block.contiguous().view(t.dtype).view(-1, *t.shape[1:]) for block, t in zip(blocks, wire))
+    return p.codec.post_all_gather(shard, outputs, context)
 
 
 class TracedGroup:
@@ -272,10 +300,10 @@ class TracedGroup:
                 )
             accumulated = self.accumulated.get(bucket.key)
             bucket_shards = [shards[index[id(p)]] for p in bucket.params]
-            if bucket.through_hooks:  # with reshard_after_forward=k too: what it gathered is kept
-                regathers_hooked = after_forward is schedule.AfterForward.FREE
-                gathered = self._gather_through_hooks(
-                    bucket, bucket_shards, sink, accumulator, accumulated, regathers_hooked
+            if bucket.encoded:  # with reshard_after_forward=k too: what it gathered is kept
+                regathers_encoded = after_forward is schedule.AfterForward.FREE
+                gathered = self._gather_encoded(
+                    bucket, bucket_shards, sink, accumulator, accumulated, regathers_encoded
                 )
                 by_param.update(gathered)
                 continue
@@ -347,26 +375,25 @@ class TracedGroup:
             checkpoint(unshard, carrier, used, kept, use_reentrant=False, context_fn=graph.recompute_in_backward)
         )
 
-    def _gather_through_hooks(
+    def _gather_encoded(
         self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, regathers: bool
     ) -> dict[int, torch.Tensor]:
-        """A bucket whose parameters gather through their subclass's hooks (eager: ``SubclassCodec``):
-        every pre-all-gather input, as bytes, side by side in ONE all-gather (gloo has no float8
-        collectives; eager's buffer is bytes too), then each parameter's post-all-gather hook. The
-        result is made differentiable into a :class:`graph.ReduceOnly` row, which reduces as any bucket.
+        """A bucket whose parameters travel encoded (eager: their codecs): a tensor subclass's own
+        hooks (``SubclassCodec``: the pre-all-gather inputs, then the post-all-gather hook) or
+        fsdp2's quantized all-gather (``QuantizedCodec``: quantized slot, then dequantized rows).
+        Every wire tensor of the bucket, as bytes, side by side in ONE all-gather (gloo has no
+        float8 collectives; eager's buffer is bytes too). The unsharded parameters are made
+        differentiable into a :class:`graph.ReduceOnly` row, which reduces as any bucket's (the
+        gradient passes the encoding straight through, as eager's).
 
-        The hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
+        Subclass hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
         ``precompute_float8_dynamic_scale_for_fsdp`` set (and a subclass input carrying it fails
         torchao's ``__tensor_flatten__`` under the compiler), so its hook computes the scale in the
         step, all-reducing the amax over the shard mesh: the same value, for weights that only
         FSDP shards (``check_traceable`` refuses tensor-parallel ones)."""
         r = bucket.reduction
-        # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
-        hooked = [
-            p.codec.pre_all_gather(shard.to(p.device) if p.offload else shard)
-            for p, shard in zip(bucket.params, shards)
-        ]
-        inputs = [t for wire, _ in hooked for t in wire]
+        encoded = [_encode(p, shard) for p, shard in zip(bucket.params, shards)]
+        inputs = [t for wire, _ in encoded for t in wire]
         if not inputs:
             return {}
         flat = graph.flat([t.reshape(-1).view(torch.uint8) for t in inputs])
@@ -383,10 +410,10 @@ class TracedGroup:
             carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1
         )
         by_param = {}
-        for i, (p, shard, (wire, metadata), carried) in enumerate(zip(bucket.params, shards, hooked, carriers)):
-            outputs = tuple(next(blocks).contiguous().view(t.dtype).view(-1, *t.shape[1:]) for t in wire)
-            unsharded = p.codec.post_all_gather(shard, outputs, metadata)
-            by_param[id(p)] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
+        for i, (p, shard, (wire, context), carried) in enumerate(zip(bucket.params, shards, encoded, carriers)):
+            unsharded = _decode(p, shard, wire, context, [next(blocks) for _ in wire])
+            full = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
+            by_param[id(p)] = full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
         return by_param
 
     def _buckets(self) -> list[_Bucket]:
@@ -398,12 +425,10 @@ class TracedGroup:
         counted = bool(collectives.active_counters)
         by_key: dict[tuple, list] = {}
         for p in group.params:
-            by_key.setdefault(
-                (isinstance(p.codec, SubclassCodec), p.param_dtype, p.reduce_dtype, p.orig_dtype), []
-            ).append(p)
+            by_key.setdefault((_encoded(p), p.param_dtype, p.reduce_dtype, p.orig_dtype), []).append(p)
         buckets = []
         for key, params in by_key.items():
-            through_hooks, param_dtype, reduce_dtype, orig_dtype = key
+            encoded, param_dtype, reduce_dtype, orig_dtype = key
             plan = reduce.plan(reduce_dtype)
             reduction = graph.Reduction(
                 dp.shard_size,
@@ -422,7 +447,7 @@ class TracedGroup:
                 counted,
                 reduce.all_reduce_hook is not None,
             )
-            buckets.append(_Bucket(key, params, param_dtype, reduction, through_hooks))
+            buckets.append(_Bucket(key, params, param_dtype, reduction, encoded))
         return buckets
 
     # -- the gradient hand-off ----------------------------------------------------------------
@@ -617,8 +642,6 @@ def check_traceable(traced: TracedGroup) -> None:
         problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step on this torch (no ordered effects)"
     elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):
         problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
-    elif group.all_gather_policy is not None:
-        problem = "set_all_gather_policy (fsdp2's quantized all-gather)"
     elif any(isinstance(p.codec, SubclassCodec) and p.tensor_parallel is not None for p in group.params):
         # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
         # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.

@@ -580,3 +580,46 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
 
 def test_custom_collectives_under_the_compiled_whole_step_equal_eager(worlds):
     worlds.run(2, _custom_collectives_compiled_vs_eager)
+
+
+# -- fsdp2's quantized all-gather under the compiled whole step -----------------------------------------
+
+
+def _quantized_all_gather_compiled_vs_eager(rank, ws, dtype):
+    """``set_all_gather_policy(AllGatherPolicy(dtype))`` on every group: the compiled step
+    quantizes, gathers and dequantizes as eager does (the gradient passes straight through),
+    bitwise; fewer bytes gathered than without the policy."""
+    from fsdp2 import AllGatherPolicy, fully_shard
+    from fsdp2.tools.comm_stats import count_comm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    runs, gathered = {}, {}
+    for name in ("eager", "compiled", "compiled exact"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if name != "compiled exact":
+            model.set_all_gather_policy(AllGatherPolicy(dtype))
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name != "eager" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            with count_comm() as stats:
+                loss = _loss(run, *_batch(step, rank, ws))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        gathered[name] = stats.bytes["all_gather"]
+    torch._dynamo.reset()
+    _assert_compiled_equals_eager(runs)
+    assert gathered["compiled"] < gathered["compiled exact"] / 2, gathered
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_quantized_all_gather_under_the_compiled_whole_step_equals_eager(worlds, dtype):
+    worlds.run(2, _quantized_all_gather_compiled_vs_eager, dtype)
