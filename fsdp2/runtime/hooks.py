@@ -208,7 +208,7 @@ class FSDPState:
     def _begin_group_forward(self) -> None:
         root = self.root
         for state in root.states if self.is_root else (self,):
-            if state.traced.accumulated and torch.is_grad_enabled():
+            if (state.traced.accumulated or state.traced.partials) and torch.is_grad_enabled():
                 raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
@@ -282,8 +282,9 @@ class FSDPState:
 
 def _compiled_accumulation_pending(state: "FSDPState") -> FSDPUsageError:
     return FSDPUsageError(
-        f"fully_shard({state.name}): a compiled backward without gradient sync left gradients that an eager "
-        f"step would not add to its reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
+        f"fully_shard({state.name}): a compiled backward without gradient sync (or, under HSDP, without the "
+        "all-reduce: set_requires_all_reduce(False)) left gradients that an eager step would not add to its "
+        f"reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
     )
 
 

@@ -301,5 +301,10 @@ class GroupReduce:
             if kept is not None:
                 slot.add_(kept)
 
+    @property
+    def holds_partial_sums(self) -> bool:
+        """HSDP backwards with ``requires_all_reduce`` False kept sums for the next all-reduce."""
+        return bool(self._partial)
+
     def discard_partial(self) -> None:
         self._partial.clear()

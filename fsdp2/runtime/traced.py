@@ -91,7 +91,8 @@ class _GradHandOff:
     common case (no padding on this rank, first gradients, none frozen) beyond constructing each
     gradient DTensor: the checks run as plain loops, which make no calls."""
 
-    def __init__(self, params: tuple["ShardedParam", ...], group: "TracedGroup"):
+    def __init__(self, key: tuple, params: tuple["ShardedParam", ...], group: "TracedGroup"):
+        self.key = key  # the bucket's, for its partial sums
         self.params = params
         self.group = group  # its sums of backwards without sync are added in now
         self.widths = [p.layout.padded_shard_numel for p in params]
@@ -120,12 +121,20 @@ class _GradHandOff:
         if not synced:  # a backward without gradient sync: the group's accumulator took its gradients
             self.used_before = used
             return
+        if synced == 2:  # HSDP without the all-reduce: keep the sum for the next one (it adds it in)
+            self.used_before = used
+            self.group.partials[self.key] = delivered[:-tail]
+            return
         self.used_before = None
+        if self.group.partials:  # this backward's all-reduce added them in
+            self.group.partials.pop(self.key, None)
         if self.group.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
             used = [1.0] * len(used)
         reduced = delivered  # the tail is past every parameter's slot: nothing below reads it
         if self.group.group.reduce.all_reduce_hook is not None:  # guarded in the trace: the graph agrees
             reduced = self._finish_after_hook(delivered[:-tail])  # the hook sees eager's bucket
+        elif delivered.dtype is not self.shapes[0].dtype:  # HSDP delivers the reduce dtype: see sink_dtype
+            reduced = delivered[:-tail].to(self.shapes[0].dtype)
         dtensors = self.dtensors
         fresh = self.packed
         for p, dtensor, reached in zip(self.params, dtensors, used):
@@ -213,6 +222,7 @@ class TracedGroup:
         "modules_left",
         "accumulators",
         "accumulated",
+        "partials",
         "grad_sinks",
         "_hand_offs",
         "param_replaced",
@@ -230,6 +240,8 @@ class TracedGroup:
         self.modules_left = 0
         self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
         self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
+        # Per bucket: HSDP's reduce-scattered sums kept by set_requires_all_reduce(False) backwards.
+        self.partials: dict[tuple, torch.Tensor] = {}
         self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
         self._hand_offs: dict[tuple, _GradHandOff] = {}  # their hooks
         self.custom_comm_keys: dict[str, str] = {}  # see use_custom_comm
@@ -299,11 +311,12 @@ class TracedGroup:
                     "since set_requires_gradient_sync(False); call it again after the change."
                 )
             accumulated = self.accumulated.get(bucket.key)
+            partial = self.partials.get(bucket.key)  # read in the trace: keeping one retraces
             bucket_shards = [shards[index[id(p)]] for p in bucket.params]
             if bucket.encoded:  # with reshard_after_forward=k too: what it gathered is kept
                 regathers_encoded = after_forward is schedule.AfterForward.FREE
                 gathered = self._gather_encoded(
-                    bucket, bucket_shards, sink, accumulator, accumulated, regathers_encoded
+                    bucket, bucket_shards, sink, accumulator, accumulated, partial, regathers_encoded
                 )
                 by_param.update(gathered)
                 continue
@@ -317,12 +330,20 @@ class TracedGroup:
                 flat = flat.to(self.group.dp.device)
             if keep_rows:
                 carrier, used = graph.ReduceOnly.apply(
-                    sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, reduction, sync
+                    sink,
+                    flat,
+                    accumulator,
+                    accumulated,
+                    partial,
+                    bucket.gathered_numel,
+                    bucket.param_dtype,
+                    reduction,
+                    sync,
                 )
                 unsharded = self._gather_keeping_rows(bucket, flat, carrier, used)
             else:
                 gathered, used = graph.GatherReduce.apply(
-                    sink, flat, accumulator, accumulated, bucket.param_dtype, reduction, sync
+                    sink, flat, accumulator, accumulated, partial, bucket.param_dtype, reduction, sync
                 )
                 unsharded = self._unsharded_params(bucket, gathered, gathered, used)
             by_param.update(zip(map(id, bucket.params), unsharded))
@@ -376,7 +397,7 @@ class TracedGroup:
         )
 
     def _gather_encoded(
-        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, regathers: bool
+        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, partial, regathers: bool
     ) -> dict[int, torch.Tensor]:
         """A bucket whose parameters travel encoded (eager: their codecs): a tensor subclass's own
         hooks (``SubclassCodec``: the pre-all-gather inputs, then the post-all-gather hook) or
@@ -404,7 +425,7 @@ class TracedGroup:
             r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
         sync = self.group.requires_gradient_sync
         carrier, used = graph.ReduceOnly.apply(
-            sink, flat, accumulator, accumulated, bucket.gathered_numel, bucket.param_dtype, r, sync
+            sink, flat, accumulator, accumulated, partial, bucket.gathered_numel, bucket.param_dtype, r, sync
         )
         carriers = torch.split_with_sizes(
             carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1
@@ -446,6 +467,7 @@ class TracedGroup:
                 self.custom_comm_keys.get("reduce_scatter"),
                 counted,
                 reduce.all_reduce_hook is not None,
+                all_reduce=reduce.requires_all_reduce or replicate is None,
             )
             buckets.append(_Bucket(key, params, param_dtype, reduction, encoded))
         return buckets
@@ -473,7 +495,7 @@ class TracedGroup:
                 or sink.numel() != numel
                 or sink.dtype != dtype
             ):
-                hand_off = _GradHandOff(params, self)
+                hand_off = _GradHandOff(bucket.key, params, self)
                 sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
                 sink.register_post_accumulate_grad_hook(hand_off)
             else:
@@ -646,8 +668,6 @@ def check_traceable(traced: TracedGroup) -> None:
         # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
         # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
         problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
-    elif not group.reduce.requires_all_reduce:
-        problem = "set_requires_all_reduce(False)"
     elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):
         problem = (
             "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
@@ -683,6 +703,11 @@ def check_no_eager_state(traced: TracedGroup) -> None:
     is guarded: the eager call that changes it makes the next compiled call retrace into this."""
     group = traced.group
     where = f"torch.compile over fully_shard({group.name})"
+    if group.reduce.holds_partial_sums:
+        raise FSDPUsageError(
+            f"{where}: an eager HSDP backward with set_requires_all_reduce(False) kept partial sums that this "
+            f"compiled step would not add to its all-reduce. {ONE_EXECUTOR_PER_ACCUMULATION}"
+        )
     if group.holds_unsynced_grads:
         raise FSDPUsageError(
             f"{where}: an eager backward without gradient sync (set_requires_gradient_sync(False)) left "

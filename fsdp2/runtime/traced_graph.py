@@ -48,14 +48,18 @@ class Reduction:
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
     # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
     hooked: bool
+    # set_requires_all_reduce(False) under HSDP: the reduce-scattered sum goes to the hand-off, kept
+    # for the next backward's all-reduce (eager: GroupReduce's partial sums); nothing reaches .grad.
+    all_reduce: bool = True
     # The bytes backward gathers again (recomputing a gather of reshard_after_forward), which
     # backward records for count_comm: a recomputed region's own record op is not recomputed.
     regathered_bytes: int = 0
 
     @property
     def sink_dtype(self) -> torch.dtype:
-        """The dtype the bucket's reduced flat shard reaches its grad sink in."""
-        return self.reduce_dtype if self.hooked else self.grad_dtype
+        """The dtype the bucket's reduced flat shard reaches its grad sink in: the reduce dtype where
+        the hand-off finishes it (the all-reduce hook) or may keep it (HSDP's partial sums)."""
+        return self.reduce_dtype if self.hooked or self.replicate_group is not None else self.grad_dtype
 
 
 # The compiled code calls each collective op through the dispatcher on every step. torch 2.13
@@ -115,8 +119,9 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[
     The sink's gradient is the reduced flat shard (zeros without gradient sync, when the
     unreduced gradient goes to the accumulator instead), then a tail: per parameter whether this
     backward reached it (``used``: 1 where :class:`GradientFrom`'s backward ran, i.e. forward
-    used the parameter), then 1 if the gradients were synced. Eager reduces and writes only
-    parameters some backward reached (a gradient exists); the hand-off reads the tail to match.
+    used the parameter), then 1 if the gradients were synced (2 if they are an HSDP partial sum to
+    keep, ``Reduction.all_reduce``). Eager reduces and writes only parameters some backward reached
+    (a gradient exists); the hand-off reads the tail to match.
     """
     r: Reduction = ctx.reduction
     if r.counted and r.regathered_bytes:
@@ -125,7 +130,7 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[
     if not ctx.sync:
         tail = torch.cat([used.to(r.sink_dtype), used.new_zeros(1, dtype=r.sink_dtype)])
         return torch.cat([tail.new_zeros(grad.numel() // r.world), tail]), grad
-    (accumulated,) = ctx.saved_tensors
+    accumulated, partial = ctx.saved_tensors
     if accumulated is not None:
         grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
     for divisor in r.divide_before:
@@ -134,13 +139,17 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[
         grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_reduce_scatter
     )
     if r.replicate_group is not None:
+        if partial is not None:
+            reduced = reduced + partial  # eager: the kept partial sums join this all-reduce
+        if not r.all_reduce:
+            return torch.cat([reduced, used.to(reduced.dtype), reduced.new_full((1,), 2)]), None
         if r.counted:
             traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
     if not r.hooked:  # else the hand-off divides and casts after the hook (see Reduction.hooked)
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
-        reduced = reduced.to(r.grad_dtype)
+        reduced = reduced.to(r.sink_dtype)
     return torch.cat([reduced, used.to(reduced.dtype), reduced.new_ones(1)]), None
 
 
@@ -152,9 +161,11 @@ class GatherReduce(torch.autograd.Function):
     microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
 
     @staticmethod
-    def forward(ctx, grad_sink, flat_shards, accumulator, accumulated, param_dtype, reduction: Reduction, sync: bool):
+    def forward(
+        ctx, grad_sink, flat_shards, accumulator, accumulated, partial, param_dtype, reduction: Reduction, sync: bool
+    ):
         ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated)
+        ctx.save_for_backward(accumulated, partial)
         gathered = all_gather(
             flat_shards.to(param_dtype),
             reduction.world,
@@ -168,7 +179,7 @@ class GatherReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
         to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None
+        return to_sink, None, to_accumulator, None, None, None, None, None
 
 
 class ReduceOnly(torch.autograd.Function):
@@ -179,15 +190,17 @@ class ReduceOnly(torch.autograd.Function):
     (:class:`GradientFrom`), and it reduces them as :class:`GatherReduce` does."""
 
     @staticmethod
-    def forward(ctx, grad_sink, like, accumulator, accumulated, numel, param_dtype, reduction: Reduction, sync: bool):
+    def forward(
+        ctx, grad_sink, like, accumulator, accumulated, partial, numel, param_dtype, reduction: Reduction, sync: bool
+    ):
         ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated)
+        ctx.save_for_backward(accumulated, partial)
         return like.new_empty(numel, dtype=param_dtype), like.new_zeros(reduction.params, dtype=param_dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
         to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None, None
+        return to_sink, None, to_accumulator, None, None, None, None, None, None
 
 
 class GradientFrom(torch.autograd.Function):

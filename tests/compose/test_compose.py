@@ -623,3 +623,51 @@ def _quantized_all_gather_compiled_vs_eager(rank, ws, dtype):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
 def test_quantized_all_gather_under_the_compiled_whole_step_equals_eager(worlds, dtype):
     worlds.run(2, _quantized_all_gather_compiled_vs_eager, dtype)
+
+
+# -- HSDP without the all-reduce under the compiled whole step --------------------------------------------
+
+
+def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
+    """HSDP 2x2: two microbatches, the first with ``set_requires_all_reduce(False)`` (reduce-scatter
+    only, the sum kept), the second all-reducing both, compiled as eager, bitwise; an eager step
+    after a compiled one that kept sums is refused (and the other way round)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import MixedPrecisionPolicy, fully_shard
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)  # the kept sums in the reduce dtype
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            for micro in range(2):
+                model.set_requires_all_reduce(micro == 1)
+                loss = _loss(run, *_batch(2 * step + micro, rank, ws))
+                loss.backward()
+                losses.append(loss.detach())
+                if micro == 0:
+                    assert all(p.grad is None for p in model.parameters())  # the sums stay kept
+            opt.step()
+            opt.zero_grad()
+        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        model.set_requires_all_reduce(False)
+        _loss(run, *_batch(9, rank, ws)).backward()
+        other = model if name == "compiled" else torch.compile(model, backend="aot_eager", fullgraph=True)
+        _refused(lambda other=other: _loss(other, *_batch(9, rank, ws)).backward(), "set_requires_all_reduce")
+    torch._dynamo.reset()
+    _assert_compiled_equals_eager(runs)
+
+
+def test_hsdp_without_all_reduce_under_the_compiled_whole_step_equals_eager(worlds):
+    worlds.run(4, _hsdp_without_all_reduce_compiled_vs_eager)
