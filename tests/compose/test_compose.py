@@ -39,6 +39,20 @@ def _assert_compiled_equals_eager(runs: dict) -> None:
         assert torch.equal(b, a), (a - b).abs().max()
 
 
+def _train_gpt(run, model, steps: int, rank: int, ws: int) -> tuple[list, list]:
+    """``steps`` AdamW steps of ``run`` (``model``, compiled or not) on the GPT batches: the losses
+    and the final full parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = _loss(run, *_batch(step, rank, ws))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, [_full(p) for p in model.parameters()]
+
+
 def _grads(model):
     return {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
 
@@ -397,15 +411,7 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
             fully_shard(block, reshard_after_forward=2)
         fully_shard(model)
         run = torch.compile(model, backend=backend, fullgraph=True) if name == "compiled" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            loss = _loss(run, *_batch(step, rank, ws))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        runs[name] = _train_gpt(run, model, 3, rank, ws)
         subgroups = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
     torch._dynamo.reset()
     _assert_compiled_equals_eager(runs)
@@ -528,26 +534,11 @@ class _UserAllGather:
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _UserReduceScatter:
-    """A user's reduce-scatter (PyTorch's ``ReduceScatter`` protocol), with its calls and ops noted."""
-
-    def __init__(self):
-        self.ops = []
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed as dist
-
-        self.ops.append(str(op))
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def _custom_collectives_compiled_vs_eager(rank, ws):
     """``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on every group: the compiled step
     calls the user's objects where eager does (as many calls, the same reduce ops), bitwise."""
     from fsdp2 import fully_shard
+    from tests.runtime.test_reduce_plan import _RecordingReduceScatter
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -555,7 +546,7 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
     runs, calls = {}, {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(base)
-        gather, scatter = _UserAllGather(), _UserReduceScatter()
+        gather, scatter = _UserAllGather(), _RecordingReduceScatter()
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -563,15 +554,7 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(2):
-            loss = _loss(run, *_batch(step, rank, ws))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        runs[name] = _train_gpt(run, model, 2, rank, ws)
         calls[name] = (gather.calls, sorted(scatter.ops))
     torch._dynamo.reset()
     _assert_compiled_equals_eager(runs)
