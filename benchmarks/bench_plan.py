@@ -45,20 +45,10 @@ MEMORY_CASES = {
 
 
 def _measure_memory(world: int, name: str, ac: bool, precision: Precision, source) -> tuple[int, int]:
-    from fsdp2.plan.apply import measure_peak
+    from fsdp2.plan.apply import predicted_and_measured_peak
 
-    result = plan(
-        source,
-        seq_len=SEQ,
-        micro_batch=MICRO,
-        cluster=Cluster(gpus=world),
-        strategies=[name],
-        activation_checkpointing=ac,
-        precision=precision,
-        kernel_scratch="cpu",
-    ).result(name)
-    measured = measure_peak(
-        result.strategy, source, seq_len=SEQ, micro_batch=MICRO, precision=precision, activation_checkpointing=ac
+    result, measured = predicted_and_measured_peak(
+        source, name, gpus=world, seq_len=SEQ, micro_batch=MICRO, precision=precision, activation_checkpointing=ac
     )
     return result.memory.peak, measured
 

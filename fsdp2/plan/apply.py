@@ -4,6 +4,7 @@
     model = apply(model, strategy, mesh, source=source, mp_policy=precision.policy())
 
     peak = measure_peak(strategy, source, seq_len=..., micro_batch=..., precision=...)   # what the plan predicts
+    result, peak = predicted_and_measured_peak(source, "FSDP", gpus=8, seq_len=..., ...)  # both, one workload
     counted = count_bytes(strategy, source, seq_len=..., micro_batch=..., precision=...)  # per micro-step
 
 Used by ``--calibrate``, by the tests that check the predictions against measured runs, and by
@@ -130,6 +131,45 @@ def measure_peak(
     with PeakMemory(device) as meter:
         step()
     return local_bytes(trained.parameters()) + optimizer_state_bytes(optimizer) + buckets + meter.peak_bytes
+
+
+def predicted_and_measured_peak(
+    source: ModelSource,
+    strategy: str,
+    *,
+    gpus: int,
+    seq_len: int,
+    micro_batch: int,
+    precision,
+    activation_checkpointing: bool = False,
+    device: str = "cpu",
+):
+    """The planner's result for the strategy named ``strategy`` on ``gpus`` ranks, and the peak
+    :func:`measure_peak` measures in a real step of it with the same workload. The measurement runs
+    on ``device``'s kernels, so the prediction counts their scratch there too."""
+    from fsdp2.plan.cluster import Cluster
+    from fsdp2.plan.planner import plan
+
+    result = plan(
+        source,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        cluster=Cluster(gpus=gpus),
+        strategies=[strategy],
+        activation_checkpointing=activation_checkpointing,
+        precision=precision,
+        kernel_scratch=device,
+    ).result(strategy)
+    measured = measure_peak(
+        result.strategy,
+        source,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        device=device,
+    )
+    return result, measured
 
 
 def _bucket_back(state, bucket):

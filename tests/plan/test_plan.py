@@ -35,23 +35,11 @@ TOLERANCE = 0.02
 
 def _measure_peak(world: int, name: str, ac: bool, precision: Precision):
     """The plan's prediction, and the peak of one real step of the strategy on rank 0 of the fake world."""
-    from fsdp2.plan.apply import measure_peak
+    from fsdp2.plan.apply import predicted_and_measured_peak
 
-    # The measurement runs on this machine's kernels, so the prediction measures their scratch here too.
-    result = plan(
-        SOURCE,
-        seq_len=SEQ,
-        micro_batch=MICRO,
-        cluster=Cluster(gpus=world),
-        strategies=[name],
-        activation_checkpointing=ac,
-        precision=precision,
-        kernel_scratch="cpu",
-    ).result(name)
-    measured = measure_peak(
-        result.strategy, SOURCE, seq_len=SEQ, micro_batch=MICRO, precision=precision, activation_checkpointing=ac
+    return predicted_and_measured_peak(
+        SOURCE, name, gpus=world, seq_len=SEQ, micro_batch=MICRO, precision=precision, activation_checkpointing=ac
     )
-    return result, measured
 
 
 @pytest.mark.parametrize(
