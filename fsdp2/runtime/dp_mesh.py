@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ except ImportError:  # torch 2.11
 # Subgroups for reshard_after_forward=k, by their ranks, with the default group they were made in
 # (a world initialized again makes its own): creating process groups is collective and slow, so
 # every fully_shard call over the same ranks shares them.
-_SUBGROUPS: dict[tuple[tuple[int, ...], ...], tuple[object, dist.ProcessGroup, int]] = {}
+_SUBGROUPS: dict[tuple[tuple[int, ...], ...], tuple[object, dist.ProcessGroup]] = {}
 
 
 @dataclass(frozen=True)
@@ -157,38 +158,38 @@ class DataParallelMesh:
         Collective over the whole job: every rank must call it, in the same order, because
         creating a process group is.
         """
-        return self._subgroups(ranks_per_group, across=False)
+        k = ranks_per_group
+        group = self._group_of(lambda row: [row[i : i + k] for i in range(0, self.shard_size, k)])
+        position = self.shard_rank % k
+        if dist.get_rank(group) != position:
+            raise FSDPUsageError(
+                f"reshard_after_forward={k}: the mesh's shard dim does not list ranks in "
+                "increasing order, which resharding to a subgroup relies on; use True or False."
+            )
+        return group, position
 
     def across_subgroups(self, ranks_per_group: int) -> dist.ProcessGroup:
         """The shard ranks at this rank's position in every group of :meth:`subgroup`'s (shard ranks
         ``j, j + k, j + 2k, ...``): gathering over it first yields exactly the rows a rank keeps with
         ``reshard_after_forward=k`` (the compiled step gathers in these two stages). Collective."""
-        return self._subgroups(ranks_per_group, across=True)[0]
+        k = ranks_per_group
+        return self._group_of(lambda row: [row[j::k] for j in range(k)])
 
-    def _subgroups(self, ranks_per_group: int, across: bool) -> tuple[dist.ProcessGroup, int]:
+    def _group_of(self, split: Callable[[list[int]], list[list[int]]]) -> dist.ProcessGroup:
+        """This rank's process group among those ``split`` makes of every shard group's ranks."""
         root = compat.root_mesh(self.mesh)
         names = self.mesh.mesh_dim_names
         shard_dim = root.mesh_dim_names.index(names[-1]) if names else self.mesh.ndim - 1
         # Every shard group of the job, one per row: all ranks enumerate the same list.
         rows = root.mesh.movedim(shard_dim, -1).reshape(-1, self.shard_size).tolist()
-        k = ranks_per_group
-        if across:
-            groups = [row[j::k] for row in rows for j in range(k)]
-        else:
-            groups = [row[i : i + k] for row in rows for i in range(0, self.shard_size, k)]
+        groups = [group for row in rows for group in split(row)]
         # By the ranks, not the mesh object: fully_shard calls with equal meshes share the groups.
         key = tuple(map(tuple, groups))
         cached = _SUBGROUPS.get(key)
         if cached is None or cached[0] is not dist.group.WORLD:
             mine, _ = dist.new_subgroups_by_enumeration(groups)
-            position = self.shard_rank // k if across else self.shard_rank % k
-            if not across and dist.get_rank(mine) != position:
-                raise FSDPUsageError(
-                    f"reshard_after_forward={ranks_per_group}: the mesh's shard dim does not list ranks in "
-                    "increasing order, which resharding to a subgroup relies on; use True or False."
-                )
-            _SUBGROUPS[key] = (dist.group.WORLD, mine, position)
-        return _SUBGROUPS[key][1:]
+            cached = _SUBGROUPS[key] = (dist.group.WORLD, mine)
+        return cached[1]
 
 
 def _as_one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
