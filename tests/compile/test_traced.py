@@ -111,8 +111,8 @@ def _assert_same(results, exact=True):
     (eager_losses, eager_params), (losses, params) = results["eager"], results["compiled"]
     if exact:
         assert losses == eager_losses
-        for a, b in zip(eager_params, params):
-            assert torch.equal(a, b)
+        for a, b in zip(eager_params, params, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
     else:
         for a, b in zip(eager_losses, losses):
             assert abs(a - b) <= 1e-5 * abs(a)

@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 
 from tests.runtime.test_dropin import CFG, _assert_same_params, _batch, _full, _shard_blocks_then_root, _twins
-from tests.compile.test_traced import _loss
+from tests.compile.test_traced import _assert_same, _loss
 from fsdp2.models import GPT
 
 pytestmark = pytest.mark.slow  # dynamo traces of whole steps, 4-rank worlds
@@ -28,15 +28,6 @@ def _refused(call, match: str) -> None:
     with pytest.raises(Exception, match=match) as raised:
         call()
     assert isinstance(raised.value, FSDPUsageError) or "FSDPUsageError(" in str(raised.value), raised.value
-
-
-def _assert_compiled_equals_eager(runs: dict) -> None:
-    """``runs``: per executor ("eager", "compiled") its losses and final full parameters; bitwise."""
-    (eager_losses, eager_params), (losses, params) = runs["eager"], runs["compiled"]
-    for a, b in zip(eager_losses, losses, strict=True):
-        assert torch.equal(b, a), (a, b)
-    for a, b in zip(eager_params, params, strict=True):
-        assert torch.equal(b, a), (a - b).abs().max()
 
 
 def _train_gpt(run, model, steps: int, rank: int, ws: int) -> tuple[list, list]:
@@ -198,7 +189,7 @@ def _tp_compiled_vs_eager(rank, ws, steps):
             losses.append(loss.detach())
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
 
 
 def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
@@ -246,7 +237,7 @@ def _float8_compiled_vs_eager(rank, ws, param_dtype):
                 precompute_float8_dynamic_scale_for_fsdp(model)
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
     assert all(not torch.equal(a, b) for a, b in zip(runs["eager"][1], _initial_float8_mlp_params(ws)))
 
 
@@ -414,7 +405,7 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
         runs[name] = _train_gpt(run, model, 3, rank, ws)
         subgroups = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
     (forward,), (backward,) = graphs["forward"], graphs["backward"]
     blocks = len(base.blocks)
     forward_sizes = sorted(size for size, _ in _gather_ops(forward))
@@ -557,7 +548,7 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
         runs[name] = _train_gpt(run, model, 2, rank, ws)
         calls[name] = (gather.calls, sorted(scatter.ops))
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
     assert calls["compiled"] == calls["eager"] and calls["eager"][0] > 0, calls
 
 
@@ -599,7 +590,7 @@ def _quantized_all_gather_compiled_vs_eager(rank, ws, dtype):
         runs[name] = (losses, [_full(p) for p in model.parameters()])
         gathered[name] = stats.bytes["all_gather"]
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
     assert gathered["compiled"] < gathered["compiled exact"] / 2, gathered
 
 
@@ -649,7 +640,7 @@ def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
         other = model if name == "compiled" else torch.compile(model, backend="aot_eager", fullgraph=True)
         _refused(lambda other=other: _loss(other, *_batch(9, rank, ws)).backward(), "set_requires_all_reduce")
     torch._dynamo.reset()
-    _assert_compiled_equals_eager(runs)
+    _assert_same(runs)
 
 
 def test_hsdp_without_all_reduce_under_the_compiled_whole_step_equals_eager(worlds):
