@@ -51,7 +51,6 @@ from torch.utils.checkpoint import checkpoint
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
-from fsdp2.runtime import quantize
 from fsdp2.runtime.codecs import QuantizedCodec
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
@@ -185,8 +184,8 @@ def _encoded(p: "ShardedParam") -> bool:
 def _encode(p: "ShardedParam", shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
     """What ``p``'s codec all-gathers for this rank's ``shard``, and what decoding needs of it."""
     if isinstance(p.codec, QuantizedCodec):
-        nbytes = quantize.wire_bytes(p.layout.padded_shard_numel, p.codec.policy)
-        slot = torch.empty(nbytes, dtype=torch.uint8, device=p.device)  # CPU offload: quantized on the device
+        (column,) = p.codec.columns()  # its slot in eager's buffer: uint8, the wire bytes
+        slot = torch.empty(column.numel, dtype=column.dtype, device=p.device)  # CPU offload: quantized on the device
         p.codec.quantize(shard, slot)
         return (slot,), None
     # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
