@@ -176,6 +176,29 @@ def test_flat_cat_is_torch_cat_of_the_flattened_tensors():
     torch.library.opcheck(traced_ops.flat_cat, (tensors,), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_a_one_parameter_bucket_is_packed_without_aliasing_its_shard(fake_world):
+    """A bucket of one parameter is not passed to ``fsdp2::flat_cat``: of one tensor its kernel
+    returns a view, which a custom op's output may not be (torch warns, and will raise)."""
+    import warnings
+
+    import torch._dynamo
+
+    from fsdp2 import fully_shard
+
+    fake_world(2)
+    torch._dynamo.reset()
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False)))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(torch.randn(2, 8)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert model[0].weight.grad is not None
+    assert not [w for w in caught if "flat_cat" in str(w.message)], [str(w.message) for w in caught]
+
+
 # -- host work ----------------------------------------------------------------------------------------
 
 

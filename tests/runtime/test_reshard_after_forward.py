@@ -71,3 +71,22 @@ def test_full_reshard_gathers_over_all_ranks_in_backward(worlds):
     result = worlds.run(4, _forward_then_backward, True)[0]
     assert result["after_forward"] == "SHARDED"
     assert result["backward_sizes"] == [4, 4]
+
+
+def _subgroups_of_two_default_meshes(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import fully_shard
+
+    model = GPT(CFG)
+    for block in model.blocks:  # a mesh object per call, as fully_shard's default mesh makes
+        fully_shard(block, mesh=init_device_mesh("cpu", (world_size,)), reshard_after_forward=2)
+    subgroups = [block._fsdp_state.group.reshard_after_forward.subgroup for block in model.blocks]
+    return [(s.group.group_name, s.across.group_name) for s in subgroups]
+
+
+def test_fully_shard_calls_over_the_same_ranks_share_their_subgroups(worlds):
+    """Creating process groups is collective and slow: equal meshes, even as distinct objects,
+    reuse the subgroups the first call made."""
+    first, second = worlds.run(4, _subgroups_of_two_default_meshes)[0]
+    assert first == second and first[0] != first[1]
