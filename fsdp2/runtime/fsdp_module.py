@@ -114,8 +114,6 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
             state.group.requires_gradient_sync = requires_gradient_sync
-            if not requires_gradient_sync:
-                state.traced.prepare_accumulation()  # for torch.compile'd steps (fsdp2.runtime.traced)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across
@@ -147,7 +145,7 @@ class FSDPModule(compat.TorchFSDPModule):
         if not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         self._fsdp_state.group.reduce.all_reduce_hook = hook
-        self._fsdp_state.traced.prepare_grad_sinks()  # the compiled step hands the hook undivided shards
+        self._fsdp_state.traced.prepare_buckets()  # the compiled step hands the hook undivided shards
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: parameters without a gradient this backward are reduced as zeros, so ranks whose
@@ -217,7 +215,7 @@ class FSDPModule(compat.TorchFSDPModule):
         and head exact: ``model.set_all_gather_policy(None, recurse=False)`` after setting it on all)."""
         for state in self._fsdp_states(recurse):
             state.group.set_all_gather_policy(policy, type(self).__name__)
-            state.traced.prepare_grad_sinks()  # the compiled step buckets quantized parameters apart
+            state.traced.prepare_buckets()  # the compiled step buckets quantized parameters apart
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise FSDPUsageError(

@@ -105,6 +105,7 @@ class Root:
         """Abandon the current iteration (``FSDPModule.reset_iter_state``)."""
         for state in self.states:
             state.group.reset_iteration()
+            state.traced.discard_pending_grads()
             state.forget_forward()
         self.reduce_window.discard()
         self.post_forward_order.clear()
@@ -208,7 +209,7 @@ class FSDPState:
     def _begin_group_forward(self) -> None:
         root = self.root
         for state in root.states if self.is_root else (self,):
-            if (state.traced.accumulated or state.traced.partials) and torch.is_grad_enabled():
+            if state.traced.pending_grads and torch.is_grad_enabled():
                 raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")

@@ -211,10 +211,10 @@ class ShardedParam:
         counter), which a compiled graph (fsdp2.runtime.traced) gathers from. A plain tensor, not
         the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
         on every step. It takes no gradient: the group's reduced gradient goes to one leaf per
-        bucket (``TracedGroup``'s grad sinks), which hands it to every DTensor ``.grad`` at once."""
+        bucket (fsdp2.runtime.traced_grads), which hands it to every DTensor ``.grad`` at once."""
         shard = self.local_shard
         # The tensor object it was made from: one swapped into the DTensor from outside fsdp2 (a
-        # submodule's _apply) is not seen by a compiled step, which refuses it (traced._GradHandOff).
+        # submodule's _apply) is not seen by a compiled step, which refuses it (traced_grads.BucketGrads).
         self.traced_source = shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):

@@ -2,9 +2,8 @@
 
 ``torch.compile(model, fullgraph=True)`` over fully_shard'ed modules traces the hooks (fsdp2's
 ``FSDPState`` sends them here while dynamo traces) instead of breaking the graph at each one.
-Nothing here keeps eager state: each step's collectives are functional collectives in the graph
-(fsdp2.runtime.traced_graph builds a bucket's), and autograd builds the backward. How it maps to
-the eager path:
+Each step's collectives are functional collectives in the graph (fsdp2.runtime.traced_graph builds
+a bucket's), and autograd builds the backward. How it maps to the eager path:
 
 - gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
   side in one flat row (the layout of ``GatherBucket``: parameter after parameter; one
@@ -12,20 +11,23 @@ the eager path:
   variant where torch traces it), and the unsharded parameters as the rows of its
   output (``ShardLayout.full_from_rank_rows``, eager's copy-out). The modules see them in place
   of the shards between the group's pre- and post-forward hooks.
-- reduce (eager: ``GroupReduce``): the all-gather's backward. Autograd hands it the gradient of
-  the gathered row, which is eager's reduce-scatter input (same layout, padding zeroed); it is
-  cast to ``reduce_dtype``, reduce-scattered, all-reduced across replicas under HSDP and divided
-  with eager's reduce ops and divisions (``GroupReduce.plan``), then cast to the shard's dtype.
-  The graph's inputs are the shards as plain tensors (``ShardedParam.traced_leaf``, sharing the
-  DTensor's storage), so no DTensor is wrapped or unwrapped per step. They take no gradient: the
-  bucket's reduced flat shard goes to one leaf per bucket (its grad sink), whose hook writes every
-  parameter's DTensor ``.grad`` in one call (added to one already there, as eager), so the
-  compiled backward returns one tensor per bucket, not a view per parameter.
+- reduce (eager: ``GroupReduce``): each bucket's gradient port (``traced_graph.port``, one per
+  bucket and trace) collects the gradients of every use of its parameters in the trace, and its
+  backward reduces their sum once, as eager reduces the sum autograd accumulated in the unsharded
+  parameters' ``.grad``: cast to ``reduce_dtype``, reduce-scattered, all-reduced across replicas
+  under HSDP and divided with eager's reduce ops and divisions (``GroupReduce.plan``).
+  fsdp2.runtime.traced_grads hands the result to the DTensors' ``.grad`` (or keeps it, without
+  gradient sync). The graph's inputs are the shards as plain tensors
+  (``ShardedParam.traced_leaf``, sharing the DTensor's storage), so no DTensor is wrapped or
+  unwrapped per step; they take no gradient.
 - reshard after forward (eager: free, gather again in backward): the gather runs inside a
   selective activation-checkpoint region whose ops are all MUST_RECOMPUTE, so the gathered
   parameters are not saved for backward: backward gathers again. Partitioners that rematerialise
   (inductor's, ``aot_eager_decomp_partition``) honour it; aot_eager's default partitioner saves
   views of the gathered parameters taken outside the region (a ``.t()`` in ``F.linear``).
+- a module run again in the same forward (a chunked loss's head per chunk, a block applied
+  twice): as eager, a group that keeps its parameters after forward serves the second call with
+  what it gathered; one that reshards gathers again. Both uses reach the same port.
 - prefetch (eager: the all-gather stream running ahead): a group's pre-forward also gathers the
   next group (``set_modules_to_forward_prefetch``'s, else the next fully_shard'ed module in
   module order), so that group's all-gather precedes this group's compute in the graph.
@@ -40,8 +42,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,11 +55,10 @@ from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_o
 from fsdp2.runtime.codecs import QuantizedCodec
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
-from fsdp2.runtime.sharded_param import accumulate_sharded_grads
+from fsdp2.runtime.traced_grads import BucketGrads
+from fsdp2.runtime.traced_graph import Mode
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
@@ -74,106 +74,30 @@ class _Bucket:
     encoded: bool  # travels encoded: a subclass's hooks or the quantized all-gather (_gather_encoded)
 
     @property
-    def gathered_numel(self) -> int:
-        return self.reduction.world * sum(p.layout.padded_shard_numel for p in self.params)
+    def shard_numel(self) -> int:
+        return sum(p.layout.padded_shard_numel for p in self.params)
 
     @property
-    def sink_numel(self) -> int:
-        """The reduced flat shard, then the tail of :func:`_reduce_gathered_grad`."""
-        return self.gathered_numel // self.reduction.world + len(self.params) + 1
+    def gathered_numel(self) -> int:
+        return self.reduction.world * self.shard_numel
+
+    @property
+    def takes_grad(self) -> bool:
+        return graph.takes_grad(self.reduction.grad_dtype)
 
 
-class _GradHandOff:
-    """A bucket's reduced flat shard (``padded_shard_numel`` per parameter, parameter after
-    parameter) to its parameters' DTensor ``.grad``, as eager's post-backward writes them: one
-    call per bucket (autograd's hook on its grad sink), with no Python call per parameter in the
-    common case (no padding on this rank, first gradients, none frozen) beyond constructing each
-    gradient DTensor: the checks run as plain loops, which make no calls."""
+@dataclass
+class _InTrace:
+    """What one group gathered in the forward being traced (forgotten when the trace ends)."""
 
-    def __init__(self, key: tuple, params: tuple["ShardedParam", ...], group: "TracedGroup"):
-        self.key = key  # the bucket's, for its partial sums
-        self.params = params
-        self.group = group  # its sums of backwards without sync are added in now
-        self.widths = [p.layout.padded_shard_numel for p in params]
-        # No padding on this rank: the reduced flat shard is the local shards back to back.
-        self.packed = all(p.layout.local_rows == p.layout.chunk and not p.offload for p in params)
-        self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
-        # Which parameters the backwards without gradient sync since the last synced one reached.
-        self.used_before: list[float] | None = None
-        self.tail = len(params) + 1  # see _reduce_gathered_grad
-        self.take_params()
-
-    def take_params(self) -> None:
-        """Note the parameters' DTensors: at construction and whenever fsdp2 re-reads them (the only
-        time ``ShardedParam.sharded_param`` changes)."""
-        self.dtensors: list[DTensor] = [p.sharded_param for p in self.params]
-
-    def __call__(self, sink: torch.Tensor) -> None:
-        delivered, sink.grad = sink.grad, None
-        tail = self.tail
-        try:
-            *used, synced = delivered[-tail:].tolist()
-        except compat.DataDependentOutputException:  # a run without data (FakeTensorMode): no tail to read
-            used, synced = [1.0] * len(self.params), self.group.group.requires_gradient_sync
-        if self.used_before is not None:
-            used = [now or before for now, before in zip(used, self.used_before)]
-        if not synced:  # a backward without gradient sync: the group's accumulator took its gradients
-            self.used_before = used
-            return
-        if synced == 2:  # HSDP without the all-reduce: keep the sum for the next one (it adds it in)
-            self.used_before = used
-            self.group.partials[self.key] = delivered[:-tail]
-            return
-        self.used_before = None
-        if self.group.partials:  # this backward's all-reduce added them in
-            self.group.partials.pop(self.key, None)
-        if self.group.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
-            used = [1.0] * len(used)
-        reduced = delivered  # the tail is past every parameter's slot: nothing below reads it
-        if self.group.group.reduce.all_reduce_hook is not None:  # guarded in the trace: the graph agrees
-            reduced = self._finish_after_hook(delivered[:-tail])  # the hook sees eager's bucket
-        elif delivered.dtype is not self.shapes[0].dtype:  # HSDP delivers the reduce dtype: see sink_dtype
-            reduced = delivered[:-tail].to(self.shapes[0].dtype)
-        dtensors = self.dtensors
-        fresh = self.packed
-        for p, dtensor, reached in zip(self.params, dtensors, used):
-            if compat.local_tensor_of(dtensor) is not p.traced_source:
-                raise _swapped_shard_error(p)
-            if dtensor.grad is not None or not dtensor.requires_grad or not reached:
-                fresh = False
-        if self.group.accumulated:
-            self.group.drop_accumulated()
-        if fresh:
-            compat.assign_dtensor_grads(dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
-            return
-        slots = torch.split_with_sizes(reduced[: sum(self.widths)], self.widths)
-        # As eager: a parameter no backward reached (unused in forward) gets no gradient, nor one
-        # frozen after fully_shard (the graph does not see it).
-        trainable = [i for i, d in enumerate(dtensors) if d.requires_grad and used[i]]
-        # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
-        accumulate_sharded_grads([self.params[i] for i in trainable], [slots[i] for i in trainable], False)
-
-    def _finish_after_hook(self, reduced: torch.Tensor) -> torch.Tensor:
-        """What the graph left undivided in ``reduce_dtype`` (``graph.Reduction.hooked``): eager's
-        finish (the hook, then the division), then the shards' dtype (one for the bucket)."""
-        reduce = self.group.group.reduce
-        reduce.finish_reduced(reduced, reduce.plan(reduced.dtype))
-        grad_dtype = self.shapes[0].dtype
-        return reduced if reduced.dtype == grad_dtype else reduced.to(grad_dtype)
-
-
-def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
-    """``p``'s DTensor holds a local shard other than the one its graph input (``traced_leaf``) was
-    made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not fully_shard'ed
-    swaps DTensor parameters), so the step gathered the old values. Eager reads the new ones;
-    writing gradients of the old would train them silently."""
-    return FSDPUsageError(
-        f"torch.compile over fully_shard({p.owner}): the local shard of parameter {p.fqn} was replaced from "
-        "outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is not fully_shard'ed) "
-        "after this step was compiled, so it computed with the old values; no gradient was written. Convert "
-        "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
-        "model.load_state_dict(model.state_dict())."
-    )
+    # Per bucket: its gradient port (row, marks): every gather of the bucket in this trace routes to it.
+    ports: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    # What a call that keeps its parameters after forward gathered: a later call uses it (eager:
+    # the group is still unsharded).
+    kept: list[torch.Tensor] | None = None
+    # reshard_after_forward=k: per bucket, the rows kept for re-gathering over the subgroup.
+    kept_rows: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    ran: bool = False  # one of its modules ran (not only prefetched)
 
 
 def _encoded(p: "ShardedParam") -> bool:
@@ -205,8 +129,8 @@ def _decode(
 class TracedGroup:
     """The traced path of one ParamGroup: its gather as graph ops, and which modules see it.
 
-    ``held`` (the gathered parameters while the group's forward runs) and ``prefetched`` live
-    only within one trace: the root's post-forward clears them before the trace ends.
+    ``held`` (the gathered parameters while the group's forward runs), ``prefetched`` and
+    ``in_trace`` live only within one trace: the root's post-forward clears them before it ends.
     """
 
     # Slots, not an instance dict: dynamo replays a trace's attribute writes on a slotted object
@@ -219,11 +143,9 @@ class TracedGroup:
         "prefetched",
         "held",
         "modules_left",
-        "accumulators",
-        "accumulated",
-        "partials",
-        "grad_sinks",
-        "_hand_offs",
+        "in_trace",
+        "grads",
+        "pending_grads",
         "param_replaced",
         "custom_comm_keys",
         "_held_dicts",
@@ -237,14 +159,13 @@ class TracedGroup:
         self.prefetched: list[torch.Tensor] | None = None
         self.held: list[torch.Tensor] | None = None
         self.modules_left = 0
-        self.accumulators: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_accumulation
-        self.accumulated: dict[tuple, torch.Tensor] = {}  # their gradients, once there are any
-        # Per bucket: HSDP's reduce-scattered sums kept by set_requires_all_reduce(False) backwards.
-        self.partials: dict[tuple, torch.Tensor] = {}
-        self.grad_sinks: dict[tuple, torch.Tensor] = {}  # per bucket, see prepare_grad_sinks
-        self._hand_offs: dict[tuple, _GradHandOff] = {}  # their hooks
+        self.in_trace: _InTrace | None = None
+        self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
+        # The keys of the buckets keeping sums of compiled backwards without gradient sync (or the
+        # HSDP all-reduce) for the next synced one: an eager step refuses them (read without a call).
+        self.pending_grads: set[str] = set()
         self.custom_comm_keys: dict[str, str] = {}  # see use_custom_comm
-        self.prepare_grad_sinks()
+        self.prepare_buckets()
         # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
         # the group's slots; a trace reads it (one guard), and only then compares each parameter.
         self.param_replaced = False
@@ -262,7 +183,11 @@ class TracedGroup:
         """fsdp2 re-read the parameters (ShardedParam.refresh): replacements are taken over, and
         dtypes may have changed (new buckets)."""
         self.param_replaced = False
-        self.prepare_grad_sinks()
+        self.prepare_buckets()
+
+    def discard_pending_grads(self) -> None:
+        for grads in self.grads.values():
+            grads.discard()
 
     # -- the gather ---------------------------------------------------------------------------
 
@@ -275,136 +200,169 @@ class TracedGroup:
         params = self.group.params
         if not params:
             return []
+        in_trace = self.enter_trace()
+        if in_trace.kept is not None:  # gathered earlier in this forward, and kept
+            return in_trace.kept
         buckets = self._buckets()
+        with_grad = torch.is_grad_enabled()
+        ports = [self._port(bucket, in_trace) if with_grad and bucket.takes_grad else None for bucket in buckets]
         # Passed in (not read inside): the checkpoint region's inputs are its arguments.
-        sinks = [self.grad_sinks.get(bucket.key) for bucket in buckets]
-        tensors = [*sinks, *(p.traced_leaf for p in params)]
+        tensors = [t for port in ports if port is not None for t in (port[0], *port[1])]
+        tensors += [p.traced_leaf for p in params]
         if after_forward is schedule.AfterForward.FREE:
-            gather = functools.partial(self._gather, buckets, after_forward=after_forward)
-            return list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=graph.recompute_in_backward))
-        return self._gather(buckets, *tensors, after_forward=after_forward)
+            gather = functools.partial(self._gather, buckets, ports, after_forward=after_forward)
+            gathered = list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=graph.recompute_in_backward))
+        else:
+            gathered = self._gather(buckets, ports, *tensors, after_forward=after_forward)
+        if after_forward is schedule.AfterForward.KEEP and with_grad:
+            in_trace.kept = gathered
+        return gathered
+
+    def enter_trace(self) -> _InTrace:
+        """This group's record of the forward being traced (made by its first gather or run)."""
+        if self.in_trace is None:
+            self.in_trace = _InTrace()
+            _trace.touched.append(self)
+        return self.in_trace
+
+    def _port(self, bucket: _Bucket, in_trace: _InTrace) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The bucket's gradient port in this trace (made by its first gather)."""
+        port = in_trace.ports.get(bucket.key)
+        if port is not None:
+            return port
+        grads = self.grads.get(bucket.key)
+        if grads is None or grads.shard_numel != bucket.shard_numel or grads.grad_dtype != bucket.reduction.grad_dtype:
+            # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
+            raise FSDPUsageError(
+                f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
+            )
+        r = bucket.reduction
+        port = graph.port(
+            grads.sink(r.mode),
+            grads.anchor,
+            grads.key,
+            r,
+            bucket.gathered_numel,
+            bucket.param_dtype,
+            len(bucket.params),
+        )
+        in_trace.ports[bucket.key] = port
+        return port
 
     def _gather(
-        self, buckets: list[_Bucket], *tensors: torch.Tensor | None, after_forward: schedule.AfterForward
+        self, buckets: list[_Bucket], ports: list, *tensors: torch.Tensor, after_forward: schedule.AfterForward
     ) -> list[torch.Tensor]:
-        """``tensors``: each bucket's grad sink, then every parameter's shard. ``after_forward``:
-        FREE runs in a region backward recomputes; KEEP_SUBGROUP_SHARD see :meth:`_gather_keeping_rows`."""
+        """``tensors``: each port's row and marks (buckets that take gradients), then every
+        parameter's shard. ``after_forward``: FREE runs in a region backward recomputes;
+        KEEP_SUBGROUP_SHARD see :meth:`_gather_keeping_rows`."""
         keep_rows = after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD
         regathers = after_forward is not schedule.AfterForward.KEEP
-        sinks, shards = tensors[: len(buckets)], tensors[len(buckets) :]
+        inputs = iter(tensors)
+        # The ports again, as this region's inputs.
+        ports = [None if port is None else (next(inputs), [next(inputs) for _ in port[1]]) for port in ports]
+        shards = list(inputs)
         by_param: dict[int, torch.Tensor] = {}
         index = {id(p): i for i, p in enumerate(self.group.params)}
-        sync = self.group.requires_gradient_sync
-        for bucket, sink in zip(buckets, sinks):
-            stale_sink = sink is None or sink.numel() != bucket.sink_numel or sink.dtype != bucket.reduction.sink_dtype
-            if graph.takes_grad(bucket.reduction.grad_dtype) and stale_sink:
-                # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
-                raise FSDPUsageError(
-                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
-                    "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
-                )
-            accumulator = self.accumulators.get(bucket.key)
-            if not sync and (accumulator is None or accumulator.numel() != bucket.gathered_numel):
-                raise FSDPUsageError(
-                    f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
-                    "since set_requires_gradient_sync(False); call it again after the change."
-                )
-            accumulated = self.accumulated.get(bucket.key)
-            partial = self.partials.get(bucket.key)  # read in the trace: keeping one retraces
+        for bucket, port in zip(buckets, ports):
             bucket_shards = [shards[index[id(p)]] for p in bucket.params]
+            r = bucket.reduction
             if bucket.encoded:  # with reshard_after_forward=k too: what it gathered is kept
                 regathers_encoded = after_forward is schedule.AfterForward.FREE
-                gathered = self._gather_encoded(
-                    bucket, bucket_shards, sink, accumulator, accumulated, partial, regathers_encoded
-                )
-                by_param.update(gathered)
+                by_param.update(self._gather_encoded(bucket, bucket_shards, port, regathers_encoded))
                 continue
-            reduction = bucket.reduction
-            if regathers and reduction.counted:
-                nbytes = bucket.gathered_numel * bucket.param_dtype.itemsize
-                reduction = dataclasses.replace(reduction, regathered_bytes=nbytes)
+            if port is not None and regathers and r.counted:
+                port = _recording_regather(port, bucket.gathered_numel * bucket.param_dtype.itemsize)
             # One op, not torch.cat: see traced_ops.
             flat = graph.flat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
             if bucket.params[0].offload:  # CPU offload: the shards live on the host (the group's all do)
                 flat = flat.to(self.group.dp.device)
             if keep_rows:
-                carrier, used = graph.ReduceOnly.apply(
-                    sink,
-                    flat,
-                    accumulator,
-                    accumulated,
-                    partial,
-                    bucket.gathered_numel,
-                    bucket.param_dtype,
-                    reduction,
-                    sync,
-                )
-                unsharded = self._gather_keeping_rows(bucket, flat, carrier, used)
+                unsharded = self._gather_keeping_rows(bucket, flat, port)
             else:
-                gathered, used = graph.GatherReduce.apply(
-                    sink, flat, accumulator, accumulated, partial, bucket.param_dtype, reduction, sync
+                gathered = graph.all_gather(
+                    flat.to(bucket.param_dtype),
+                    r.world,
+                    r.shard_group,
+                    r.out_collectives,
+                    r.counted,
+                    r.custom_all_gather,
                 )
-                unsharded = self._unsharded_params(bucket, gathered, gathered, used)
+                unsharded = self._unsharded_params(bucket, gathered, port)
             by_param.update(zip(map(id, bucket.params), unsharded))
         return [by_param[id(p)] for p in self.group.params]
 
     @staticmethod
-    def _unsharded_params(
-        bucket: _Bucket, gathered: torch.Tensor, carrier: torch.Tensor, used: torch.Tensor
-    ) -> list[torch.Tensor]:
+    def _unsharded_params(bucket: _Bucket, gathered: torch.Tensor, port) -> list[torch.Tensor]:
         """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out), their
-        gradients to ``carrier`` (the same row, or a :class:`graph.ReduceOnly` one), each use to ``used``."""
+        gradients routed to ``port`` (None: no gradient, e.g. under ``torch.no_grad``)."""
         world = bucket.reduction.world
         widths = [p.layout.padded_shard_numel for p in bucket.params]
         blocks = torch.split_with_sizes(gathered.view(world, -1), widths, dim=1)
-        same = carrier is gathered
-        carriers = blocks if same else torch.split_with_sizes(carrier.view(world, -1), widths, dim=1)
-        unsharded = []
-        for i, (p, block, carried) in enumerate(zip(bucket.params, blocks, carriers)):
-            value = p.layout.full_from_rank_rows(block)
-            if same:
-                full = graph.MarkUsed.apply(value, used[i])
-            else:
-                full = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, used[i])
-            # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
-            # backward turns a pending-sum gradient into these placements, as eager's local_grad.
-            unsharded.append(full if p.tensor_parallel is None else p.tensor_parallel.wrap(full))
-        return unsharded
+        values = [p.layout.full_from_rank_rows(block) for p, block in zip(bucket.params, blocks)]
+        return TracedGroup._routed(bucket, values, port)
 
-    def _gather_keeping_rows(
-        self, bucket: _Bucket, flat: torch.Tensor, carrier: torch.Tensor, used: torch.Tensor
-    ) -> list[torch.Tensor]:
+    @staticmethod
+    def _routed(bucket: _Bucket, values: list[torch.Tensor], port) -> list[torch.Tensor]:
+        """``values`` (the unsharded parameters) as the modules see them: their gradients to
+        their blocks of the port's row and a mark each; TP parameters as DTensors."""
+        unsharded = values
+        if port is not None:
+            row, marks = port
+            world = bucket.reduction.world
+            widths = [p.layout.padded_shard_numel for p in bucket.params]
+            carriers = torch.split_with_sizes(row.view(world, -1), widths, dim=1)
+            unsharded = [
+                graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, mark)
+                for p, value, carried, mark in zip(bucket.params, values, carriers, marks)
+            ]
+        # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
+        # backward turns a pending-sum gradient into these placements, as eager's local_grad.
+        return [
+            full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
+            for p, full in zip(bucket.params, unsharded)
+        ]
+
+    def _gather_keeping_rows(self, bucket: _Bucket, flat: torch.Tensor, port) -> list[torch.Tensor]:
         """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
         over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
         over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
         the rows eager keeps and is saved for backward; then over the subgroup, in a region that
-        backward recomputes from the kept rows. Both outside autograd: the gradient reaches
-        ``carrier`` (a :class:`graph.ReduceOnly` row), which reduces over all ranks as any bucket's."""
+        backward recomputes from the kept rows. A second call in the same forward re-gathers over
+        the subgroup from the same kept rows, as eager does."""
         r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
-        across = subgroup.across.group_name
         custom = r.custom_all_gather
-        kept = graph.all_gather(flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom)
+        kept_rows = self.in_trace.kept_rows
+        kept = kept_rows.get(bucket.key)
+        if kept is None:
+            across = subgroup.across.group_name
+            kept = graph.all_gather(
+                flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom
+            )
+            kept_rows[bucket.key] = kept
 
-        def unshard(carrier: torch.Tensor, used: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
+        def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
             gathered = graph.all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted, custom)
             # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
             rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
-            return self._unsharded_params(bucket, rows, carrier, used)
+            region_port = None if port is None else (port_tensors[0], list(port_tensors[1:]))
+            return self._unsharded_params(bucket, rows, region_port)
 
+        port_tensors = () if port is None else (port[0], *port[1])
         return list(
-            checkpoint(unshard, carrier, used, kept, use_reentrant=False, context_fn=graph.recompute_in_backward)
+            checkpoint(unshard, kept, *port_tensors, use_reentrant=False, context_fn=graph.recompute_in_backward)
         )
 
     def _gather_encoded(
-        self, bucket: _Bucket, shards: list[torch.Tensor], sink, accumulator, accumulated, partial, regathers: bool
+        self, bucket: _Bucket, shards: list[torch.Tensor], port, regathers: bool
     ) -> dict[int, torch.Tensor]:
         """A bucket whose parameters travel encoded (eager: their codecs): a tensor subclass's own
         hooks (``SubclassCodec``: the pre-all-gather inputs, then the post-all-gather hook) or
         fsdp2's quantized all-gather (``QuantizedCodec``: quantized slot, then dequantized rows).
         Every wire tensor of the bucket, as bytes, side by side in ONE all-gather (gloo has no
-        float8 collectives; eager's buffer is bytes too). The unsharded parameters are made
-        differentiable into a :class:`graph.ReduceOnly` row, which reduces as any bucket's (the
-        gradient passes the encoding straight through, as eager's).
+        float8 collectives; eager's buffer is bytes too). The unsharded parameters route their
+        gradients to the port, which reduces them as any bucket's (the gradient passes the
+        encoding straight through, as eager's).
 
         Subclass hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
         ``precompute_float8_dynamic_scale_for_fsdp`` set (and a subclass input carrying it fails
@@ -418,23 +376,15 @@ class TracedGroup:
             return {}
         flat = graph.flat([t.reshape(-1).view(torch.uint8) for t in inputs])
         gathered = graph.all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_all_gather)
+        if port is not None and regathers and r.counted:
+            port = _recording_regather(port, r.world * flat.numel())
         rows = gathered.view(r.world, -1)
         blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
-        if regathers and r.counted:
-            r = dataclasses.replace(r, regathered_bytes=r.world * flat.numel())
-        sync = self.group.requires_gradient_sync
-        carrier, used = graph.ReduceOnly.apply(
-            sink, flat, accumulator, accumulated, partial, bucket.gathered_numel, bucket.param_dtype, r, sync
-        )
-        carriers = torch.split_with_sizes(
-            carrier.view(r.world, -1), [p.layout.padded_shard_numel for p in bucket.params], dim=1
-        )
-        by_param = {}
-        for i, (p, shard, (wire, context), carried) in enumerate(zip(bucket.params, shards, encoded, carriers)):
-            unsharded = _decode(p, shard, wire, context, [next(blocks) for _ in wire])
-            full = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), unsharded, used[i])
-            by_param[id(p)] = full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
-        return by_param
+        values = [
+            _decode(p, shard, wire, context, [next(blocks) for _ in wire])
+            for p, shard, (wire, context) in zip(bucket.params, shards, encoded)
+        ]
+        return dict(zip(map(id, bucket.params), self._routed(bucket, values, port)))
 
     def _buckets(self) -> list[_Bucket]:
         group, dp = self.group, self.group.dp
@@ -443,6 +393,12 @@ class TracedGroup:
         replicate = dp.replicate_group.group_name if dp.is_hybrid else None
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
+        if not group.requires_gradient_sync:
+            mode = Mode.UNSYNCED
+        elif replicate is not None and not reduce.requires_all_reduce:
+            mode = Mode.PARTIAL
+        else:
+            mode = Mode.SYNCED
         by_key: dict[tuple, list] = {}
         for p in group.params:
             by_key.setdefault((_encoded(p), p.param_dtype, p.reduce_dtype, p.orig_dtype), []).append(p)
@@ -450,6 +406,7 @@ class TracedGroup:
         for key, params in by_key.items():
             encoded, param_dtype, reduce_dtype, orig_dtype = key
             plan = reduce.plan(reduce_dtype)
+            grads = self.grads.get(key)  # its kept sums are read in the trace (guarded)
             reduction = graph.Reduction(
                 dp.shard_size,
                 shard_group.group_name,
@@ -461,70 +418,39 @@ class TracedGroup:
                 plan.reduce_scatter_op.functional_name,
                 plan.all_reduce_op.functional_name,
                 graph.takes_out_collectives(shard_group),
-                len(params),
                 self.custom_comm_keys.get("all_gather"),
                 self.custom_comm_keys.get("reduce_scatter"),
                 counted,
                 reduce.all_reduce_hook is not None,
-                all_reduce=reduce.requires_all_reduce or replicate is None,
+                mode=mode,
+                takes_unsynced=mode is not Mode.UNSYNCED and grads is not None and grads.holds_unsynced,
+                takes_partial=mode is Mode.SYNCED and grads is not None and grads.holds_partial,
+                include_unused=reduce.include_unused,
             )
             buckets.append(_Bucket(key, params, param_dtype, reduction, encoded))
         return buckets
 
-    # -- the gradient hand-off ----------------------------------------------------------------
+    # -- where gradients go ---------------------------------------------------------------------
 
-    def prepare_grad_sinks(self) -> None:
-        """Eager (at fully_shard and whenever the parameters are re-read): per bucket a leaf that
-        autograd hands the reduced flat shard, with a :class:`_GradHandOff` as its hook. One
-        element of storage: only its gradient is ever read. A bucket whose parameters and size are
-        unchanged keeps its sink: re-reading parameters also happens inside functorch transforms
-        (``torch.func.jvp`` over the module), where no new leaf may be made."""
-        sinks, hand_offs = {}, {}
+    def prepare_buckets(self) -> None:
+        """Eager (at fully_shard and whenever the parameters or the reduction's hook change): per
+        bucket its :class:`BucketGrads`. A bucket whose parameters, dtypes and hook are unchanged
+        keeps its own: re-reading parameters also happens inside functorch transforms
+        (``torch.func.jvp`` over the module), where no new leaf may be made; and the sums it keeps
+        for the next synced backward stay."""
+        grads = {}
         for bucket in self._buckets():
-            dtype = bucket.reduction.sink_dtype
-            if not graph.takes_grad(dtype):
+            if not bucket.takes_grad:
                 continue
             params = tuple(bucket.params)
-            numel = bucket.sink_numel
-            sink, hand_off = self.grad_sinks.get(bucket.key), self._hand_offs.get(bucket.key)
-            if (
-                sink is None
-                or hand_off is None
-                or hand_off.params != params
-                or sink.numel() != numel
-                or sink.dtype != dtype
-            ):
-                hand_off = _GradHandOff(bucket.key, params, self)
-                sink = torch.empty_strided((numel,), (0,), dtype=dtype, device=self.group.dp.device).requires_grad_()
-                sink.register_post_accumulate_grad_hook(hand_off)
+            current = self.grads.get(bucket.key)
+            r = bucket.reduction
+            if current is None or current.params != params or current.hooked != r.hooked:
+                current = BucketGrads(params, self.group, r.reduce_dtype, r.hooked, self.pending_grads)
             else:
-                hand_off.take_params()
-            sinks[bucket.key], hand_offs[bucket.key] = sink, hand_off
-        self.grad_sinks, self._hand_offs = sinks, hand_offs
-
-    # -- gradient accumulation without sync ------------------------------------------------------
-
-    def prepare_accumulation(self) -> None:
-        """Eager, from ``set_requires_gradient_sync(False)``: per bucket a leaf whose ``.grad``
-        autograd sums the unreduced gradients in (eager: the unsharded parameters' ``.grad``).
-        One element of storage: only its gradient is ever read."""
-        for bucket in self._buckets():
-            accumulator = self.accumulators.get(bucket.key)
-            if accumulator is None or accumulator.numel() != bucket.gathered_numel:
-                dtype = bucket.reduction.reduce_dtype
-                leaf = torch.empty_strided((bucket.gathered_numel,), (0,), dtype=dtype, device=self.group.dp.device)
-                self.accumulators[bucket.key] = leaf.requires_grad_()
-                # The sum as a plain attribute: dynamo cannot hand a ``.grad`` read to a Function.
-                leaf.register_post_accumulate_grad_hook(functools.partial(self._note_accumulated, bucket.key))
-
-    def _note_accumulated(self, key: tuple, leaf: torch.Tensor) -> None:
-        self.accumulated[key] = leaf.grad
-
-    def drop_accumulated(self) -> None:
-        if self.accumulated:
-            self.accumulated.clear()
-            for accumulator in self.accumulators.values():
-                accumulator.grad = None
+                current.take_params()
+            grads[bucket.key] = current
+        self.grads = grads
 
     # -- what the modules see -----------------------------------------------------------------
 
@@ -562,15 +488,17 @@ class TracedGroup:
         if is_root:
             _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
         check_traceable(self)
+        in_trace = self.enter_trace()
+        again, in_trace.ran = in_trace.ran, True  # run again in this forward (eager: its forward starts anew)
         self.hold(self.gather(self.after_forward(is_root)))
         self.modules_left = len(self.modules)
-        _trace.touched.append(self)
-        targets = forward_prefetch or ([self.next] if self.next is not None else [])
+        # Module order says what comes next only the first time round.
+        targets = forward_prefetch or ([self.next] if self.next is not None and not again else [])
         for other in targets:
             if other.held is None and other.prefetched is None:
                 check_traceable(other)
+                other.enter_trace()
                 other.prefetched = other.gather(other.after_forward(is_root=False))
-                _trace.touched.append(other)
 
     def post_forward(self) -> None:
         """After one of the group's modules: the last one releases the group (the root: all)."""
@@ -585,6 +513,7 @@ class TracedGroup:
             # some of whose modules never ran is released.
             for other in _trace.touched:
                 other.prefetched = None
+                other.in_trace = None
                 if other.held is not None:
                     other.release()
             _trace.touched.clear()
@@ -596,6 +525,12 @@ class TracedGroup:
             return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
         setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
         return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size)
+
+
+def _recording_regather(port, nbytes: int):
+    """``port`` at a gather that backward recomputes, in a trace inside ``count_comm``."""
+    row, marks = port
+    return graph.RecordRegather.apply(row, nbytes), marks
 
 
 class _TraceScope:

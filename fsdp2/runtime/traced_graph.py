@@ -1,19 +1,28 @@
-"""How one bucket's gather and reduction appear in a compiled graph: the functional collectives
-and the autograd Functions the traced path (fsdp2.runtime.traced) builds a group's step from.
+"""How one bucket's gather and reduction appear in a compiled graph: the functional collectives,
+the bucket's gradient port and its reduction, which the traced path (fsdp2.runtime.traced)
+builds a group's step from.
 
-- :class:`GatherReduce`: forward all-gathers a bucket's flat shards; backward reduces the
-  gradient of the gathered row as eager's post-backward would (:func:`_reduce_gathered_grad`,
-  with eager's reduce plan in a :class:`Reduction`) and hands it to the bucket's grad sink.
-- :class:`ReduceOnly`: the same backward, for buckets gathered outside autograd (tensor
-  subclasses' own hooks; ``reshard_after_forward=k``'s two-stage gather).
-- :class:`GradientFrom` / :class:`MarkUsed`: one unsharded parameter as the modules see it, its
-  gradient routed to the bucket's row, and a mark that backward reached it.
+- :func:`all_gather`: a bucket's flat shards gathered, outside autograd.
+- :func:`port`: where the bucket's gradients meet in one trace (``fsdp2::grad_port``): a row of
+  the gathered size and a mark per parameter. Every unsharded parameter the modules see is a
+  :class:`GradientFrom`, whose gradient goes to its block of the row and a 1 to its mark; a
+  bucket gathered again in the same trace (a module called twice) routes to the same port, so
+  autograd sums every use before the port's backward runs, once per backward, as eager sums
+  them in the unsharded parameter's ``.grad``.
+- The port's backward (:func:`_reduce_port_grad`, its autograd formula) is the bucket's
+  reduction, with eager's reduce plan in a :class:`Reduction`. Compilers run it when they trace
+  the backward, on which marks backward reaches: the parameters it did not reach (unused in
+  forward) are known then, as trace-time constants, and need nothing at run time. The reduced
+  gradient goes to the sink of the step's :class:`Mode` when backward reached every parameter,
+  else to ``fsdp2::deliver`` with the indices it reached (fsdp2.runtime.traced_grads takes both).
 
 Nothing here holds state between steps: the traced path passes in what a step needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +33,14 @@ from fsdp2 import compat
 from fsdp2.runtime import traced_ops
 
 _c10d = compat.functional_collectives
+
+
+class Mode(enum.IntEnum):
+    """What one backward does with a bucket's gradient, from the group's settings at trace time."""
+
+    SYNCED = 0  # reduce-scatter (HSDP: and all-reduce) and divide: to the parameters' .grad
+    PARTIAL = 1  # HSDP with set_requires_all_reduce(False): reduce-scatter, kept for the next all-reduce
+    UNSYNCED = 2  # set_requires_gradient_sync(False): kept unreduced for the next synced backward
 
 
 @dataclass(frozen=True)
@@ -40,7 +57,6 @@ class Reduction:
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
-    params: int  # in the bucket: the sink's tail holds which forward used (see _reduce_gathered_grad)
     # set_custom_all_gather / set_custom_reduce_scatter: the user's objects' keys (traced_ops.register_comm)
     custom_all_gather: str | None
     custom_reduce_scatter: str | None
@@ -48,18 +64,20 @@ class Reduction:
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
     # hand-off (eager, outside the graph) calls the hook on it, then divides and casts, as eager.
     hooked: bool
-    # set_requires_all_reduce(False) under HSDP: the reduce-scattered sum goes to the hand-off, kept
-    # for the next backward's all-reduce (eager: GroupReduce's partial sums); nothing reaches .grad.
-    all_reduce: bool = True
-    # The bytes backward gathers again (recomputing a gather of reshard_after_forward), which
-    # backward records for count_comm: a recomputed region's own record op is not recomputed.
-    regathered_bytes: int = 0
+    mode: Mode = Mode.SYNCED
+    # Sums kept by earlier backwards (without sync; HSDP without the all-reduce) are added in,
+    # once per backward (traced_ops.take_pending), as eager adds them in its next reduction.
+    takes_unsynced: bool = False
+    takes_partial: bool = False
+    include_unused: bool = False  # set_reduce_scatter_unused_params(True): unreached parameters get zeros
 
     @property
     def sink_dtype(self) -> torch.dtype:
-        """The dtype the bucket's reduced flat shard reaches its grad sink in: the reduce dtype where
-        the hand-off finishes it (the all-reduce hook) or may keep it (HSDP's partial sums)."""
-        return self.reduce_dtype if self.hooked or self.replicate_group is not None else self.grad_dtype
+        """The dtype the bucket's reduced flat shard reaches its sink in: the reduce dtype where the
+        hand-off finishes it (the all-reduce hook) or keeps it (partial and unsynced sums)."""
+        if self.mode is Mode.SYNCED and not self.hooked:
+            return self.grad_dtype
+        return self.reduce_dtype
 
 
 # The compiled code calls each collective op through the dispatcher on every step. torch 2.13
@@ -113,36 +131,25 @@ def _reduce_scatter(
     return _c10d.wait_tensor(reduced)
 
 
-def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The backward of a bucket's gather: ``(the grad sink's gradient, the accumulator's)``.
-
-    The sink's gradient is the reduced flat shard (zeros without gradient sync, when the
-    unreduced gradient goes to the accumulator instead), then a tail: per parameter whether this
-    backward reached it (``used``: 1 where :class:`GradientFrom`'s backward ran, i.e. forward
-    used the parameter), then 1 if the gradients were synced (2 if they are an HSDP partial sum to
-    keep, ``Reduction.all_reduce``). Eager reduces and writes only parameters some backward reached
-    (a gradient exists); the hand-off reads the tail to match.
-    """
-    r: Reduction = ctx.reduction
-    if r.counted and r.regathered_bytes:
-        traced_ops.record_comm("all_gather", r.regathered_bytes)
+def reduce(grad: torch.Tensor, r: Reduction, bucket: str) -> torch.Tensor:
+    """The gradient of a bucket's gathered row (eager's reduce-scatter input: same layout,
+    padding zeroed) as ``r.mode`` keeps it: unreduced (UNSYNCED), reduce-scattered (PARTIAL), or
+    reduced for ``.grad`` (SYNCED), with eager's casts, reduce ops, divisions and kept sums."""
     grad = grad.to(r.reduce_dtype).contiguous()
-    if not ctx.sync:
-        tail = torch.cat([used.to(r.sink_dtype), used.new_zeros(1, dtype=r.sink_dtype)])
-        return torch.cat([tail.new_zeros(grad.numel() // r.world), tail]), grad
-    accumulated, partial = ctx.saved_tensors
-    if accumulated is not None:
-        grad = accumulated + grad  # eager: the microbatches' sum, then this backward's gradient
+    if r.mode is Mode.UNSYNCED:
+        return grad
+    if r.takes_unsynced:  # eager: the microbatches' sum, then this backward's gradient
+        grad = traced_ops.take_pending(grad, bucket, Mode.UNSYNCED)
     for divisor in r.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
     reduced = _reduce_scatter(
         grad, r.reduce_scatter_op, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_reduce_scatter
     )
+    if r.mode is Mode.PARTIAL:
+        return reduced
     if r.replicate_group is not None:
-        if partial is not None:
-            reduced = reduced + partial  # eager: the kept partial sums join this all-reduce
-        if not r.all_reduce:
-            return torch.cat([reduced, used.to(reduced.dtype), reduced.new_full((1,), 2)]), None
+        if r.takes_partial:  # eager: the kept partial sums join this all-reduce
+            reduced = traced_ops.take_pending(reduced, bucket, Mode.PARTIAL)
         if r.counted:
             traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, r.all_reduce_op, r.replicate_group))
@@ -150,88 +157,141 @@ def _reduce_gathered_grad(ctx, grad: torch.Tensor, used: torch.Tensor) -> tuple[
         if r.divide_after != 1:
             reduced = reduced / r.divide_after
         reduced = reduced.to(r.sink_dtype)
-    return torch.cat([reduced, used.to(reduced.dtype), reduced.new_ones(1)]), None
+    return reduced
 
 
-class GatherReduce(torch.autograd.Function):
-    """Forward: all-gather a bucket's flat padded shards in ``param_dtype``. Backward: reduce the
-    gradient of the gathered row as eager's post-backward reduces a group's gradients, and hand
-    the reduced flat shard to ``grad_sink`` (a leaf; ``flat_shards`` takes no gradient); without
-    gradient sync, hand it unreduced to ``accumulator`` (a leaf: autograd sums it over
-    microbatches), and add what it holds (``accumulated``) into the next synced reduction."""
-
-    @staticmethod
-    def forward(
-        ctx, grad_sink, flat_shards, accumulator, accumulated, partial, param_dtype, reduction: Reduction, sync: bool
-    ):
-        ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated, partial)
-        gathered = all_gather(
-            flat_shards.to(param_dtype),
-            reduction.world,
-            reduction.shard_group,
-            reduction.out_collectives,
-            reduction.counted,
-            reduction.custom_all_gather,
-        )
-        return gathered, gathered.new_zeros(reduction.params)  # the second: see GradientFrom
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
-        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None, None
+# -- the gradient port ----------------------------------------------------------------------------
 
 
-class ReduceOnly(torch.autograd.Function):
-    """The backward half of :class:`GatherReduce`, for a bucket of parameters gathered through
-    their tensor subclass's own hooks (its float8 bytes travel outside autograd). Forward returns
-    an uninitialised row of the gathered size in ``param_dtype`` that no op reads (a compiler
-    drops it): the unsharded parameters' gradients reach this backward through it
-    (:class:`GradientFrom`), and it reduces them as :class:`GatherReduce` does."""
+# The port's arguments: the Reduction field by field, so that a graph's text says everything its
+# backward does (a compiler's cache keyed by the graph never confuses two reductions).
+_REDUCTION_SCHEMA = {
+    "world": "int",
+    "shard_group": "str",
+    "replicate_group": "str?",
+    "reduce_dtype": "ScalarType",
+    "grad_dtype": "ScalarType",
+    "divide_before": "float[]",
+    "divide_after": "float",
+    "reduce_scatter_op": "str",
+    "all_reduce_op": "str",
+    "out_collectives": "bool",
+    "custom_all_gather": "str?",
+    "custom_reduce_scatter": "str?",
+    "counted": "bool",
+    "hooked": "bool",
+    "mode": "int",
+    "takes_unsynced": "bool",
+    "takes_partial": "bool",
+    "include_unused": "bool",
+}
+assert list(_REDUCTION_SCHEMA) == [f.name for f in dataclasses.fields(Reduction)]
+_PORT_ARGS = 6  # sink, anchor, bucket, numel, dtype, params; then the reduction's fields
 
-    @staticmethod
-    def forward(
-        ctx, grad_sink, like, accumulator, accumulated, partial, numel, param_dtype, reduction: Reduction, sync: bool
-    ):
-        ctx.reduction, ctx.sync = reduction, sync
-        ctx.save_for_backward(accumulated, partial)
-        return like.new_empty(numel, dtype=param_dtype), like.new_zeros(reduction.params, dtype=param_dtype)
+traced_ops.define(
+    "grad_port(Tensor sink, Tensor anchor, str bucket, int numel, ScalarType dtype, int params, "
+    + ", ".join(f"{kind} {name}" for name, kind in _REDUCTION_SCHEMA.items())
+    + ") -> (Tensor, Tensor[])",
+    lambda sink, anchor, bucket, numel, dtype, params, *reduction: (
+        # Runs only where no compiler drops it (torch.compile's eager backend, or no compile).
+        anchor.new_empty(numel, dtype=dtype),
+        [anchor.new_empty(()) for _ in range(params)],
+    ),
+)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, used: torch.Tensor):
-        to_sink, to_accumulator = _reduce_gathered_grad(ctx, grad, used)
-        return to_sink, None, to_accumulator, None, None, None, None, None, None
+
+def port(
+    sink: torch.Tensor, anchor: torch.Tensor, bucket: str, r: Reduction, numel: int, dtype, params: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The bucket's gradient port for one trace: ``(row, marks)`` (see the module docstring).
+    ``sink`` takes the reduced gradient when backward reaches every parameter; ``anchor`` takes
+    ``fsdp2::deliver``'s (empty) result otherwise, which keeps that op in the graph."""
+    return torch.ops.fsdp2.grad_port.default(
+        sink,
+        anchor,
+        bucket,
+        numel,
+        dtype,
+        params,
+        r.world,
+        r.shard_group,
+        r.replicate_group,
+        r.reduce_dtype,
+        r.grad_dtype,
+        list(r.divide_before),
+        r.divide_after,
+        r.reduce_scatter_op,
+        r.all_reduce_op,
+        r.out_collectives,
+        r.custom_all_gather,
+        r.custom_reduce_scatter,
+        r.counted,
+        r.hooked,
+        int(r.mode),
+        r.takes_unsynced,
+        r.takes_partial,
+        r.include_unused,
+    )
+
+
+def _setup_port(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)  # a mark backward never reached stays None
+    ctx.bucket = inputs[2]
+    # No gradient for any input but the sink or the anchor (a list input takes a list of them).
+    ctx.no_grads = tuple([None] * len(x) if isinstance(x, list) else None for x in inputs)
+    fields = dict(zip(_REDUCTION_SCHEMA, inputs[_PORT_ARGS:]))
+    fields["divide_before"] = tuple(fields["divide_before"])
+    fields["mode"] = Mode(fields["mode"])
+    ctx.reduction = Reduction(**fields)
+
+
+def _reduce_port_grad(ctx, grad: torch.Tensor | None, marks: list[torch.Tensor | None]):
+    """The port's backward: the bucket's reduction, to the sink or to ``fsdp2::deliver``."""
+    r: Reduction = ctx.reduction
+    none = ctx.no_grads
+    if grad is None:  # backward reached none of the bucket's parameters
+        return none
+    reduced = reduce(grad, r, ctx.bucket)
+    reached = [i for i, mark in enumerate(marks) if mark is not None]
+    if r.include_unused or len(reached) == len(marks):
+        return (reduced, *none[1:])
+    return (None, traced_ops.deliver(reduced, ctx.bucket, r.mode, reached), *none[2:])
+
+
+torch.library.register_autograd("fsdp2::grad_port", _reduce_port_grad, setup_context=_setup_port)
 
 
 class GradientFrom(torch.autograd.Function):
     """One unsharded parameter as the modules see it: ``unsharded`` (a view of the gathered row,
-    or a tensor a subclass's post-all-gather hook built outside autograd, e.g. torchao's float8
-    weight), its gradient (``param_dtype``, the parameter's shape) going to ``carrier`` (its part
-    of the gathered row, or of a :class:`ReduceOnly` row), and a 1 to ``used``, its slot in the
-    bucket's usage row, only if backward reaches it (forward used the parameter)."""
+    or a tensor a codec built from it, e.g. torchao's float8 weight), its gradient (``param_dtype``,
+    the parameter's shape) going to ``carrier`` (its block of the bucket's port row), and a 1 to
+    ``mark``, its mark, only if backward reaches it (forward used the parameter)."""
 
     @staticmethod
-    def forward(ctx, carrier, unsharded, used):
-        ctx.used = (used.dtype, used.device)  # not from ``grad``: it may be a subclass (float8's)
+    def forward(ctx, carrier, unsharded, mark):
+        ctx.mark = (mark.dtype, mark.device)  # not from ``grad``: it may be a subclass (float8's)
         return unsharded.view_as(unsharded)
 
     @staticmethod
     def backward(ctx, grad):
-        dtype, device = ctx.used
+        dtype, device = ctx.mark
         return grad, None, torch.ones((), dtype=dtype, device=device)
 
 
-class MarkUsed(torch.autograd.Function):
-    """One unsharded parameter, a view of the gathered row, as the modules see it: its gradient
-    flows to the row as a view's would, and a 1 to ``used`` (as :class:`GradientFrom`)."""
+class RecordRegather(torch.autograd.Function):
+    """Identity on a port row at one gather that backward recomputes (``reshard_after_forward``),
+    in a trace inside ``count_comm``: its backward records that all-gather, since a recomputed
+    region's own record op is not recomputed."""
 
     @staticmethod
-    def forward(ctx, unsharded, used):
-        return unsharded.view_as(unsharded)
+    def forward(ctx, row, nbytes: int):
+        ctx.nbytes = nbytes
+        return row.view_as(row)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.new_ones(())
+        traced_ops.record_comm("all_gather", ctx.nbytes)
+        return grad, None
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

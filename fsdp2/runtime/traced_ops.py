@@ -17,8 +17,17 @@ aliasing view of the output per input, each a Python call in the compiled code o
 (and again for the re-gather in backward); an op it does not know runs as one call to ATen's
 ``cat``, which copies all inputs in one kernel on any device.
 
-It has no autograd formula: the traced path hands the all-gather's gradient to its grad sinks,
-never to the shards (plain tensors that take no gradient).
+It has no autograd formula: the traced path routes the all-gather's gradient to its bucket's
+gradient port, never to the shards (plain tensors that take no gradient).
+
+``grad_port`` (defined with :func:`define` by fsdp2.runtime.traced_graph, whose reduction it
+carries): where one bucket's gradients meet in a compiled step.
+
+``take_pending(grad, bucket, kind)`` / ``deliver(grad, bucket, mode, reached)``: a compiled backward
+reading and writing a bucket's gradient state at run time: the sums kept by backwards without
+gradient sync (or, under HSDP, without the all-reduce) added in once, and a bucket's gradient
+handed over when backward reached only some of its parameters. ``bucket`` is the key of an object
+registered with :func:`register_route` (fsdp2.runtime.traced_grads.BucketGrads).
 """
 
 from __future__ import annotations
@@ -108,3 +117,54 @@ def _custom_reduce_scatter_fake(grad: torch.Tensor, world: int, op: str, group: 
 
 custom_all_gather = torch.ops.fsdp2.custom_all_gather.default
 custom_reduce_scatter = torch.ops.fsdp2.custom_reduce_scatter.default
+
+
+# -- a bucket's gradients -------------------------------------------------------------------------
+
+
+def define(schema: str, impl) -> None:
+    """Define ``fsdp2::<schema>`` with ``impl`` as its kernel and its fake (shape) function."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fsdp2::{name}", impl, lib=_lib)
+
+
+# The objects a compiled backward hands gradients to, by the key its graph names them with
+# (weakly: their group owns them).
+_routes: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+
+
+def register_route(route: object) -> str:
+    """Make ``route`` (with ``take(grad, kind)`` and ``deliver(grad, mode, reached)``) reachable
+    from graphs; returns its key."""
+    key = f"{type(route).__qualname__}@{id(route):x}"
+    _routes[key] = route
+    return key
+
+
+_lib.define("take_pending(Tensor grad, str bucket, int kind) -> Tensor")
+_lib.impl("take_pending", lambda grad, bucket, kind: _routes[bucket].take(grad, kind), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fsdp2::take_pending", lib=_lib)
+def _take_pending_fake(grad: torch.Tensor, bucket: str, kind: int) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+take_pending = torch.ops.fsdp2.take_pending.default
+
+_lib.define("deliver(Tensor grad, str bucket, int mode, int[] reached) -> Tensor")
+_lib.impl(
+    "deliver",
+    lambda grad, bucket, mode, reached: _routes[bucket].deliver(grad, mode, reached),
+    "CompositeExplicitAutograd",
+)
+
+
+@torch.library.register_fake("fsdp2::deliver", lib=_lib)
+def _deliver_fake(grad: torch.Tensor, bucket: str, mode: int, reached: list[int]) -> torch.Tensor:
+    return grad.new_empty(0, dtype=torch.float32)  # the anchor's gradient: see traced_grads
+
+
+deliver = torch.ops.fsdp2.deliver.default

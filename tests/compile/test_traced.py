@@ -435,7 +435,7 @@ def _compile_with(rank, world_size, setup):
     elif setup == "premul_sum":
         model.blocks[1].set_gradient_divide_factor(3.0)  # PREMUL_SUM(1/3) on NCCL
     elif setup == "stale_grad_sink":  # as if its dtypes had changed without fsdp2 re-reading them
-        model.blocks[0].__dict__["_fsdp_state"].traced.grad_sinks.clear()
+        model.blocks[0].__dict__["_fsdp_state"].traced.grads.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
     from fsdp2.runtime import collectives

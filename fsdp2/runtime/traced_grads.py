@@ -1,0 +1,274 @@
+"""Where a bucket's gradients go after a compiled backward: its sinks, the sums it keeps between
+backwards, and the hand-off to the parameters' DTensor ``.grad``.
+
+A compiled step's backward reduces each bucket once per graph (fsdp2.runtime.traced_graph's port)
+and hands the result on by the step's mode, through autograd when backward reached every
+parameter of the bucket (the common case: no Python runs per bucket in the graph):
+
+- SYNCED: to ``reduced``, a leaf whose hook writes every parameter's ``.grad`` in one call
+  (added to one already there, as eager adds it);
+- UNSYNCED (``set_requires_gradient_sync(False)``): to ``unsynced``, a leaf whose ``.grad``
+  autograd sums over such backwards, in ``reduce_dtype`` (eager: the microbatches' sum);
+- PARTIAL (HSDP, ``set_requires_all_reduce(False)``): to ``partial``, likewise, after the
+  reduce-scatter (eager: its partial sums).
+
+When backward missed some parameters (unused in forward), the graph knows which at trace time and
+hands the gradient to ``fsdp2::deliver`` instead, with the indices it reached: SYNCED writes only
+those parameters' ``.grad`` (eager and PyTorch's FSDP2 leave the others None), the other modes
+keep the sum and the indices. Every delivery adds, so two compiled forwards before one backward
+(each graph reduces its own gradient) sum in ``.grad`` and in the kept sums.
+
+The next synced backward's graph adds the kept sums in (``fsdp2::take_pending``, once per
+backward, whichever of its graphs runs first); a graph includes that op only if sums were kept
+when it was traced (``holds_unsynced``, ``holds_partial``: dynamo guards on them).
+
+A backward's mode was fixed when its forward was traced. If the settings changed between the
+forward and its backward (eager would follow the new ones), the hand-off raises instead of
+writing anything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError
+from fsdp2.runtime import traced_ops
+from fsdp2.runtime.sharded_param import accumulate_sharded_grads
+from fsdp2.runtime.traced_graph import Mode
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2.runtime.param_group import ParamGroup
+    from fsdp2.runtime.sharded_param import ShardedParam
+
+
+def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A leaf that only takes gradients: one element of storage, whatever its size."""
+    return torch.empty_strided((numel,), (0,), dtype=dtype, device=device).requires_grad_()
+
+
+class BucketGrads:
+    """One bucket's gradient sinks, kept sums and hand-off (module docstring).
+
+    ``params``: the bucket's parameters in its layout; ``group``: their ParamGroup (its settings
+    are read at the hand-off); ``reduce_dtype`` / ``hooked``: the bucket's reduction; ``pending``:
+    the keys of its group's buckets that keep sums (eager code reads it without a call).
+    """
+
+    def __init__(
+        self, params: tuple["ShardedParam", ...], group: "ParamGroup", reduce_dtype, hooked: bool, pending: set[str]
+    ):
+        self.params = params
+        self.pending = pending
+        self.group = group
+        self.reduce_dtype = reduce_dtype
+        self.hooked = hooked
+        device = group.dp.device
+        self.widths = [p.layout.padded_shard_numel for p in params]
+        self.shard_numel = sum(self.widths)
+        self.gathered_numel = group.dp.shard_size * self.shard_numel
+        self.grad_dtype = params[0].orig_dtype
+        # No padding on this rank: the reduced flat shard is the local shards back to back.
+        self.packed = all(p.layout.local_rows == p.layout.chunk and not p.offload for p in params)
+        self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
+        self.reduced = _leaf(self.shard_numel, reduce_dtype if hooked else self.grad_dtype, device)
+        self.reduced.register_post_accumulate_grad_hook(self._hand_off)
+        self.unsynced = _leaf(self.gathered_numel, reduce_dtype, device)
+        self.unsynced.register_post_accumulate_grad_hook(self._kept_unsynced)
+        self.partial = None
+        self.hybrid = group.dp.is_hybrid
+        if self.hybrid:
+            self.partial = _leaf(self.shard_numel, reduce_dtype, device)
+            self.partial.register_post_accumulate_grad_hook(self._kept_partial)
+        self.anchor = _leaf(0, torch.float32, device)  # takes fsdp2::deliver's results
+        # Sums kept by deliveries for some parameters only, and which parameters they reached.
+        self._some: dict[Mode, tuple[torch.Tensor, set[int]]] = {}
+        # Which parameters the sums taken by the running graph reached (its delivery adds them).
+        self._every = set(range(len(params)))
+        self._taken_reached: set[int] = set()
+        # Read at trace time (guarded): a synced graph adds the kept sums in (fsdp2::take_pending).
+        self.holds_unsynced = False
+        self.holds_partial = False
+        self.key = traced_ops.register_route(self)
+        self.take_params()
+
+    def take_params(self) -> None:
+        """Note the parameters' DTensors: at construction and whenever fsdp2 re-reads them (the only
+        time ``ShardedParam.sharded_param`` changes)."""
+        self.dtensors: list[DTensor] = [p.sharded_param for p in self.params]
+
+    def sink(self, mode: Mode) -> torch.Tensor:
+        if mode is Mode.SYNCED:
+            return self.reduced
+        return self.unsynced if mode is Mode.UNSYNCED else self.partial
+
+    def discard(self) -> None:
+        """Forget the kept sums (``reset_iter_state``)."""
+        for leaf in (self.reduced, self.unsynced, self.partial, self.anchor):
+            if leaf is not None:
+                leaf.grad = None
+        self._some.clear()
+        self._taken_reached = set()
+        self.holds_unsynced = self.holds_partial = False
+        self.pending.discard(self.key)
+
+    # -- the graph's run-time calls (traced_ops.take_pending, traced_ops.deliver) ----------------------
+
+    def take(self, grad: torch.Tensor, kind: int) -> torch.Tensor:
+        """``grad`` plus the sums of ``kind`` kept for it (eager's order: the kept sum first)."""
+        mode = Mode(kind)
+        leaf = self.unsynced if mode is Mode.UNSYNCED else self.partial
+        kept, leaf.grad = leaf.grad, None
+        some, reached = self._some.pop(mode, (None, set()))
+        # Kept through a sink: from backwards that reached every parameter.
+        self._taken_reached |= self._every if kept is not None else reached
+        if mode is Mode.UNSYNCED:
+            self.holds_unsynced = False
+        else:
+            self.holds_partial = False
+        if not (self.holds_unsynced or self.holds_partial):
+            self.pending.discard(self.key)
+        if kept is None:
+            kept = some
+        elif some is not None:
+            kept = kept + some
+        return grad.clone() if kept is None else kept + grad
+
+    def deliver(self, grad: torch.Tensor, mode: int, reached: list[int]) -> torch.Tensor:
+        """A graph's gradient from a backward that reached only the parameters ``reached`` (plus
+        those the sums it took in reached)."""
+        mode = Mode(mode)
+        self._check_mode(mode)
+        reached_set = set(reached) | self._taken_reached
+        self._taken_reached = set()
+        if mode is Mode.SYNCED:
+            # A copy: ``grad`` is the graph's buffer, and fresh gradients view what they are given.
+            self._write(self._finished(grad.clone()), reached_set)
+        else:
+            kept = self._some.get(mode)
+            if kept is None:
+                self._some[mode] = (grad.clone(), reached_set)
+            else:
+                kept[0].add_(grad)
+                kept[1].update(reached_set)
+            self._note_kept(mode)
+        return grad.new_empty(0, dtype=torch.float32)
+
+    # -- autograd's hooks on the sinks ---------------------------------------------------------------
+
+    def _hand_off(self, sink: torch.Tensor) -> None:
+        """A synced backward reached every parameter: write their ``.grad``. Per bucket one call
+        (this hook) and the gradients' DTensors in the common case (no padding on this rank,
+        first gradients, none frozen): its checks run as plain loops, which make no calls."""
+        reduced, sink.grad = sink.grad, None
+        if reduced is None:  # autograd runs the hook also when the graph gave the sink nothing
+            return
+        self._taken_reached = set()
+        group = self.group
+        if not group.requires_gradient_sync or (self.hybrid and not group.reduce.requires_all_reduce):
+            self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
+        if self.hooked:
+            reduced = self._finished(reduced)
+        fresh = self.packed and not group.reduce.include_unused
+        for p, dtensor in zip(self.params, self.dtensors):
+            if compat.local_tensor_of(dtensor) is not p.traced_source or dtensor.grad is not None:
+                fresh = False
+            elif not dtensor.requires_grad:
+                fresh = False
+        if fresh:
+            compat.assign_dtensor_grads(self.dtensors, compat.unflatten_dense_tensors(reduced, self.shapes))
+        else:
+            self._write(reduced, None)
+
+    def _kept_unsynced(self, sink: torch.Tensor) -> None:
+        if sink.grad is None:
+            return
+        self._check_mode(Mode.UNSYNCED)
+        self._note_kept(Mode.UNSYNCED)
+
+    def _kept_partial(self, sink: torch.Tensor) -> None:
+        if sink.grad is None:
+            return
+        self._taken_reached = set()  # taken into this sum (an unsynced sum, before the reduce-scatter)
+        self._check_mode(Mode.PARTIAL)
+        self._note_kept(Mode.PARTIAL)
+
+    def _note_kept(self, mode: Mode) -> None:
+        if mode is Mode.UNSYNCED:
+            self.holds_unsynced = True
+        else:
+            self.holds_partial = True
+        self.pending.add(self.key)
+
+    def _check_mode(self, mode: Mode) -> None:
+        """The group's settings now say what its forward's trace said (see the module docstring)."""
+        group = self.group
+        if not group.requires_gradient_sync:
+            now = Mode.UNSYNCED
+        elif self.hybrid and not group.reduce.requires_all_reduce:
+            now = Mode.PARTIAL
+        else:
+            now = Mode.SYNCED
+        if now is mode:
+            return
+        self.discard()
+        raise FSDPUsageError(
+            f"torch.compile over fully_shard({group.name}): this backward's gradients were computed "
+            f"{_MODE_WORDS[mode]}, as the settings were when its compiled forward ran, but they now say "
+            f"{_MODE_WORDS[now]}: set_requires_gradient_sync / set_requires_all_reduce changed between a "
+            "compiled forward and its backward (or between two compiled forwards before one backward). "
+            "No gradient was written and the sums kept for this accumulation were dropped; change the "
+            "settings before the forward."
+        )
+
+    # -- writing .grad ---------------------------------------------------------------------------------
+
+    def _finished(self, reduced: torch.Tensor) -> torch.Tensor:
+        """What the graph left undivided in ``reduce_dtype`` (``Reduction.hooked``): eager's finish
+        (the all-reduce hook, then the division), then the shards' dtype (one for the bucket)."""
+        if not self.hooked:
+            return reduced
+        reduce = self.group.reduce
+        reduce.finish_reduced(reduced, reduce.plan(reduced.dtype))
+        return reduced if reduced.dtype == self.grad_dtype else reduced.to(self.grad_dtype)
+
+    def _write(self, reduced: torch.Tensor, reached: set[int] | None) -> None:
+        """Add the reduced flat shard to the ``.grad`` of the parameters ``reached`` (None: all),
+        as eager's post-backward writes them."""
+        if self.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
+            reached = None
+        dtensors = self.dtensors
+        for p, dtensor in zip(self.params, dtensors):
+            if compat.local_tensor_of(dtensor) is not p.traced_source:
+                raise _swapped_shard_error(p)
+        slots = torch.split_with_sizes(reduced[: self.shard_numel], self.widths)
+        # As eager: a parameter no backward reached (unused in forward) gets no gradient, nor one
+        # frozen after fully_shard (the graph does not see it).
+        chosen = [i for i, d in enumerate(dtensors) if d.requires_grad and (reached is None or i in reached)]
+        # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
+        accumulate_sharded_grads([self.params[i] for i in chosen], [slots[i] for i in chosen], False)
+
+
+_MODE_WORDS = {
+    Mode.SYNCED: "for a synced reduction",
+    Mode.UNSYNCED: "without gradient sync (set_requires_gradient_sync(False))",
+    Mode.PARTIAL: "without the HSDP all-reduce (set_requires_all_reduce(False))",
+}
+
+
+def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
+    """``p``'s DTensor holds a local shard other than the one its graph input (``traced_leaf``) was
+    made from: swapped in from outside fsdp2 (``_apply`` on a submodule that is not fully_shard'ed
+    swaps DTensor parameters), so the step gathered the old values. Eager reads the new ones;
+    writing gradients of the old would train them silently."""
+    return FSDPUsageError(
+        f"torch.compile over fully_shard({p.owner}): the local shard of parameter {p.fqn} was replaced from "
+        "outside fsdp2 (torch.utils.swap_tensors, or _apply/to() on a submodule that is not fully_shard'ed) "
+        "after this step was compiled, so it computed with the old values; no gradient was written. Convert "
+        "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
+        "model.load_state_dict(model.state_dict())."
+    )
