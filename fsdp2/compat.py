@@ -329,6 +329,12 @@ def register_process_group_backend(group: Any, device: torch.device, backend_typ
     group._register_backend(device, backend_type, backend)
 
 
+def set_default_process_group_backend(group: Any, backend_type: Any) -> None:
+    """Make ``backend_type`` the backend ``group`` answers for when no device is named
+    (``ProcessGroup._set_default_backend``)."""
+    group._set_default_backend(backend_type)
+
+
 def backend_registered(name: str) -> bool:
     """Whether ``dist.Backend.register_backend`` knows ``name`` (c10d keeps no public list)."""
     import torch.distributed as dist
