@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from fsdp2.models import GPT
-from tests.runtime.test_dropin import (
+from tests.side_by_side import (
     CFG,
-    _assert_same_params,
-    _batch,
-    _mesh,
-    _shard_blocks_then_root,
-    _train_side_by_side,
-    _twins,
+    assert_same_params as _assert_same_params,
+    batch as _batch,
+    shard_blocks_then_root as _shard_blocks_then_root,
+    train_side_by_side as _train_side_by_side,
+    twins as _twins,
+    world_mesh as _mesh,
 )
 
 

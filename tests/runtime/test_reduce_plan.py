@@ -23,7 +23,7 @@ from fsdp2 import compat
 from fsdp2.models import GPT
 from fsdp2.runtime import collectives
 from fsdp2.runtime.reduce_plan import AVG, SUM, ReducePlan, ReduceOp
-from tests.runtime.test_dropin import CFG, _assert_same_params, _step
+from tests.side_by_side import CFG, assert_same_params as _assert_same_params, train_step as _step
 
 
 class _Divisions(TorchDispatchMode):
