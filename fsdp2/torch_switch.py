@@ -24,11 +24,11 @@ Which names are rebound, decided by identity (``is``), never by name:
   ``fully_shard`` module).
 
 PyTorch's other modules keep PyTorch's functions: its implementation reads its own global
-``fully_shard``, and the rest (pipelining) only calls ``fully_shard.state(m)``, which answers for
-fsdp2 modules too. A reference held anywhere but a module's namespace (a class attribute, a
-default argument, a dict, a ``functools.partial``) is not found and keeps PyTorch's function:
-call ``install_as_torch_fsdp()`` before the framework builds such objects. The switch is per
-process: call it on every rank.
+``fully_shard``, and the others that bind it (pipelining's stage, up to torch 2.14) only call
+``fully_shard.state(m)``, which answers for fsdp2 modules too. A reference held anywhere but a
+module's namespace (a class attribute, a default argument, a dict, a ``functools.partial``) is not
+found and keeps PyTorch's function: call ``install_as_torch_fsdp()`` before the framework builds
+such objects. The switch is per process: call it on every rank.
 """
 
 from __future__ import annotations

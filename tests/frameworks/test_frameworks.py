@@ -401,7 +401,6 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
     import torch.distributed._composable.fsdp as composable
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp._fully_shard as torch_private
-    import torch.distributed.pipelining.stage as pipelining_stage
 
     import fsdp2
 
@@ -414,6 +413,11 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
         framework.__dict__,
     )
     sys.modules["fake_framework"] = framework
+    # A PyTorch module outside FSDP2's import paths that binds fully_shard (pipelining's stage did
+    # up to torch 2.14): a stand-in, so the rule is checked on every release.
+    torch_reader = types.ModuleType("torch.distributed._fsdp2_switch_test_reader")
+    torch_reader.fully_shard = theirs
+    sys.modules[torch_reader.__name__] = torch_reader
     try:
         with fsdp2.install_as_torch_fsdp() as switch:
             assert switch.installed
@@ -428,7 +432,7 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
             # Documented limits: a dict entry is not a module-level name; PyTorch's own modules
             # outside its import paths keep PyTorch's function (they only read fully_shard.state).
             assert framework.table["fully_shard"] is theirs
-            assert pipelining_stage.fully_shard is theirs
+            assert torch_reader.fully_shard is theirs
             fsdp2.install_as_torch_fsdp()  # again: no harm
             assert torch_fsdp.fully_shard is fsdp2.fully_shard
         assert not switch.installed
@@ -438,6 +442,7 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
         assert torch_fsdp.MixedPrecisionPolicy is fsdp2.MixedPrecisionPolicy  # never needed switching
     finally:
         fsdp2.uninstall_as_torch_fsdp()
+        del sys.modules[torch_reader.__name__]
         del sys.modules["fake_framework"]
 
 
