@@ -40,6 +40,19 @@ TorchFSDPModule = torch_fsdp.FSDPModule
 TorchUnshardHandle = torch_fsdp.UnshardHandle
 
 
+# PyTorch 2.15 changed what ``MixedPrecisionPolicy(reduce_dtype=None)`` means: gradients follow each
+# parameter's ``grad_dtype`` (unset: the parameter's own dtype) instead of ``param_dtype``.
+REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
+
+
+def grad_dtype_override(param: torch.Tensor) -> tuple[bool, torch.dtype | None]:
+    """``(True, dtype)`` if ``param.grad_dtype`` was set (None: any gradient dtype), else
+    ``(False, None)``; torch < 2.15 does not tell (and its FSDP2 ignores ``grad_dtype``)."""
+    if getattr(param, "_has_grad_dtype_override", False):
+        return True, param.grad_dtype
+    return False, None
+
+
 def torch_fully_shard_home():
     """The module that defines PyTorch's ``fully_shard`` (its implementation reads its own global
     ``fully_shard``, so this one binding must always stay PyTorch's)."""

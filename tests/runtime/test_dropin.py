@@ -22,6 +22,7 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2.models import GPT
 from tests.runtime.test_features import _ReentrantCheckpointBlock
@@ -131,6 +132,47 @@ def test_gradients_reduced_in_fp16_or_fp64_divide_like_pytorch(worlds, reduce_dt
     """Dtypes other than fp32/bf16 are divided partly before the sum (a power of two near
     sqrt(N)) and the rest after, as PyTorch does; at 4 ranks that is 2 and 2."""
     worlds.run(4, _reduce_in, reduce_dtype)
+
+
+def _default_reduce_dtype(rank, ws, accumulate):
+    from fsdp2 import compat
+
+    class ReduceScatterDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and "reduce_scatter" in str(func.overloadpacket):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    def loss_fn(model, x, y):
+        if accumulate:  # a backward without sync first: its gradients wait in the reduce dtype
+            model.set_requires_gradient_sync(False)
+            model.loss(x[:1], y[:1]).backward()
+            model.set_requires_gradient_sync(True)
+        return model.loss(x, y)
+
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype: the default
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
+    seen = []
+    for model in (theirs, ours):
+        with ReduceScatterDtypes() as recorder:
+            model.loss(*_batch(9, rank, ws)).backward()
+        seen.append(recorder.dtypes)
+        model.zero_grad()
+    expected = torch.float32 if compat.REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE else torch.bfloat16
+    assert seen == [{expected}, {expected}], seen
+    _train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["sync", "accumulate"])
+def test_default_reduce_dtype_follows_the_installed_pytorch(worlds, accumulate):
+    """``MixedPrecisionPolicy(reduce_dtype=None)``: gradients are reduced in ``param_dtype`` up to
+    torch 2.14, in the parameter's own dtype from 2.15 (its unset ``grad_dtype``), as PyTorch's FSDP2
+    on the installed release."""
+    worlds.run(2, _default_reduce_dtype, accumulate)
 
 
 def _last_backward_before_forward(rank, ws):
