@@ -38,6 +38,8 @@ StridedShard = _StridedShard
 # PyTorch's FSDP2 classes that fsdp2's derive from, so frameworks' isinstance checks pass.
 TorchFSDPModule = torch_fsdp.FSDPModule
 TorchUnshardHandle = torch_fsdp.UnshardHandle
+# ``FSDPModule.finalize_backward(async_op=True)``'s handle: torch >= 2.15 (before it, fsdp2's own has no PyTorch base).
+TorchGradientReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", object)
 
 
 # PyTorch 2.15 changed what ``MixedPrecisionPolicy(reduce_dtype=None)`` means: gradients follow each
@@ -192,6 +194,11 @@ def mark_fully_sharded(module: nn.Module) -> None:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once autograd has finished the current backward pass."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def autograd_backward_running() -> bool:
+    """Whether this thread is inside an autograd backward (a hook or callback of one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def run_backward(loss: torch.Tensor) -> None:

@@ -5,8 +5,9 @@
 module level, so ``from torch.distributed.fsdp import fully_shard`` anywhere (before the call
 or after it) gives fsdp2's. ``uninstall_as_torch_fsdp()`` puts PyTorch's back; leaving a
 ``with install_as_torch_fsdp():`` block restores what the block found, so blocks nest (an inner
-one leaves the switch on for the outer one). The classes need no switch: fsdp2's ``FSDPModule``
-and ``UnshardHandle`` derive from PyTorch's, and the policies are PyTorch's own.
+one leaves the switch on for the outer one). The classes need no switch: fsdp2's ``FSDPModule``,
+``UnshardHandle`` and ``GradientReductionHandle`` derive from PyTorch's, and the policies are
+PyTorch's own.
 
 One model, one implementation: fsdp2's ``fully_shard`` refuses a module that PyTorch's
 ``fully_shard`` sharded, or one holding such a submodule, and once fsdp2 has sharded a module
