@@ -6,7 +6,13 @@ from fsdp2.optim.grad_clip import clip_grad_norm_
 from fsdp2.optim.local_step import step_on_local_shards_by_default as _step_on_local_shards_by_default
 from fsdp2.policies import AllGatherPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.runtime.dp_mesh import DataParallelMeshDims
-from fsdp2.runtime.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from fsdp2.runtime.fsdp_module import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from fsdp2.runtime.fully_shard import fully_shard, on_fully_shard as _on_fully_shard
 from fsdp2.torch_switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 
@@ -28,6 +34,7 @@ __all__ = [
     "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUsageError",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",

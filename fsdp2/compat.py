@@ -38,6 +38,21 @@ StridedShard = _StridedShard
 # PyTorch's FSDP2 classes that fsdp2's derive from, so frameworks' isinstance checks pass.
 TorchFSDPModule = torch_fsdp.FSDPModule
 TorchUnshardHandle = torch_fsdp.UnshardHandle
+# ``FSDPModule.finalize_backward(async_op=True)``'s handle: torch >= 2.15 (before it, fsdp2's own has no PyTorch base).
+TorchGradientReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", object)
+
+
+# PyTorch 2.15 changed what ``MixedPrecisionPolicy(reduce_dtype=None)`` means: gradients follow each
+# parameter's ``grad_dtype`` (unset: the parameter's own dtype) instead of ``param_dtype``.
+REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
+
+
+def grad_dtype_override(param: torch.Tensor) -> tuple[bool, torch.dtype | None]:
+    """``(True, dtype)`` if ``param.grad_dtype`` was set (None: any gradient dtype), else
+    ``(False, None)``; torch < 2.15 does not tell (and its FSDP2 ignores ``grad_dtype``)."""
+    if getattr(param, "_has_grad_dtype_override", False):
+        return True, param.grad_dtype
+    return False, None
 
 
 def torch_fully_shard_home():
@@ -179,6 +194,11 @@ def mark_fully_sharded(module: nn.Module) -> None:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once autograd has finished the current backward pass."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def autograd_backward_running() -> bool:
+    """Whether this thread is inside an autograd backward (a hook or callback of one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def run_backward(loss: torch.Tensor) -> None:
@@ -327,6 +347,12 @@ def fake_process_group_backend(rank: int, size: int) -> Any:
 def register_process_group_backend(group: Any, device: torch.device, backend_type: Any, backend: Any) -> None:
     """Give the ProcessGroup ``group`` ``backend`` for ``device`` (``ProcessGroup._register_backend``)."""
     group._register_backend(device, backend_type, backend)
+
+
+def set_default_process_group_backend(group: Any, backend_type: Any) -> None:
+    """Make ``backend_type`` the backend ``group`` answers for when no device is named
+    (``ProcessGroup._set_default_backend``)."""
+    group._set_default_backend(backend_type)
 
 
 def backend_registered(name: str) -> bool:

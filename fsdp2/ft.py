@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError, FSDPUsageTypeError
+from fsdp2.policies import reduce_dtype_of
 
 __all__ = ["DEFAULT_QUORUM_RETRIES", "FaultTolerantHSDP", "QuorumTimeoutError", "ReplicaLayout"]
 
@@ -208,7 +209,7 @@ class _Unit:
             else compat.torch_fsdp_mp_policy(self.state)
         )
         trainable = [p for _, p in self.params if p.requires_grad] or [p for _, p in self.params]
-        return str(mp.reduce_dtype or mp.param_dtype or trainable[0].dtype)
+        return str(reduce_dtype_of(trainable[0], mp))
 
 
 def _fsdp_units(model: nn.Module) -> tuple[list[_Unit], list[str]]:

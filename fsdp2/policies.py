@@ -5,7 +5,9 @@ PyTorch's FSDP2 passes the same objects to fsdp2, and one policy object serves b
 
 - ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``: the
   sharded (master) parameters keep their own dtype; compute and all-gathers use ``param_dtype``,
-  gradient reduction ``reduce_dtype`` (default: ``param_dtype``).
+  gradient reduction ``reduce_dtype``. Its default follows the installed PyTorch: the parameter's
+  own dtype from torch 2.15 on (PyTorch's FSDP2 follows the parameter's ``grad_dtype``, which
+  fsdp2 supports unset), ``param_dtype`` before.
 - ``OffloadPolicy()``: no offloading. ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters
   and gradients live on the CPU (the optimizer steps there); each all-gather copies the shard to
   the mesh device first, each reduced gradient shard is copied back.
@@ -22,13 +24,15 @@ from typing import Callable
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp2.errors import FSDPUsageError
+from fsdp2 import compat
+from fsdp2.errors import FSDPUsageError, FSDPUsageNotImplementedError
 
 __all__ = [
     "AllGatherPolicy",
     "CPUOffloadPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "check_grad_dtype",
     "param_dtype_of",
     "reduce_dtype_of",
     "skip_1d",
@@ -43,10 +47,25 @@ def param_dtype_of(param: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> torc
 
 
 def reduce_dtype_of(param: torch.Tensor, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The dtype ``param``'s gradient is reduce-scattered in (default: its compute dtype)."""
+    """The dtype ``param``'s gradient is reduce-scattered in (default: its own dtype on torch >=
+    2.15, its compute dtype before, as PyTorch's FSDP2 on the installed release)."""
     if param.is_floating_point() and mp_policy.reduce_dtype is not None:
         return mp_policy.reduce_dtype
+    if compat.REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE:
+        return param.dtype
     return param_dtype_of(param, mp_policy)
+
+
+def check_grad_dtype(param: torch.Tensor, fqn: str, owner: str) -> None:
+    """Refuse a ``grad_dtype`` other than the parameter's dtype, set before fully_shard (torch >=
+    2.15): fsdp2 keeps a parameter's gradients in its dtype (reduced in ``reduce_dtype``)."""
+    overridden, grad_dtype = compat.grad_dtype_override(param)
+    if overridden and grad_dtype != param.dtype:
+        raise FSDPUsageNotImplementedError(
+            f"fully_shard({owner}): parameter {fqn} has grad_dtype={grad_dtype} (its dtype is {param.dtype}); "
+            "fsdp2 keeps gradients in the parameter's dtype. Leave grad_dtype unset and choose the "
+            "reduction's dtype with MixedPrecisionPolicy(reduce_dtype=...)."
+        )
 
 
 # -- low-precision all-gather ----------------------------------------------------------------------

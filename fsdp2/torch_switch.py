@@ -5,8 +5,9 @@
 module level, so ``from torch.distributed.fsdp import fully_shard`` anywhere (before the call
 or after it) gives fsdp2's. ``uninstall_as_torch_fsdp()`` puts PyTorch's back; leaving a
 ``with install_as_torch_fsdp():`` block restores what the block found, so blocks nest (an inner
-one leaves the switch on for the outer one). The classes need no switch: fsdp2's ``FSDPModule``
-and ``UnshardHandle`` derive from PyTorch's, and the policies are PyTorch's own.
+one leaves the switch on for the outer one). The classes need no switch: fsdp2's ``FSDPModule``,
+``UnshardHandle`` and ``GradientReductionHandle`` derive from PyTorch's, and the policies are
+PyTorch's own.
 
 One model, one implementation: fsdp2's ``fully_shard`` refuses a module that PyTorch's
 ``fully_shard`` sharded, or one holding such a submodule, and once fsdp2 has sharded a module
@@ -24,11 +25,11 @@ Which names are rebound, decided by identity (``is``), never by name:
   ``fully_shard`` module).
 
 PyTorch's other modules keep PyTorch's functions: its implementation reads its own global
-``fully_shard``, and the rest (pipelining) only calls ``fully_shard.state(m)``, which answers for
-fsdp2 modules too. A reference held anywhere but a module's namespace (a class attribute, a
-default argument, a dict, a ``functools.partial``) is not found and keeps PyTorch's function:
-call ``install_as_torch_fsdp()`` before the framework builds such objects. The switch is per
-process: call it on every rank.
+``fully_shard``, and the others that bind it (pipelining's stage, up to torch 2.14) only call
+``fully_shard.state(m)``, which answers for fsdp2 modules too. A reference held anywhere but a
+module's namespace (a class attribute, a default argument, a dict, a ``functools.partial``) is not
+found and keeps PyTorch's function: call ``install_as_torch_fsdp()`` before the framework builds
+such objects. The switch is per process: call it on every rank.
 """
 
 from __future__ import annotations

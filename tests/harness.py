@@ -10,8 +10,10 @@ Rules for functions run on a world:
 - they take ``(rank, world_size, *args)`` and return something picklable;
 - every rank must run the same collectives (as in any SPMD program).
 
-If any rank raises or the call times out, the world is torn down (its other ranks
-may be stuck in a collective) and a fresh one is started for the next test.
+If any rank raises or dies, the harness waits only a few seconds more for the other ranks'
+answers (they may be stuck in a collective or a point-to-point receive that will never
+complete), then fails the call; the world is then torn down (its stuck ranks killed) and a fresh
+one is started for the next test. A call no rank answers fails after its timeout.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import datetime
 import importlib
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +32,9 @@ from typing import Any, Callable
 # gloo gives up on a stuck collective after this long; the harness waits a bit longer.
 COLLECTIVE_TIMEOUT_S = 90
 DEFAULT_CALL_TIMEOUT_S = 240
+# Once a rank failed, how long the others get to answer (their own errors, often the same one)
+# before the call fails without them.
+AFTER_FAILURE_WAIT_S = 3
 # Spawning ranks that each import torch: slow, not stuck, on a loaded 2-core machine (a 4-rank
 # world once took over 90 s to start there while benchmarks ran beside the tests).
 WORLD_START_TIMEOUT_S = 300
@@ -110,38 +117,60 @@ class World:
         task = (fn.__module__, fn.__qualname__, args, kwargs)
         for conn in self._conns:
             conn.send(task)
+        answers = self._collect(timeout)
         results, failures = [], []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
-                failures.append(f"rank {rank}: no answer within {timeout}s (hung collective?)")
-                results.append(None)
-                continue
-            try:
-                status, value = conn.recv()
-            except (EOFError, ConnectionError):
-                self._procs[rank].join(timeout=5)  # reap it so the exit code is known
-                failures.append(f"rank {rank}: process died (exit code {self._procs[rank].exitcode})")
-                results.append(None)
-                continue
-            results.append(value)
-            if status != "ok":
+        first_failure = next((rank for rank, (status, _) in sorted(answers.items()) if status != "ok"), None)
+        for rank in range(self.size):
+            status, value = answers.get(rank, (None, None))
+            results.append(value if status == "ok" else None)
+            if status == "error":
                 failures.append(f"rank {rank}:\n{value}")
+            elif status == "died":
+                failures.append(f"rank {rank}: process died (exit code {value})")
+            elif status is None and first_failure is not None:
+                failures.append(f"rank {rank}: no answer {AFTER_FAILURE_WAIT_S}s after rank {first_failure} failed")
+            elif status is None:
+                failures.append(f"rank {rank}: no answer within {timeout}s (hung collective?)")
         if failures:
             raise RankFailure(f"{fn.__qualname__} failed on a {self.size}-rank world\n" + "\n".join(failures))
         return results
+
+    def _collect(self, timeout: float) -> dict[int, tuple[str, Any]]:
+        """Each rank's ``(status, value)`` as it arrives: until all answered, the timeout passed,
+        or ``AFTER_FAILURE_WAIT_S`` after the first failure (a rank raised or died)."""
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        answers: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in mp.connection.wait(list(waiting), timeout=remaining):
+                rank = waiting.pop(conn)
+                try:
+                    answers[rank] = conn.recv()
+                except (EOFError, ConnectionError):
+                    self._procs[rank].join(timeout=5)  # reap it so the exit code is known
+                    answers[rank] = ("died", self._procs[rank].exitcode)
+                if answers[rank][0] != "ok":
+                    deadline = min(deadline, time.monotonic() + AFTER_FAILURE_WAIT_S)
+        return answers
 
     @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def close(self) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+    def close(self, abandon: bool = False) -> None:
+        """Stop the ranks; ``abandon``: kill them at once (some may be stuck in a collective)."""
+        if not abandon:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            for proc in self._procs:
+                proc.join(timeout=5)
         for proc in self._procs:
-            proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -162,7 +191,7 @@ class WorldPool:
         except BaseException:
             # Other ranks may sit in a collective that will never complete: start over.
             self._worlds.pop(world_size, None)
-            world.close()
+            world.close(abandon=True)
             raise
 
     def close(self) -> None:

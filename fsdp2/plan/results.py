@@ -14,7 +14,7 @@ import torch
 
 from fsdp2.plan.cluster import Cluster
 from fsdp2.plan.strategies import Strategy
-from fsdp2.policies import AllGatherPolicy, MixedPrecisionPolicy
+from fsdp2.policies import AllGatherPolicy, MixedPrecisionPolicy, reduce_dtype_of
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Precision:
     """Mixed precision as fully_shard's MixedPrecisionPolicy (master weights stay fp32)."""
 
     param_dtype: torch.dtype | None = torch.bfloat16  # compute and all-gather dtype (None: fp32)
-    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduction dtype (None: param_dtype)
+    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduction dtype (None: MixedPrecisionPolicy's default)
     low_precision_all_gather: bool = False  # AllGatherPolicy(torch.int8) on every group (float8: same bytes)
 
     def policy(self) -> MixedPrecisionPolicy:
@@ -37,7 +37,8 @@ class Precision:
 
     def describe(self) -> str:
         name = lambda d: str(d or torch.float32).replace("torch.", "")  # noqa: E731
-        text = f"params {name(self.param_dtype)}, reduce {name(self.reduce_dtype or self.param_dtype)}"
+        reduce = reduce_dtype_of(torch.empty(0), self.policy())  # the fp32 master weights' gradients
+        text = f"params {name(self.param_dtype)}, reduce {name(reduce)}"
         return text + (", int8 all-gather (AllGatherPolicy)" if self.low_precision_all_gather else "")
 
 

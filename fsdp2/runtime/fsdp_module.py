@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2 import compat
 from fsdp2.errors import FSDPDeepcopyError, FSDPUsageError, FSDPUsageRuntimeError, FSDPUsageTypeError
 from fsdp2.policies import AllGatherPolicy
-from fsdp2.runtime.hooks import FSDPState
+from fsdp2.runtime.hooks import BackwardState, Finalization, FSDPState, Root
 from fsdp2.runtime.torch_view import TorchStateView
 
 
@@ -33,6 +33,19 @@ class UnshardHandle(compat.TorchUnshardHandle):
 
     def wait(self) -> None:
         self._state.group.wait_for_unshard()
+
+
+class GradientReductionHandle(compat.TorchGradientReductionHandle):
+    """Returned by ``finalize_backward(async_op=True)``; ``wait()`` completes the gradient
+    reductions (the gradients are in ``.grad`` when it returns). Wait before the next forward."""
+
+    def __init__(self, root: Root | None):
+        self._root = root
+
+    def wait(self) -> None:
+        if self._root is not None:
+            self._root.complete_reduction(self)
+            self._root = None
 
 
 class FSDPModule(compat.TorchFSDPModule):
@@ -241,6 +254,66 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward does not gather this module's parameters (none is needed to compute
         its gradients, e.g. an embedding); its gradients are still reduced."""
         self._fsdp_state.group.unshard_in_backward = unshard_in_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: backward iterations end when the caller calls :meth:`finalize_backward` (on this
+        root), after one or more backwards, instead of at the end of each backward; gradients not
+        reduced during backward (gradient sync off, or not all ready) are reduced then. This
+        supersedes :meth:`set_is_last_backward`. Set it before the backward; it cannot change
+        during a backward, nor from a backward until its iteration is finalized (or reset)."""
+        state = self._fsdp_state
+        name = type(self).__name__
+        if not isinstance(enabled, bool):
+            raise FSDPUsageTypeError(f"{name}.set_manual_backward_finalization expects a bool, got {enabled!r}")
+        root = state.root
+        if root is not None and not state.is_root:
+            raise FSDPUsageRuntimeError(
+                f"{name}.set_manual_backward_finalization: call it on the root fully_shard module "
+                f"({root.root_state.name}), which finalizes the backward of every module under it"
+            )
+        wanted = Finalization.MANUAL if enabled else Finalization.AUTOMATIC
+        if wanted is state.settings.finalization:
+            return
+        if compat.autograd_backward_running():
+            raise FSDPUsageRuntimeError(
+                f"{name}.set_manual_backward_finalization({enabled}): called during backward; change it before "
+                "the backward starts"
+            )
+        if root is not None and root.backward is not BackwardState.IDLE:
+            raise FSDPUsageRuntimeError(
+                f"{name}.set_manual_backward_finalization({enabled}): a backward iteration started under "
+                f"{root.finalization.name.lower()} finalization has not ended; call finalize_backward() (and wait "
+                "on its handle) or reset_iter_state() first"
+            )
+        state.settings.finalization = wanted
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the backward iteration under manual finalization (see
+        :meth:`set_manual_backward_finalization`), after every backward of it: reduce the gradients
+        the backwards left (as :meth:`set_requires_gradient_sync` now says), reshard as
+        :meth:`set_reshard_after_backward` now says, and complete the reductions. With ``async_op``
+        return a :class:`GradientReductionHandle` instead of waiting: its ``wait()`` completes them
+        (call it before using the gradients or the next forward). Call it on the root; before the
+        first forward it does nothing."""
+        state = self._fsdp_state
+        root = state.root
+        if root is None:
+            return GradientReductionHandle(None) if async_op else None
+        if not state.is_root:
+            raise FSDPUsageRuntimeError(
+                f"{type(self).__name__}.finalize_backward: call it on the root fully_shard module "
+                f"({root.root_state.name}), which finalizes the backward of every module under it"
+            )
+        handle = GradientReductionHandle(root) if async_op else None
+        root.finalize(awaited_by=handle)
+        return handle
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: resharding keeps the gathered parameters' memory (the next unshard gathers into
+        the same memory, so their data pointers stay the same, as CUDA graph capture needs), at
+        the cost of holding it between uses. False (default): resharding frees it."""
+        for state in self._fsdp_states(recurse):
+            state.group.keep_unsharded_storage = bool(keep)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward is not the last before the optimizer step (microbatching):

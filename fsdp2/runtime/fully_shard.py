@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError, FSDPUsageNotImplementedError
 from fsdp2.layout.regions import local_part_like
-from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.policies import MixedPrecisionPolicy, OffloadPolicy, check_grad_dtype
 from fsdp2.runtime import extensions, schedule, traced
 from fsdp2.runtime.dp_mesh import DataParallelMesh, DataParallelMeshDims
 from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
@@ -237,6 +237,7 @@ def _plan_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], nam
                 f"fully_shard({name}): parameter {managed.fqn} is a scalar and cannot be sharded; give it shape (1,) "
                 "or pass it in ignored_params."
             )
+        check_grad_dtype(managed.param, managed.fqn, name)
         plans.append(_ParamPlan(managed))
     return plans
 

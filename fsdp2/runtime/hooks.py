@@ -10,13 +10,14 @@ Calls flow downward: hooks -> group -> gather/reduce -> collectives.
 from __future__ import annotations
 
 import logging
+from enum import Enum, auto
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPUsageError, FSDPUsageRuntimeError
 from fsdp2.policies import MixedPrecisionPolicy
 from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
@@ -29,6 +30,30 @@ from fsdp2.runtime.traced import ONE_EXECUTOR_PER_ACCUMULATION, TracedGroup
 logger = logging.getLogger("torch.distributed.fsdp.fsdp2")
 
 
+class Finalization(Enum):
+    """Who ends a backward iteration (``FSDPModule.set_manual_backward_finalization``)."""
+
+    AUTOMATIC = auto()  # the end of each autograd backward through the tree
+    MANUAL = auto()  # the caller's ``finalize_backward()``, after one or more backwards
+
+
+class BackwardState(Enum):
+    """Where the root's tree is between one end of a backward iteration and the next::
+
+        IDLE --(a group's pre-backward)--> RUNNING --(autograd's end, automatic)--> IDLE
+        RUNNING --(autograd's end, manual)--> AWAITING_FINALIZE --(pre-backward)--> RUNNING
+        AWAITING_FINALIZE --finalize_backward()--> IDLE
+        AWAITING_FINALIZE --finalize_backward(async_op=True)--> REDUCING --(handle.wait())--> IDLE
+
+    ``reset_iter_state`` returns to IDLE from anywhere.
+    """
+
+    IDLE = auto()
+    RUNNING = auto()  # autograd runs a backward through the tree (its end-of-backward callback is queued)
+    AWAITING_FINALIZE = auto()  # manual: backward(s) done; gradients wait for finalize_backward
+    REDUCING = auto()  # finalize_backward(async_op=True) issued the reductions; its handle completes them
+
+
 class IterationSettings:
     """Settings for the next iteration that users may set before the first forward.
 
@@ -39,6 +64,7 @@ class IterationSettings:
         self.is_last_backward = True
         self.post_optim_event: Any = None
         self.max_reduces_in_flight = schedule.DEFAULT_MAX_REDUCES_IN_FLIGHT
+        self.finalization = Finalization.AUTOMATIC
 
 
 class Root:
@@ -50,7 +76,10 @@ class Root:
         self.settings = settings
         # Order in which states *finished* forward this iteration: backward runs its reverse.
         self.post_forward_order: list[FSDPState] = []
-        self.in_backward = False
+        self.backward = BackwardState.IDLE
+        # How this backward iteration ends: the setting when it began (it may not change until it ends).
+        self.finalization = settings.finalization
+        self._awaited_by: object | None = None  # in REDUCING: the handle whose wait() completes it
         self.reduce_window = ReduceWindow(settings.max_reduces_in_flight)
         groups = [s.group for s in states]
         self.streams = groups[0].streams
@@ -76,30 +105,107 @@ class Root:
         for state in self.states:
             state.complete_unfinished_forward()
 
+    def check_no_reduction_pending(self, what: str) -> None:
+        if self.backward is BackwardState.REDUCING:
+            raise FSDPUsageRuntimeError(
+                f"{what} of {self.root_state.name}: the gradient reduction of finalize_backward(async_op=True) "
+                "is still pending; call wait() on the handle it returned first"
+            )
+
     def begin_backward(self) -> None:
-        if self.in_backward:
+        if self.backward is BackwardState.RUNNING:
             return
-        self.in_backward = True
+        if self.backward is BackwardState.IDLE:
+            self.finalization = self.settings.finalization  # fixed until this iteration ends
+        else:
+            self.check_no_reduction_pending("a backward")
+        self.backward = BackwardState.RUNNING
         compat.queue_backward_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
+        """Autograd finished a backward through the tree (also called by PyTorch's pipelining on
+        older releases, through fsdp2.runtime.torch_view)."""
         logger.debug("FSDP::root_post_backward")
+        manual = self.backward is not BackwardState.IDLE and self.finalization is Finalization.MANUAL
         # A backward through the root's outputs ends every group's backward. One that never
         # reached them (a chunked loss's per-chunk backward through the head alone) ends only the
         # groups it ran: the others keep what they hold for the backward still to come.
         whole_model = self.root_state.group.phase is not Phase.IDLE
         for state in reversed(self.states):
             if whole_model or state.group.phase is not Phase.IDLE:
-                state.group.finalize_backward()
+                if manual:
+                    state.group.end_backward_before_finalize()
+                else:
+                    state.group.finalize_backward()
             # A group some of whose modules ran alone after forward (the chunk's head) starts
             # its next forward afresh, gathering again what this backward freed.
             state.forget_forward()
+        if manual:
+            self.backward = BackwardState.AWAITING_FINALIZE  # reductions issued so far stay in flight
+            return
         # Every backward ends with its gradients in ``.grad``, as PyTorch's FSDP2 writes them in its
         # post-backward, whether or not it is the last backward before the optimizer step.
         self.reduce_window.drain()
         if self.settings.is_last_backward and self._offloads:
             self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
-        self.in_backward = False
+        self.backward = BackwardState.IDLE
+
+    def finalize(self, awaited_by: object | None = None) -> None:
+        """``finalize_backward``: reduce what the backwards left (as the gradient sync setting now
+        says), reshard as resharding after backward now says, and complete the reductions; with
+        ``awaited_by`` (the async handle) the reductions complete in :meth:`complete_reduction`."""
+        self._check_finalize()
+        logger.debug("FSDP::finalize_backward")
+        for state in reversed(self.states):
+            state.group.finalize_backward()
+            state.forget_forward()
+        if awaited_by is None:
+            self._complete()
+        else:
+            self.backward = BackwardState.REDUCING
+            self._awaited_by = awaited_by
+
+    def complete_reduction(self, awaited_by: object) -> None:
+        """The async handle's ``wait()``: the reductions ``finalize`` issued are in ``.grad``."""
+        if self.backward is not BackwardState.REDUCING or self._awaited_by is not awaited_by:
+            raise FSDPUsageRuntimeError(
+                f"GradientReductionHandle.wait() of {self.root_state.name}: reset_iter_state() abandoned the "
+                "gradient reduction this handle was waiting for (its gradients are lost)"
+            )
+        self._complete()
+
+    def _complete(self) -> None:
+        self.reduce_window.drain()
+        if self._offloads:
+            self.streams.host_waits_for_compute()  # gradients copied to the host asynchronously
+        self._awaited_by = None
+        self.backward = BackwardState.IDLE
+
+    def _check_finalize(self) -> None:
+        name = self.root_state.name
+        self.check_no_reduction_pending("finalize_backward")
+        if self.backward is BackwardState.RUNNING or compat.autograd_backward_running():
+            raise FSDPUsageRuntimeError(
+                f"{name}.finalize_backward: called during backward; call it after the backward (or the last of "
+                "several backwards) returned"
+            )
+        finalization = self.finalization if self.backward is not BackwardState.IDLE else self.settings.finalization
+        if finalization is not Finalization.MANUAL:
+            raise FSDPUsageRuntimeError(
+                f"{name}.finalize_backward: backward is finalized automatically; call "
+                "set_manual_backward_finalization(True) on the root before the forward"
+            )
+        for state in self.states:
+            group = state.group
+            reduce = group.reduce
+            if reduce.holds_partial_sums or (
+                group.dp.is_hybrid and not reduce.requires_all_reduce and group.has_unreduced_grads
+            ):
+                raise FSDPUsageRuntimeError(
+                    f"{name}.finalize_backward: fully_shard({state.name}) keeps HSDP sums for a later all-reduce "
+                    "(set_requires_all_reduce(False)), which manual finalization does not support; call "
+                    "set_requires_all_reduce(True) before backward, or finalize automatically"
+                )
 
     def reset(self) -> None:
         """Abandon the current iteration (``FSDPModule.reset_iter_state``)."""
@@ -109,7 +215,8 @@ class Root:
             state.forget_forward()
         self.reduce_window.discard()
         self.post_forward_order.clear()
-        self.in_backward = False
+        self.backward = BackwardState.IDLE
+        self._awaited_by = None  # its handle's wait() now raises
         self.gathers_may_run_ahead = False
 
 
@@ -142,6 +249,12 @@ class FSDPState:
                 state = module.__dict__.get("_fsdp_state")
                 if isinstance(state, FSDPState) and state not in states:
                     states.append(state)
+        for state in states:
+            if state is not self and state.settings.finalization is Finalization.MANUAL:
+                raise FSDPUsageRuntimeError(
+                    f"set_manual_backward_finalization(True) was called on fully_shard({state.name}), which is not "
+                    f"the root: the first module to run forward is {self.name}; call it on that one"
+                )
         root = Root(self, states, self.settings)
         for state in states:
             state.root = root
@@ -177,7 +290,7 @@ class FSDPState:
 
     def _eager_iteration_running(self) -> bool:
         root = self.root
-        return root is not None and (root.gathers_may_run_ahead or root.in_backward)
+        return root is not None and (root.gathers_may_run_ahead or root.backward is BackwardState.RUNNING)
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
@@ -190,7 +303,7 @@ class FSDPState:
         with compat.outside_functorch():
             if self.root is None:
                 self.lazy_init()
-            if self.root.in_backward:
+            if self.root.backward is BackwardState.RUNNING:
                 # Activation-checkpoint recompute: gather (a no-op after this group's pre-backward)
                 # and nothing else. Its forward may stop early, so it is not tracked as a forward.
                 self.group.unshard()
@@ -208,6 +321,8 @@ class FSDPState:
 
     def _begin_group_forward(self) -> None:
         root = self.root
+        if root.backward is BackwardState.REDUCING:
+            root.check_no_reduction_pending("the forward")
         for state in root.states if self.is_root else (self,):
             if state.traced.pending_grads and torch.is_grad_enabled():
                 raise _compiled_accumulation_pending(state)

@@ -15,7 +15,8 @@ Its *phase* says where in the step it is::
 
 The hooks (fsdp2.runtime.hooks) call the lifecycle verbs ``pre_forward``, ``post_forward``,
 ``pre_backward``, ``post_backward`` (also from the parameters' gradient hooks) and
-``finalize_backward``; packing and collectives live in ``gather`` and ``reduce``.
+``finalize_backward`` (under manual finalization, ``end_backward_before_finalize`` at the end of
+each backward first); packing and collectives live in ``gather`` and ``reduce``.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class ParamGroup:
         self.phase = Phase.IDLE
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        self.keep_unsharded_storage = False  # reshard keeps the gathered memory (stable data pointers)
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
         # Gradients kept by an eager backward without sync, for the next synced one: a compiled
@@ -271,12 +273,27 @@ class ParamGroup:
     def finalize_backward(self) -> None:
         """End of the whole backward: reduce what never reported ready (unused or frozen
         parameters), free what backward gathered, and return to IDLE."""
-        if self.phase != Phase.POST_BACKWARD and any(p.has_unreduced_grad for p in self.params):
+        if self.phase != Phase.POST_BACKWARD and self.has_unreduced_grads:
             self.post_backward()
         elif self.reshard_after_backward:
             self.reshard()
         self.phase = Phase.IDLE
         self._grads.reset()
+
+    def end_backward_before_finalize(self) -> None:
+        """End of one backward under manual finalization: gradients that did not report ready stay
+        where they are (kept gathered) until ``finalize_backward`` reduces them, unless gradient sync
+        is off (then they are kept without sync, as every such backward keeps them). IDLE again."""
+        if self.phase != Phase.POST_BACKWARD and not self.requires_gradient_sync:
+            self.finalize_backward()  # as any backward without sync ends
+            return
+        self.phase = Phase.IDLE
+        self._grads.reset()
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Some parameter holds a gradient not reduced yet (this backward's or kept without sync)."""
+        return any(p.has_unreduced_grad for p in self.params)
 
     def reset_iteration(self) -> None:
         """After an aborted forward/backward: nothing in flight, all sharded, IDLE."""
@@ -373,4 +390,5 @@ class ParamGroup:
 
     def _free_unsharded(self) -> None:
         hold_all_sharded(self.params)
-        free_all_unsharded(self.params)
+        if not self.keep_unsharded_storage:
+            free_all_unsharded(self.params)

@@ -19,6 +19,9 @@ Two places where fsdp2 cannot pass PyTorch's op, each handled the same way every
   divides by ``f`` twice at one shard rank: fsdp2 does the same, since a drop-in must not
   change the numbers);
 - a backend without PREMUL_SUM (gloo, where PyTorch's FSDP2 raises): SUM, then a division by ``f``.
+
+A division by 1 is never planned (PyTorch 2.13's one-rank copy still divides by a factor of 1; the
+result is the same without it).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class ReducePlan:
     """The reduce ops and divisions of one bucket's gradient reduction, in the order they run:
     divide the reduce-scatter input by each of ``divide_before`` in turn, reduce-scatter with
     ``reduce_scatter_op`` (skipped at one shard rank), all-reduce across replicas (HSDP) with
-    ``all_reduce_op``, run the user's all-reduce hook, divide by ``divide_after``."""
+    ``all_reduce_op``, run the user's all-reduce hook, divide by ``divide_after`` (1: no division).
+    No divisor in ``divide_before`` is 1."""
 
     reduce_scatter_op: ReduceOp
     all_reduce_op: ReduceOp
@@ -92,7 +96,8 @@ class ReducePlan:
         )
         if shard_size == 1 and divide_factor is not None:  # PyTorch's single-rank copy divides, whatever the plan
             plan = dataclasses.replace(plan, divide_before=plan.divide_before + (divide_factor,))
-        return plan
+        # A division by 1 changes nothing: the plan never holds one, so no step runs one.
+        return dataclasses.replace(plan, divide_before=tuple(d for d in plan.divide_before if d != 1))
 
     @classmethod
     def _choose_ops(

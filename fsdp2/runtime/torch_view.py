@@ -1,11 +1,11 @@
 """What PyTorch's own code reads from an fsdp2 module, which passes ``isinstance(m, torch FSDPModule)``.
 
 Frameworks and PyTorch branch on that check and then reach past the public methods into FSDP2's
-private state: ``fully_shard.state(m)`` (pipelining's manual post-backward) and
-``m._get_fsdp_state()`` (``register_fsdp_forward_method``, the FSDP memory tracker). fsdp2's
-state is shaped differently, so both return a :class:`TorchStateView`: the members PyTorch's
-callers use, routed to fsdp2's equivalents. Any other private member raises, naming the caller
-and the member, instead of half-working.
+private state: ``fully_shard.state(m)`` (pipelining's manual post-backward up to torch 2.14) and
+``m._get_fsdp_state()`` (``register_fsdp_forward_method``, the FSDP memory tracker, pipelining's
+schedules). fsdp2's state is shaped differently, so both return a :class:`TorchStateView`: the
+members PyTorch's callers use, routed to fsdp2's equivalents. Any other private member raises,
+naming the caller and the member, instead of half-working.
 """
 
 from __future__ import annotations
@@ -103,6 +103,22 @@ class TorchStateContextView(_Unsupported):
         self._state.settings.is_last_backward = value
 
 
+class TorchCommContextView(_Unsupported):
+    """``FSDPCommContext``: one per root, as PyTorch's root shares its own with every state under
+    it. Pipelining compares them by identity (stages whose roots share one cannot defer their
+    gradient reductions' waits); fsdp2's roots never share one."""
+
+    _what = "FSDPCommContext"
+    _views: "weakref.WeakKeyDictionary[FSDPState, TorchCommContextView]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, root_state: FSDPState) -> "TorchCommContextView":
+        view = cls._views.get(root_state)
+        if view is None:
+            view = cls._views[root_state] = cls()
+        return view
+
+
 class TorchStateView(_Unsupported):
     """``fully_shard.state(m)`` / ``m._get_fsdp_state()`` of an fsdp2 module, as PyTorch reads it."""
 
@@ -124,6 +140,11 @@ class TorchStateView(_Unsupported):
     @property
     def _state_ctx(self) -> TorchStateContextView:
         return TorchStateContextView(self._state)
+
+    @property
+    def _comm_ctx(self) -> TorchCommContextView:
+        root = self._state.root  # before the first forward each state is its own root, as in PyTorch
+        return TorchCommContextView.of(root.root_state if root is not None else self._state)
 
     @property
     def _fsdp_param_groups(self) -> list[TorchParamGroupView]:

@@ -87,6 +87,9 @@ class NoopProcessGroup(dist.ProcessGroup):
             compat.register_process_group_backend(
                 self, torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, backend
             )
+        # c10d asks a group for its default backend when it attaches its own hooks (torch 2.15's
+        # flight recorder): that is the fake one above too.
+        compat.set_default_process_group_backend(self, dist.ProcessGroup.BackendType.CUSTOM)
         _groups.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d name

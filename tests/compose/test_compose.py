@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch._dynamo
 
-from tests.runtime.test_dropin import CFG, _assert_same_params, _batch, _full, _shard_blocks_then_root, _twins
+from tests.side_by_side import (
+    CFG,
+    assert_same_params as _assert_same_params,
+    batch as _batch,
+    full as _full,
+    shard_blocks_then_root as _shard_blocks_then_root,
+    twins as _twins,
+)
 from tests.compile.test_traced import _assert_same, _loss
 from fsdp2.models import GPT
 
@@ -77,7 +84,7 @@ def test_not_last_backward_writes_gradients_like_pytorch(worlds):
 def _compiled_twin(rank, ws):
     """(eager-sharded GPT, its torch.compile(fullgraph=True), unsharded reference)."""
     from fsdp2 import fully_shard
-    from tests.runtime.test_dropin import _mesh
+    from tests.side_by_side import world_mesh as _mesh
 
     torch._dynamo.reset()
     torch.manual_seed(0)

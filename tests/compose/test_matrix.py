@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp2.models import Llama, LlamaConfig
-from tests.runtime.test_dropin import _CollectiveCounter
+from tests.side_by_side import CollectiveCounter as _CollectiveCounter
 
 pytestmark = pytest.mark.slow  # every pair of features: minutes
 

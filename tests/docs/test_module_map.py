@@ -19,7 +19,7 @@ the units listed for it, nothing else of fsdp2:
     fsdp2.runtime        the FSDP machinery: layout, base
     fsdp2.layout         shard geometry: base
     fsdp2.models         the example models: nothing of fsdp2
-    base                 fsdp2.policies (-> errors), fsdp2.errors, fsdp2.compat (nothing of fsdp2)
+    base                 fsdp2.policies (-> errors, compat), fsdp2.errors, fsdp2.compat (nothing of fsdp2)
 
 So the runtime imports nothing from the optimizers, checkpoints, planner, tools, ft or the torch
 switch (the optimizer default and the switch's guards reach fully_shard through the package's
@@ -53,7 +53,7 @@ MODULE_MAP: dict[str, tuple[str, ...]] = {
     "fsdp2.runtime": ("fsdp2.layout", *BASE),
     "fsdp2.layout": BASE,
     "fsdp2.models": (),
-    "fsdp2.policies": ("fsdp2.errors",),
+    "fsdp2.policies": ("fsdp2.errors", "fsdp2.compat"),
     "fsdp2.errors": (),
     "fsdp2.compat": (),
 }

@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from fsdp2.models import GPT
-from tests.runtime.test_dropin import (
+from tests.side_by_side import (
     CFG,
-    _assert_same_params,
-    _batch,
-    _mesh,
-    _shard_blocks_then_root,
-    _train_side_by_side,
-    _twins,
+    assert_same_params as _assert_same_params,
+    batch as _batch,
+    shard_blocks_then_root as _shard_blocks_then_root,
+    train_side_by_side as _train_side_by_side,
+    twins as _twins,
+    world_mesh as _mesh,
 )
 
 
@@ -237,56 +237,119 @@ def test_accelerate_fsdp2_prepare_model_uses_fsdp2_under_the_switch(worlds):
 # -- PyTorch's own readers of FSDP modules -----------------------------------------------------------
 
 
-def _pipelining(rank, ws):
-    """2 pipeline stages x 2 data-parallel ranks: PyTorch's stage backward drives fsdp2 through
-    its FSDP branch (no sync per microbatch, one reduction in its manual post-backward)."""
+# Each schedule drives 4 stages over 2 pipeline ranks (one Linear each; one stage of two per rank for
+# the single-stage schedules), placed as the schedule expects: interleaved (stage i on rank i % 2)
+# or in a V (rank 0 holds the first and the last stage).
+PIPELINE_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single", {}),
+    "1f1b": ("Schedule1F1B", "single", {}),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "interleaved", {}),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "interleaved", {}),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "v", {}),
+    # torch >= 2.15: a stage's gradient reductions are waited on later in the schedule (pipelining
+    # then tells stages' communication contexts apart through the private state).
+    "interleaved_1f1b_deferred_wait": ("ScheduleInterleaved1F1B", "interleaved", {"defer_reduce_grad_wait": True}),
+}
+
+
+def _pipeline_stage_layers(placement: str, pp: int) -> dict[int, list[int]]:
+    """{stage index: the indices of its layers} on pipeline rank ``pp``."""
+    if placement == "single":
+        return {pp: [2 * pp, 2 * pp + 1]}
+    stages = [pp, pp + 2] if placement == "interleaved" else [pp, 3 - pp]
+    return {stage: [stage] for stage in stages}
+
+
+def _pipeline_side_by_side(rank, ws, schedule_name):
+    """2 pipeline ranks x 2 data-parallel ranks: PyTorch's pipeline schedules drive fsdp2's stages
+    through their FSDP branch (backwards without sync, one reduction per group at the end) like
+    PyTorch's FSDP2 stages: bitwise gradients, the same collectives."""
     import copy
 
+    import torch.distributed.pipelining as pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     from fsdp2 import fully_shard
 
+    class_name, placement, options = PIPELINE_SCHEDULES[schedule_name]
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
-    mine = layers[:2] if pp == 0 else layers[2:]
-    parts = []
-    for shard in (torch_fully_shard, fully_shard):
-        part = nn.Sequential(*copy.deepcopy(mine))
-        for module in [m for m in part if isinstance(m, nn.Linear)] + [part]:
-            shard(module, mesh=mesh["dp"])
-        parts.append(part)
+    widths = [8, 16, 16, 16, 4]
+    layers = [nn.Sequential(nn.Linear(widths[i], widths[i + 1]), nn.Tanh()) for i in range(4)]
+    mine = _pipeline_stage_layers(placement, pp)
+    n_stages = 4 if placement != "single" else 2
     loss_fn = lambda out, y: (out - y).square().mean()  # noqa: E731
     g = torch.Generator().manual_seed(dp)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-    counts = []
-    for part in parts:
-        stage = PipelineStage(part, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
-        counts.append(_comm_counts(lambda: schedule.step(x) if pp == 0 else schedule.step(target=y))[1])
-    assert counts[0] == counts[1], counts  # one reduce-scatter per group, not one per microbatch
-    _assert_same_grads(*parts)
-    # Gathering a stage ahead of its forward, as pipelining variants do through the private state.
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(2)]
+    parts, counts = [], []
+    for shard in (torch_fully_shard, fully_shard):
+        stages, modules = [], []
+        for index, layer_ids in mine.items():
+            part = nn.Sequential(*copy.deepcopy([layers[i] for i in layer_ids]))
+            for module in [m for m in part.modules() if isinstance(m, nn.Linear)] + [part]:
+                shard(module, mesh=mesh["dp"])
+            stages.append(
+                pipelining.PipelineStage(part, index, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+            )
+            modules.append(part)
+        schedule_class = getattr(pipelining, class_name)
+        schedule = schedule_class(
+            stages if placement != "single" else stages[0], n_microbatches=4, loss_fn=loss_fn, **options
+        )
+        step_counts: dict = {}
+        for x, y in batches:
+            inputs = (x,) if 0 in mine else ()
+            kwargs = {"target": y} if n_stages - 1 in mine else {}
+            _comm_counts(lambda: schedule.step(*inputs, **kwargs), into=step_counts)
+        parts.append(modules)
+        counts.append(step_counts)
+    assert counts[0] == counts[1], counts  # one reduce-scatter per group and step, not one per microbatch
+    for theirs, ours in zip(*parts):
+        _assert_same_grads(theirs, ours)
+        _assert_same_params(theirs, ours)
+    return parts[1]  # fsdp2's stage modules on this rank
+
+
+def _pipelining(rank, ws, schedule_name):
+    _pipeline_side_by_side(rank, ws, schedule_name)
+
+
+def _pipelining_and_gathering_ahead(rank, ws):
+    """GPipe, then gathering a stage ahead of its forward, as pipelining variants do through the
+    private state."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor
 
-    ours = parts[1]
+    (ours,) = _pipeline_side_by_side(rank, ws, "gpipe")
     for state in torch_fully_shard.state(ours)._state_ctx.all_states:
         if group := state._fsdp_param_group:  # None for the parameterless root, as in PyTorch
             group.unshard(async_op=True)
             group.wait_for_unshard()
     assert not any(isinstance(p, DTensor) for p in ours.parameters())
     ours.reshard()
-    for module in ours:
+    for module in ours.modules():
         if isinstance(module, nn.Linear):
             module.reshard()
     assert all(isinstance(p, DTensor) for p in ours.parameters())
 
 
 def test_pipelining_drives_fsdp2_stages_like_pytorch(worlds):
-    worlds.run(4, _pipelining)
+    worlds.run(4, _pipelining_and_gathering_ahead)
+
+
+@pytest.mark.parametrize("schedule_name", [name for name in PIPELINE_SCHEDULES if name != "gpipe"])
+def test_pipeline_schedules_drive_fsdp2_stages_like_pytorch(worlds, schedule_name):
+    import inspect
+
+    import torch.distributed.pipelining as pipelining
+
+    class_name, _, options = PIPELINE_SCHEDULES[schedule_name]
+    accepted = inspect.signature(getattr(pipelining, class_name)).parameters
+    if any(option not in accepted for option in options):
+        pytest.skip(f"this torch's {class_name} has no {sorted(options)}")
+    worlds.run(4, _pipelining, schedule_name)
 
 
 class _Scorer(nn.Module):
@@ -401,7 +464,6 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
     import torch.distributed._composable.fsdp as composable
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp._fully_shard as torch_private
-    import torch.distributed.pipelining.stage as pipelining_stage
 
     import fsdp2
 
@@ -414,6 +476,11 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
         framework.__dict__,
     )
     sys.modules["fake_framework"] = framework
+    # A PyTorch module outside FSDP2's import paths that binds fully_shard (pipelining's stage did
+    # up to torch 2.14): a stand-in, so the rule is checked on every release.
+    torch_reader = types.ModuleType("torch.distributed._fsdp2_switch_test_reader")
+    torch_reader.fully_shard = theirs
+    sys.modules[torch_reader.__name__] = torch_reader
     try:
         with fsdp2.install_as_torch_fsdp() as switch:
             assert switch.installed
@@ -428,7 +495,7 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
             # Documented limits: a dict entry is not a module-level name; PyTorch's own modules
             # outside its import paths keep PyTorch's function (they only read fully_shard.state).
             assert framework.table["fully_shard"] is theirs
-            assert pipelining_stage.fully_shard is theirs
+            assert torch_reader.fully_shard is theirs
             fsdp2.install_as_torch_fsdp()  # again: no harm
             assert torch_fsdp.fully_shard is fsdp2.fully_shard
         assert not switch.installed
@@ -438,6 +505,7 @@ def test_switch_rebinds_names_bound_before_and_after_and_undoes():
         assert torch_fsdp.MixedPrecisionPolicy is fsdp2.MixedPrecisionPolicy  # never needed switching
     finally:
         fsdp2.uninstall_as_torch_fsdp()
+        del sys.modules[torch_reader.__name__]
         del sys.modules["fake_framework"]
 
 

@@ -498,7 +498,8 @@ def test_layout_names_other_fully_shard_units_and_reduce_dtypes(fake_world):
     assert "fully_shard(the root module) reduces ['0.weight', '0.bias', '2.weight'] here, " in ignoring.mismatch(
         root_only
     )
-    bf16 = ReplicaLayout.of(_mlp("layers", mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), 2)
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    bf16 = ReplicaLayout.of(_mlp("layers", mp_policy=bf16_policy), 2)
     assert (
         "fully_shard('0') reduces gradients in torch.bfloat16 here, torch.float32 on the live groups"
         in bf16.mismatch(live)

@@ -13,6 +13,8 @@ and gradient against the policy.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -24,11 +26,15 @@ ACCELERATOR = torch.device("meta")
 
 
 @pytest.fixture
-def accelerator_mesh(fake_world):
+def accelerator_mesh(fake_world, monkeypatch):
     """A fake 2-rank world whose mesh is on the stand-in accelerator; yields the mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    # The stand-in's device module, as ``torch.cuda`` is an accelerator's: DTensor's sharding
+    # propagation asks it how many devices a host has (torch >= 2.15), nothing else.
+    assert getattr(torch, ACCELERATOR.type, None) is None
+    monkeypatch.setattr(torch, ACCELERATOR.type, types.SimpleNamespace(device_count=lambda: 2), raising=False)
     fake_world(2)
     return DeviceMesh.from_group(dist.group.WORLD, ACCELERATOR.type)
 

@@ -24,10 +24,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp2.models import GPT, GPTConfig
+from fsdp2.models import GPT
 from tests.runtime.test_features import _ReentrantCheckpointBlock
-
-CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
+from tests.side_by_side import (
+    CFG,
+    assert_same_params as _assert_same_params,
+    batch as _batch,
+    shard_blocks_then_root as _shard_blocks_then_root,
+    train_side_by_side as _train_side_by_side,
+    train_step as _step,
+    twins as _twins,
+    world_mesh as _mesh,
+)
 
 
 _PYTORCH_2_13 = hasattr(torch_fsdp, "DataParallelMeshDims")  # its FSDP2's newest public name
@@ -36,97 +44,6 @@ _PYTORCH_2_13 = hasattr(torch_fsdp, "DataParallelMeshDims")  # its FSDP2's newes
 def _needs_pytorch_2_13(what: str):
     """Skip a side-by-side test on an older torch whose FSDP2 lacks ``what``."""
     return pytest.mark.skipif(not _PYTORCH_2_13, reason=f"PyTorch < 2.13 has no {what}")
-
-
-# -- side-by-side harness ---------------------------------------------------------------------------
-
-
-def _mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dist.get_world_size(),))
-
-
-def _shard_blocks_then_root(model, fully_shard, **kwargs):
-    mesh = _mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    return model
-
-
-def _twins(build, shard):
-    """(PyTorch-sharded, fsdp2-sharded) copies of one model built from one seed."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from fsdp2 import fully_shard
-
-    torch.manual_seed(0)
-    base = build()
-    theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
-    shard(theirs, torch_fully_shard)
-    shard(ours, fully_shard)
-    return theirs, ours
-
-
-def _batch(step, rank, ws, cfg=CFG):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (2 * ws, cfg.seq_len + 1), generator=g)
-    local = tokens[2 * rank : 2 * rank + 2]
-    return local[:, :-1], local[:, 1:]
-
-
-class _CollectiveCounter(TorchDispatchMode):
-    """Counts the c10d collectives (and functional collectives) issued, as DTensor's
-    ``CommDebugMode`` does, without its module tracking, which fails when a backward runs
-    between a module's forwards (a chunked loss)."""
-
-    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if func.namespace in self.NAMESPACES and "wait" not in name:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _step(model, opt, step, rank, ws, loss_fn=None):
-    """One training step; returns (loss, {collective: count})."""
-    x, y = _batch(step, rank, ws)
-    with _CollectiveCounter() as comm:
-        loss = loss_fn(model, x, y) if loss_fn else model.loss(x, y)
-        if loss.requires_grad:  # else the loss_fn ran its own backward(s) and returned the value
-            loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach(), comm.counts
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _assert_same_params(theirs, ours):
-    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
-        assert torch.equal(_full(a), _full(b)), f"parameter {name} differs from PyTorch FSDP2"
-
-
-def _train_side_by_side(theirs, ours, rank, ws, steps=3, loss_fn=None, optimizer=torch.optim.AdamW, before_step=None):
-    their_opt, our_opt = optimizer(theirs.parameters(), lr=1e-2), optimizer(ours.parameters(), lr=1e-2)
-    for step in range(steps):
-        if before_step is not None:
-            before_step(theirs, step)
-            before_step(ours, step)
-        their_loss, their_comm = _step(theirs, their_opt, step, rank, ws, loss_fn)
-        our_loss, our_comm = _step(ours, our_opt, step, rank, ws, loss_fn)
-        assert torch.equal(their_loss, our_loss), (step, their_loss.item(), our_loss.item())
-        assert their_comm == our_comm, (step, their_comm, our_comm)
-        _assert_same_params(theirs, ours)
 
 
 # -- behaviour to match PyTorch 2.13 ------------------------------------------------------------------
@@ -215,6 +132,47 @@ def test_gradients_reduced_in_fp16_or_fp64_divide_like_pytorch(worlds, reduce_dt
     """Dtypes other than fp32/bf16 are divided partly before the sum (a power of two near
     sqrt(N)) and the rest after, as PyTorch does; at 4 ranks that is 2 and 2."""
     worlds.run(4, _reduce_in, reduce_dtype)
+
+
+def _default_reduce_dtype(rank, ws, accumulate):
+    from fsdp2 import compat
+
+    class ReduceScatterDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d" and "reduce_scatter" in str(func.overloadpacket):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    def loss_fn(model, x, y):
+        if accumulate:  # a backward without sync first: its gradients wait in the reduce dtype
+            model.set_requires_gradient_sync(False)
+            model.loss(x[:1], y[:1]).backward()
+            model.set_requires_gradient_sync(True)
+        return model.loss(x, y)
+
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype: the default
+    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
+    seen = []
+    for model in (theirs, ours):
+        with ReduceScatterDtypes() as recorder:
+            model.loss(*_batch(9, rank, ws)).backward()
+        seen.append(recorder.dtypes)
+        model.zero_grad()
+    expected = torch.float32 if compat.REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE else torch.bfloat16
+    assert seen == [{expected}, {expected}], seen
+    _train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["sync", "accumulate"])
+def test_default_reduce_dtype_follows_the_installed_pytorch(worlds, accumulate):
+    """``MixedPrecisionPolicy(reduce_dtype=None)``: gradients are reduced in ``param_dtype`` up to
+    torch 2.14, in the parameter's own dtype from 2.15 (its unset ``grad_dtype``), as PyTorch's FSDP2
+    on the installed release."""
+    worlds.run(2, _default_reduce_dtype, accumulate)
 
 
 def _last_backward_before_forward(rank, ws):

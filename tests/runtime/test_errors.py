@@ -158,6 +158,21 @@ def _scalar_param(rank, ws):
     _expect_error(model, r"0.temperature is a scalar.*shape \(1,\)", fully_shard, model, mesh=_mesh())
 
 
+def _grad_dtype_of_its_own(rank, ws):
+    model = _mlp()
+    model[0].weight.grad_dtype = torch.bfloat16
+    refused = r"parameter 0.weight has grad_dtype=torch.bfloat16.*MixedPrecisionPolicy\(reduce_dtype="
+    _expect_error(model, refused, fully_shard, model, mesh=_mesh())
+    model[0].weight.grad_dtype = torch.float32  # its own dtype: what fsdp2 keeps gradients in anyway
+    fully_shard(model, mesh=_mesh())
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "_has_grad_dtype_override"), reason="torch < 2.15 ignores grad_dtype")
+def test_fully_shard_refuses_a_grad_dtype_other_than_the_parameters(worlds):
+    """PyTorch 2.15 keeps (and reduces) such a parameter's gradients in its grad_dtype; fsdp2 refuses it."""
+    worlds.run(1, _grad_dtype_of_its_own)
+
+
 def _reshard_three(rank, ws):
     model = _mlp()
     _expect_error(

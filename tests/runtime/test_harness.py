@@ -1,6 +1,8 @@
+import time
+
 import pytest
 
-from tests.harness import RankFailure
+from tests.harness import COLLECTIVE_TIMEOUT_S, RankFailure
 
 
 def _sum_ranks(rank, world_size):
@@ -41,4 +43,25 @@ def _die_on_rank_zero(rank, world_size):
 def test_dead_rank_is_reported_and_world_replaced(worlds):
     with pytest.raises(RankFailure, match=r"rank 0: process died \(exit code 3\)"):
         worlds.run(2, _die_on_rank_zero)
+    assert worlds.run(2, _sum_ranks) == [1.0, 1.0]
+
+
+def _fail_on_rank_one_while_rank_zero_receives(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one fails before sending")
+    dist.recv(torch.empty(1), src=1)  # never sent: blocks until gloo gives up
+    return rank
+
+
+@pytest.mark.slow  # replaces a world
+def test_a_rank_failing_while_another_waits_in_recv_fails_the_call_in_seconds(worlds):
+    """The harness stops waiting for the other ranks once one failed (not gloo's timeout, nor the call's)."""
+    assert worlds.run(2, _sum_ranks) == [1.0, 1.0]  # the world is up: only the failing call is timed
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"(?s)rank 0: no answer \d+s after rank 1 failed.*rank 1:.*before sending"):
+        worlds.run(2, _fail_on_rank_one_while_rank_zero_receives)
+    assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S / 3
     assert worlds.run(2, _sum_ranks) == [1.0, 1.0]

@@ -23,7 +23,7 @@ from fsdp2 import compat
 from fsdp2.models import GPT
 from fsdp2.runtime import collectives
 from fsdp2.runtime.reduce_plan import AVG, SUM, ReducePlan, ReduceOp
-from tests.runtime.test_dropin import CFG, _assert_same_params, _step
+from tests.side_by_side import CFG, assert_same_params as _assert_same_params, train_step as _step
 
 
 class _Divisions(TorchDispatchMode):
@@ -193,6 +193,13 @@ def test_gradient_collectives_use_pytorch_fsdp2s_reduce_ops_and_divisions(worlds
         ),
         ({"reduce_dtype": torch.float32, "divide_factor": 3.0, "shard_size": 1}, ReducePlan(SUM, SUM, (3.0,))),
         ({"reduce_dtype": torch.bfloat16, "device_type": "mtia"}, ReducePlan(SUM, SUM, (), 8.0)),
+        # A factor of 1 at one shard rank: nothing to divide, whatever the dtype or setting.
+        ({"reduce_dtype": torch.float32, "divide_factor": 1.0, "shard_size": 1}, ReducePlan(AVG, SUM)),
+        ({"reduce_dtype": torch.float16, "divide_factor": 1.0, "shard_size": 1}, ReducePlan(SUM, SUM)),
+        (
+            {"reduce_dtype": torch.float32, "divide_factor": 1.0, "shard_size": 1, "force_sum": True},
+            ReducePlan(SUM, SUM),
+        ),
     ],
 )
 def test_reduce_plan_choices(kwargs, expected):
@@ -266,3 +273,35 @@ def test_the_plan_follows_each_setting_changed_after_it_was_chosen(fake_world):
     model.set_force_sum_reduction_for_comms(False)
     model.set_custom_reduce_scatter(_RecordingReduceScatter())  # takes PREMUL_SUM, as PyTorch's
     assert reduce.plan(torch.float32) == chosen(divide_factor=8.0, premul=True)
+
+
+class _AtenDivisions(TorchDispatchMode):
+    """Counts every ``aten.div*`` op run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and func.overloadpacket.__name__.startswith("div"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _divisions_in_a_backward_with_factor_one(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2 import fully_shard
+
+    model = fully_shard(torch.nn.Linear(8, 4, bias=False), mesh=init_device_mesh("cpu", (1,)))
+    model.set_gradient_divide_factor(1.0)
+    loss = model(torch.randn(2, 8)).sum()
+    with _AtenDivisions() as divisions:
+        loss.backward()
+    assert model.weight.grad is not None
+    return divisions.count
+
+
+def test_a_divide_factor_of_one_on_one_rank_runs_no_division(worlds):
+    """PyTorch's FSDP2 (2.15) skips dividing by 1 where one rank copies instead of reduce-scattering."""
+    assert worlds.run(1, _divisions_in_a_backward_with_factor_one) == [0]
