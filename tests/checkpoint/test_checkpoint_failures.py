@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -134,6 +135,59 @@ def test_optimizer_group_mismatch_leaves_model_untouched(saved):
     params = list(target.parameters())
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
     _expect_failure(path, target, opt, r"optimizer param groups differ")
+
+
+def _named(*names: str) -> nn.Module:
+    """Linear layers 16 -> 16 under ``names`` (one weight and bias each)."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict((name, nn.Linear(16, 16)) for name in names))
+
+
+def _saved_with_adamw(model: nn.Module, path: str) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    ck.save(path, model, opt)
+
+
+def test_optimizer_groups_of_renamed_parameters_name_them(tmp_path):
+    """A renamed module (out -> head) gives groups of equal size: the error names the parameters
+    the optimizer lacks and the ones the checkpoint lacks, even with strict=False."""
+    path = str(tmp_path / "c")
+    _saved_with_adamw(_named("body", "out"), path)
+    target = _named("body", "head")
+    _expect_failure(
+        path,
+        target,
+        torch.optim.AdamW(target.parameters()),
+        r"optimizer param groups differ from the saved ones: 2 saved parameters are in none of the optimizer's groups "
+        r"\('out\.bias', 'out\.weight'\), 2 of the optimizer's parameters are not in the checkpoint "
+        r"\('head\.bias', 'head\.weight'\)",
+        strict=False,
+    )
+
+
+def test_optimizer_group_differences_show_a_few_names_and_the_counts(tmp_path):
+    path = str(tmp_path / "c")
+    _saved_with_adamw(_named(*(f"block{i}" for i in range(5))), path)
+    target = _named(*(f"layer{i}" for i in range(5)))
+    _expect_failure(
+        path,
+        target,
+        torch.optim.AdamW(target.parameters()),
+        r"10 saved parameters are in none of the optimizer's groups "
+        r"\('block0\.bias', 'block0\.weight', 'block1\.bias', \.\.\.\), "
+        r"10 of the optimizer's parameters are not in the checkpoint "
+        r"\('layer0\.bias', 'layer0\.weight', 'layer1\.bias', \.\.\.\)",
+        strict=False,
+    )
+
+
+def test_optimizer_groups_split_differently_say_where_each_parameter_was(saved):
+    path, target, _ = saved
+    params = list(target.parameters())
+    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    _expect_failure(path, target, opt, r"saved 1 param group, now 2: '2\.bias' \(saved in group 0, now in 1\)")
 
 
 def test_unstorable_extra_is_refused(tmp_path):
