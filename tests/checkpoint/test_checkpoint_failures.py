@@ -130,11 +130,17 @@ def test_dtype_mismatch(saved):
     _expect_failure(path, target, opt, r"'model/0.weight' has dtype float32 in the checkpoint but torch.float64")
 
 
-def test_optimizer_group_mismatch_leaves_model_untouched(saved):
+def test_optimizer_group_mismatch_says_where_each_parameter_was_and_leaves_model_untouched(saved):
     path, target, _ = saved
     params = list(target.parameters())
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
-    _expect_failure(path, target, opt, r"optimizer param groups differ")
+    _expect_failure(
+        path,
+        target,
+        opt,
+        r"optimizer param groups differ from the saved ones: saved 1 param group, now 2: "
+        r"'2\.bias' \(saved in group 0, now in 1\)",
+    )
 
 
 def _named(*names: str) -> nn.Module:
@@ -150,44 +156,35 @@ def _saved_with_adamw(model: nn.Module, path: str) -> None:
     ck.save(path, model, opt)
 
 
-def test_optimizer_groups_of_renamed_parameters_name_them(tmp_path):
+@pytest.mark.parametrize(
+    "saved_names, now_names, message",
+    [
+        (
+            ("body", "out"),
+            ("body", "head"),
+            r"optimizer param groups differ from the saved ones: 2 saved parameters are in none of the "
+            r"optimizer's groups \('out\.bias', 'out\.weight'\), 2 of the optimizer's parameters are not in "
+            r"the checkpoint \('head\.bias', 'head\.weight'\)",
+        ),
+        (
+            tuple(f"block{i}" for i in range(5)),
+            tuple(f"layer{i}" for i in range(5)),
+            r"10 saved parameters are in none of the optimizer's groups "
+            r"\('block0\.bias', 'block0\.weight', 'block1\.bias', \.\.\.\), "
+            r"10 of the optimizer's parameters are not in the checkpoint "
+            r"\('layer0\.bias', 'layer0\.weight', 'layer1\.bias', \.\.\.\)",
+        ),
+    ],
+    ids=["renamed-module", "a-few-of-many"],
+)
+def test_optimizer_groups_holding_other_parameters_name_them(tmp_path, saved_names, now_names, message):
     """A renamed module (out -> head) gives groups of equal size: the error names the parameters
-    the optimizer lacks and the ones the checkpoint lacks, even with strict=False."""
+    the optimizer lacks and the ones the checkpoint lacks (a few of each, with their counts), even
+    with strict=False."""
     path = str(tmp_path / "c")
-    _saved_with_adamw(_named("body", "out"), path)
-    target = _named("body", "head")
-    _expect_failure(
-        path,
-        target,
-        torch.optim.AdamW(target.parameters()),
-        r"optimizer param groups differ from the saved ones: 2 saved parameters are in none of the optimizer's groups "
-        r"\('out\.bias', 'out\.weight'\), 2 of the optimizer's parameters are not in the checkpoint "
-        r"\('head\.bias', 'head\.weight'\)",
-        strict=False,
-    )
-
-
-def test_optimizer_group_differences_show_a_few_names_and_the_counts(tmp_path):
-    path = str(tmp_path / "c")
-    _saved_with_adamw(_named(*(f"block{i}" for i in range(5))), path)
-    target = _named(*(f"layer{i}" for i in range(5)))
-    _expect_failure(
-        path,
-        target,
-        torch.optim.AdamW(target.parameters()),
-        r"10 saved parameters are in none of the optimizer's groups "
-        r"\('block0\.bias', 'block0\.weight', 'block1\.bias', \.\.\.\), "
-        r"10 of the optimizer's parameters are not in the checkpoint "
-        r"\('layer0\.bias', 'layer0\.weight', 'layer1\.bias', \.\.\.\)",
-        strict=False,
-    )
-
-
-def test_optimizer_groups_split_differently_say_where_each_parameter_was(saved):
-    path, target, _ = saved
-    params = list(target.parameters())
-    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
-    _expect_failure(path, target, opt, r"saved 1 param group, now 2: '2\.bias' \(saved in group 0, now in 1\)")
+    _saved_with_adamw(_named(*saved_names), path)
+    target = _named(*now_names)
+    _expect_failure(path, target, torch.optim.AdamW(target.parameters()), message, strict=False)
 
 
 def test_unstorable_extra_is_refused(tmp_path):
