@@ -24,10 +24,12 @@ Rows:
   Round 1 includes allocating the staging buffer, later rounds reuse it (reported apart).
 - bytes: LoadStats of fsdp2 rank 0 (tensor bytes read / owned / checksummed) and each side's
   ``read()`` syscall bytes on rank 0 (rchar; both read with read/pread now).
-- --sizes mini,125m,...: only loads, for each model preset: save once with each library, then
-  --repeats rounds of (fsdp2 verified, fsdp2 verify=False, DCP), each round in a shuffled order
-  (seeded by the round) so that load from other jobs, and what one load leaves behind for the
-  next, hit all three alike; prints medians and the medians of the per-round ratios verified /
+- --sizes mini,125m,...: only loads, for each model preset: save once with each library (model +
+  AdamW state, and the model's state alone), then --repeats rounds of (fsdp2 verified, fsdp2
+  verify=False, DCP) of each, each round in a shuffled order (seeded by the round) so that load
+  from other jobs, and what one load leaves behind for the next, hit all six alike; prints, per
+  preset, a row for model + AdamW and one for the model alone: medians and the medians of the
+  per-round ratios verified /
   DCP and verification cost (verified - verify=False) / verify=False, with a bootstrap 90%
   interval of the latter (a round's noise on this scale is often larger than the cost);
   --hash-baseline [NAME] adds a fourth load to the rounds, verified with CRC32C implementation
@@ -164,7 +166,6 @@ def _init_world(rank, world, port, args):
 def _trained(name, mesh, device, args, rank):
     """A sharded GPT of preset ``name`` with AdamW state (one step); (model, opt, step, state bytes)."""
     import torch
-    import torch.distributed as dist
 
     from fsdp2.models import GPTConfig
 
@@ -188,9 +189,17 @@ def _trained(name, mesh, device, args, rank):
         for v in s.values()
         if hasattr(v, "to_local")
     )
-    total = torch.tensor([float(local)], device=device)
+    return model, opt, step, _all_ranks(local, device)
+
+
+def _all_ranks(nbytes: int, device) -> float:
+    """``nbytes`` summed over the ranks (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(nbytes)], device=device)
     dist.all_reduce(total)
-    return model, opt, step, total.item()
+    return total.item()
 
 
 def _worker(rank, world, port, args, out):
@@ -253,6 +262,8 @@ def _worker(rank, world, port, args, out):
 
 
 LOADS = ("fsdp2 verified", "fsdp2 verify=False", "DCP")
+# The same loads of the model's state alone, from each library's model-only checkpoint.
+MODEL_LOADS = ("model: fsdp2 verified", "model: fsdp2 verify=False", "model: DCP")
 BASELINE_HASH = "fsdp2 verified, other CRC32C"  # --hash-baseline NAME: verified with that implementation
 BASELINE_PAGES = "fsdp2 verified, 4 KiB pages"  # --page-baseline: verified, load buffers not advised as huge pages
 BASELINE_THREADS = "fsdp2 verified, 2+ threads"  # --thread-baseline: verified, reader threads not shared by rank
@@ -260,7 +271,7 @@ BASELINE_GC = "fsdp2 verified, GC on"  # --gc-baseline: verified, automatic garb
 
 
 def _kinds(args) -> tuple[str, ...]:
-    loads = tuple(k for k in LOADS if k != "DCP") if args.no_dcp else LOADS
+    loads = tuple(k for k in LOADS + MODEL_LOADS if not (args.no_dcp and k.endswith("DCP")))
     return (
         loads
         + ((BASELINE_HASH,) if args.hash_baseline else ())
@@ -341,14 +352,23 @@ def _sweep_worker(rank, world, port, args, out):
     results = {}
     for name in args.sizes:
         model, opt, _, total = _trained(name, mesh, device, args, rank)
+        model_bytes = _all_ranks(
+            sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values()), device
+        )
         ours, theirs = os.path.join(args.dir, name, "fsdp2"), os.path.join(args.dir, name, "dcp")
+        ours_model, theirs_model = ours + "-model", theirs + "-model"
         ck.save(ours, model, opt)
+        ck.save(ours_model, model)
         if not args.no_dcp:
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs)
+            dcp.save({"model": model.state_dict()}, checkpoint_id=theirs_model)
         loads = {
             "fsdp2 verified": lambda: ck.load(ours, model, opt),
             "fsdp2 verify=False": lambda: ck.load(ours, model, opt, verify=False),
             "DCP": lambda: dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=theirs),
+            "model: fsdp2 verified": lambda: ck.load(ours_model, model),
+            "model: fsdp2 verify=False": lambda: ck.load(ours_model, model, verify=False),
+            "model: DCP": lambda: dcp.load({"model": model.state_dict()}, checkpoint_id=theirs_model),
             BASELINE_HASH: _with_checksum_implementation(
                 args.hash_baseline or "crc32c", lambda: ck.load(ours, model, opt)
             ),
@@ -359,12 +379,17 @@ def _sweep_worker(rank, world, port, args, out):
             BASELINE_GC: _with_gc_running(lambda: ck.load(ours, model, opt)),
         }
         kinds = _kinds(args)
-        evict = [ours, theirs] if args.cold else []
+        evict = [ours, theirs, ours_model, theirs_model] if args.cold else []
         for kind in kinds:  # warm-up: first-touch costs of both libraries, and the page cache
             loads[kind]()
-        stats = ck.LoadStats()
-        ck.load(ours, model, opt, stats=stats)
-        floor = _hash_floor_seconds(stats.bytes_verified) / read_threads()  # shared by the reader threads
+        floors = []
+        for load in (
+            lambda stats: ck.load(ours, model, opt, stats=stats),
+            lambda stats: ck.load(ours_model, model, stats=stats),
+        ):
+            stats = ck.LoadStats()
+            load(stats)
+            floors.append(_hash_floor_seconds(stats.bytes_verified) / read_threads())  # shared by the reader threads
         rounds = []
         tracer = _LoadTracer(rank, name) if args.trace else None
         for rep in range(args.repeats):
@@ -379,7 +404,9 @@ def _sweep_worker(rank, world, port, args, out):
             rounds.append(times)
         if tracer is not None:
             tracer.close()
-        results[name] = dict(total_bytes=total, rounds=rounds, hash_floor=floor)
+        results[name] = dict(
+            total_bytes=total, model_bytes=model_bytes, rounds=rounds, hash_floor=floors[0], model_hash_floor=floors[1]
+        )
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)
@@ -560,7 +587,8 @@ def _sweep_report(args, results) -> None:
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
     print(
-        f"load only, model + AdamW state, {args.ranks} rank(s), {device}, torch {torch.__version__}, "
+        f"load only, model + AdamW state (+ AdamW rows) and the model's alone (model rows), {args.ranks} rank(s), "
+        f"{device}, torch {torch.__version__}, "
         f"{'cold' if args.cold else 'warm'} page cache, {args.repeats} rounds of the {len(kinds)} loads in shuffled "
         f"order; times: medians, ratios: medians of the per-round ratios; CRC32C: {integrity.IMPLEMENTATION}; "
         f"THP_MEM_ALLOC_ENABLE={thp}; load average at the end {os.getloadavg()[0]:.1f}"
@@ -570,29 +598,33 @@ def _sweep_report(args, results) -> None:
     extra += f"{'2+ threads (s)':>16}{'its / DCP':>11}" if args.thread_baseline else ""
     extra += f"{'GC on (s)':>11}{'its / DCP':>11}{'its cost':>10}" if args.gc_baseline else ""
     print(
-        f"{'model':<7}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
+        f"{'model':<14}{'state MB':>10}{'verified (s)':>14}{'verify=False':>14}{'DCP (s)':>9}"
         f"{'verified / DCP':>16}{'verify cost':>13}{'its 90% CI':>14}{'hash floor':>12}{extra}"
     )
 
-    def cost_of(rounds, verified="fsdp2 verified"):
-        return statistics.median((x[verified] - x["fsdp2 verify=False"]) / x["fsdp2 verify=False"] for x in rounds)
+    def cost_of(rounds, verified="fsdp2 verified", unverified="fsdp2 verify=False"):
+        return statistics.median((x[verified] - x[unverified]) / x[unverified] for x in rounds)
 
-    def ratios(rounds, verified):
-        vs_dcp = statistics.median(x[verified] / x["DCP"] for x in rounds) if "DCP" in kinds else math.nan
+    def ratios(rounds, verified, dcp_kind="DCP"):
+        vs_dcp = statistics.median(x[verified] / x[dcp_kind] for x in rounds) if dcp_kind in kinds else math.nan
         return vs_dcp, cost_of(rounds, verified)
+
+    def row(label, nbytes, rounds, med, floor, loads):
+        verified, unverified, dcp_kind = loads
+        vs_dcp = ratios(rounds, verified, dcp_kind)[0]
+        cost = cost_of(rounds, verified, unverified)
+        low, high = _bootstrap_interval(rounds, lambda some: cost_of(some, verified, unverified))
+        dcp_s = "-" if math.isnan(vs_dcp) else f"{med[dcp_kind]:.3f}"
+        return (
+            f"{label:<14}{nbytes / 1e6:>10.1f}{med[verified]:>14.3f}"
+            f"{med[unverified]:>14.3f}{dcp_s:>9}{_times(vs_dcp):>16}{cost:>12.2f}x"
+            f"{f'{low:.2f}-{high:.2f}x':>14}{floor / med[unverified]:>11.2f}x"
+        )
 
     for name, r in results.items():
         rounds = r["rounds"]
         med = {kind: statistics.median(x[kind] for x in rounds) for kind in kinds}
-        vs_dcp, cost = ratios(rounds, "fsdp2 verified")
-        low, high = _bootstrap_interval(rounds, cost_of)
-        dcp_s = "-" if math.isnan(vs_dcp) else f"{med['DCP']:.3f}"
-        vs_dcp_x = _times(vs_dcp)
-        line = (
-            f"{name:<7}{r['total_bytes'] / 1e6:>10.1f}{med['fsdp2 verified']:>14.3f}"
-            f"{med['fsdp2 verify=False']:>14.3f}{dcp_s:>9}{vs_dcp_x:>16}{cost:>12.2f}x"
-            f"{f'{low:.2f}-{high:.2f}x':>14}{r['hash_floor'] / med['fsdp2 verify=False']:>11.2f}x"
-        )
+        line = row(f"{name} + AdamW", r["total_bytes"], rounds, med, r["hash_floor"], LOADS)
         if args.hash_baseline:
             base_dcp, base_cost = ratios(rounds, BASELINE_HASH)
             line += f"{med[BASELINE_HASH]:>16.3f}{_times(base_dcp):>11}{base_cost:>9.2f}x"
@@ -604,6 +636,7 @@ def _sweep_report(args, results) -> None:
             gc_dcp, gc_cost = ratios(rounds, BASELINE_GC)
             line += f"{med[BASELINE_GC]:>11.3f}{_times(gc_dcp):>11}{gc_cost:>9.2f}x"
         print(line)
+        print(row(f"{name} model", r["model_bytes"], rounds, med, r["model_hash_floor"], MODEL_LOADS))
     print(
         "verified / DCP: fsdp2's default (checksummed) load time over DCP's (< 1: fsdp2 faster); verify cost: "
         "(verified - verify=False) / verify=False; its 90% CI: of that median, bootstrapped over the rounds "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fsdp2 import AllGatherPolicy, MixedPrecisionPolicy, fully_shard
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.optim import Muon, muon_param_groups
-from fsdp2.tools.estimate import local_bytes
+from fsdp2.tools import local_bytes
 from launch import init_process_group, launch
 
 MiB = 2**20

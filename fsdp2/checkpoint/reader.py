@@ -213,6 +213,36 @@ def _check_optimizer_layout(path: str, saved: Any) -> None:
             raise _malformed(path, f"the optimizer state of {fqn!r}")
 
 
+def _few(names: list[str], shown: int = 3) -> str:
+    listed = [repr(name) for name in names[:shown]] + (["..."] if len(names) > shown else [])
+    return f"({', '.join(listed)})"
+
+
+def _group_difference(saved: list[list[str]], now: list[list[str]]) -> str:
+    """Which parameter names differ between the saved param groups and the optimizer's, a few of
+    each kind with their counts."""
+    saved_names = {name for group in saved for name in group}
+    now_names = {name for group in now for name in group}
+    only_saved, only_now = sorted(saved_names - now_names), sorted(now_names - saved_names)
+    if only_saved or only_now:
+        parts = []
+        if only_saved:
+            parts.append(f"{len(only_saved)} saved parameters are in none of the optimizer's groups {_few(only_saved)}")
+        if only_now:
+            parts.append(f"{len(only_now)} of the optimizer's parameters are not in the checkpoint {_few(only_now)}")
+        return ", ".join(parts)
+    groups = f"saved {len(saved)} param group{'s' * (len(saved) != 1)}, now {len(now)}"
+    saved_in = {name: index for index, group in enumerate(saved) for name in group}
+    now_in = {name: index for index, group in enumerate(now) for name in group}
+    moved = sorted(name for name in saved_names if saved_in[name] != now_in[name])
+    if moved:
+        shown = ", ".join(f"{name!r} (saved in group {saved_in[name]}, now in {now_in[name]})" for name in moved[:3])
+        return f"{groups}: {shown}{', ...' if len(moved) > 3 else ''} ({len(moved)} in other groups)"
+    if len(saved) != len(now):
+        return groups  # empty groups added or left out
+    return "the same parameters in the same groups, some listed more than once"
+
+
 def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     saved = plan.manifest.objects.get("optimizer")
     if saved is None:
@@ -230,8 +260,8 @@ def _plan_optimizer(plan: _Plan, model: nn.Module, optimizer: torch.optim.Optimi
         sorted(g["params"]) != sorted(c) for g, c in zip(saved_groups, current)
     ):
         raise CheckpointError(
-            f"{plan.path}: optimizer param groups differ from the saved ones (saved "
-            f"{[len(g['params']) for g in saved_groups]} params per group, now {[len(c) for c in current]}); "
+            f"{plan.path}: optimizer param groups differ from the saved ones: "
+            f"{_group_difference([g['params'] for g in saved_groups], current)}; "
             "create the optimizer with the same param groups as when saving (to fine-tune with new "
             "parameters, load the model with strict=False and optimizer=None)"
         )

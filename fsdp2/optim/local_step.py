@@ -24,18 +24,22 @@ A step falls back to the DTensor path when it cannot be exact on local shards: a
 
 By default (no call needed) it is installed on every optimizer that is exactly one of those
 classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
-still runs on DTensors), through torch.optim's public global step pre-hook, registered once by
-the first ``fully_shard`` call. No torch.optim class or function is patched; other optimizers
-only pay one attribute lookup per step. ``step_on_dtensors(optimizer)`` opts one out;
-``set_local_shard_steps(False)`` turns the default off for the whole process. A step
-during which other code would see the parameters (step hooks on the optimizer, or global ones
-other than the default's) runs on DTensors, as on PyTorch's FSDP2: the default changes nothing
-that anyone can observe, only the time.
+still runs on DTensors). What that takes, and all it takes: one global step pre-hook, registered
+through torch.optim's public ``register_optimizer_step_pre_hook`` by the first ``fully_shard``
+call and removed by ``set_local_shard_steps(False)``. No torch.optim class, method or function is
+patched, and nothing is written on an optimizer the default leaves alone (it is remembered by a
+weak reference): such an optimizer, over plain tensors or PyTorch FSDP2's DTensors, steps exactly
+as without fsdp2, at the cost of the hook's one Python call per step. ``step_on_dtensors(optimizer)``
+opts one out; ``set_local_shard_steps(False)`` turns the default off for the whole process. A
+step during which other code would see the parameters (step hooks on the optimizer, or global
+ones other than the default's) runs on DTensors, as on PyTorch's FSDP2: the default changes
+nothing that anyone can observe, only the time.
 """
 
 from __future__ import annotations
 
 import types
+import weakref
 from collections import defaultdict
 
 import torch
@@ -61,7 +65,6 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 _HANDLE_ATTR = "_fsdp2_local_shard_step"
-_DECIDED_ATTR = "_fsdp2_default_step_decided"  # the default looked at this optimizer already
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool = False) -> "LocalShardStep":
@@ -92,7 +95,7 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer, *, elementwise: bool 
 def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
     """Opt ``optimizer`` out of the default: its ``step()`` runs on the DTensor parameters
     (removes a local-shard step installed on it, by default or by ``step_on_local_shards``)."""
-    setattr(optimizer, _DECIDED_ATTR, True)
+    _remember_looked_at(optimizer)
     existing = getattr(optimizer, _HANDLE_ATTR, None)
     if existing is not None:
         existing.remove()
@@ -103,6 +106,9 @@ def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
 _default_hook = None  # the global step pre-hook's handle, while registered
 _default_on = True  # set_local_shard_steps
 _default_wanted = False  # fully_shard has run: fsdp2 parameters may exist
+# Optimizers the default has decided on, by weak reference: an optimizer it leaves alone carries
+# nothing of fsdp2's, and a dead one leaves the set.
+_looked_at: set[weakref.ref] = set()
 
 
 def step_on_local_shards_by_default() -> None:
@@ -138,12 +144,16 @@ def _sync_default_hook() -> None:
         _default_hook = None
 
 
+def _remember_looked_at(optimizer: torch.optim.Optimizer) -> None:
+    _looked_at.add(weakref.ref(optimizer, _looked_at.discard))
+
+
 def _install_where_identical(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if optimizer.__dict__.get(_DECIDED_ATTR):
-        return
-    setattr(optimizer, _DECIDED_ATTR, True)  # looked at once, whatever the answer
-    if _HANDLE_ATTR in optimizer.__dict__:
-        return  # the user chose already
+    # Runs before every step of every optimizer in the process: no Python call on the way out
+    # (a weak reference compares and hashes as its optimizer, in C).
+    if _HANDLE_ATTR in optimizer.__dict__ or weakref.ref(optimizer) in _looked_at:
+        return  # installed (by the default or the user), opted out, or looked at once already
+    _remember_looked_at(optimizer)
     # Exact classes only: a subclass may override step() with an update that is not element-wise.
     if type(optimizer) in ELEMENTWISE_OPTIMIZERS and any(
         managed_by(p) is not None for group in optimizer.param_groups for p in group["params"]

@@ -6,6 +6,7 @@ Rank functions live in test modules; this module holds what both sides use.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import subprocess
@@ -46,6 +47,44 @@ def shard(model: nn.Module, mesh) -> nn.Module:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def wide_module(ws, seed, rows=4096):
+    """One (rows, 64) parameter sharded on dim 0 over ``ws`` ranks, drawn from ``seed``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(seed)
+    module = nn.Module()
+    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(rows, 64), mesh_1d(ws), [Shard(0)])))
+    return module
+
+
+def flip_byte(path, offset):
+    """Flip one bit of the byte at ``offset`` of file ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def byte_of(path, key, row):
+    """File and absolute offset of the first byte of ``row`` of the chunk of ``key`` holding it."""
+    from fsdp2.checkpoint.safetensors_io import read_header
+
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    for c in manifest["tensors"][key]["chunks"]:
+        if c["offsets"][0] <= row < c["offsets"][0] + c["shape"][0]:
+            full = os.path.join(path, c["file"])
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                info = read_header(fd, full, os.path.getsize(full)).tensors[c["key"]]
+            finally:
+                os.close(fd)
+            row_bytes = (info.end - info.begin) // c["shape"][0]
+            return full, info.begin + (row - c["offsets"][0]) * row_bytes
+    raise AssertionError(key)
 
 
 def mesh_1d(world_size: int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -129,11 +130,61 @@ def test_dtype_mismatch(saved):
     _expect_failure(path, target, opt, r"'model/0.weight' has dtype float32 in the checkpoint but torch.float64")
 
 
-def test_optimizer_group_mismatch_leaves_model_untouched(saved):
+def test_optimizer_group_mismatch_says_where_each_parameter_was_and_leaves_model_untouched(saved):
     path, target, _ = saved
     params = list(target.parameters())
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
-    _expect_failure(path, target, opt, r"optimizer param groups differ")
+    _expect_failure(
+        path,
+        target,
+        opt,
+        r"optimizer param groups differ from the saved ones: saved 1 param group, now 2: "
+        r"'2\.bias' \(saved in group 0, now in 1\)",
+    )
+
+
+def _named(*names: str) -> nn.Module:
+    """Linear layers 16 -> 16 under ``names`` (one weight and bias each)."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict((name, nn.Linear(16, 16)) for name in names))
+
+
+def _saved_with_adamw(model: nn.Module, path: str) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    ck.save(path, model, opt)
+
+
+@pytest.mark.parametrize(
+    "saved_names, now_names, message",
+    [
+        (
+            ("body", "out"),
+            ("body", "head"),
+            r"optimizer param groups differ from the saved ones: 2 saved parameters are in none of the "
+            r"optimizer's groups \('out\.bias', 'out\.weight'\), 2 of the optimizer's parameters are not in "
+            r"the checkpoint \('head\.bias', 'head\.weight'\)",
+        ),
+        (
+            tuple(f"block{i}" for i in range(5)),
+            tuple(f"layer{i}" for i in range(5)),
+            r"10 saved parameters are in none of the optimizer's groups "
+            r"\('block0\.bias', 'block0\.weight', 'block1\.bias', \.\.\.\), "
+            r"10 of the optimizer's parameters are not in the checkpoint "
+            r"\('layer0\.bias', 'layer0\.weight', 'layer1\.bias', \.\.\.\)",
+        ),
+    ],
+    ids=["renamed-module", "a-few-of-many"],
+)
+def test_optimizer_groups_holding_other_parameters_name_them(tmp_path, saved_names, now_names, message):
+    """A renamed module (out -> head) gives groups of equal size: the error names the parameters
+    the optimizer lacks and the ones the checkpoint lacks (a few of each, with their counts), even
+    with strict=False."""
+    path = str(tmp_path / "c")
+    _saved_with_adamw(_named(*saved_names), path)
+    target = _named(*now_names)
+    _expect_failure(path, target, torch.optim.AdamW(target.parameters()), message, strict=False)
 
 
 def test_unstorable_extra_is_refused(tmp_path):

@@ -25,7 +25,9 @@ from fsdp2.checkpoint import cli, integrity
 from fsdp2.checkpoint.integrity import BlockGrid
 from tests.checkpoint.ckpt_helpers import (
     assert_same_state,
+    byte_of,
     checksum_blocks,
+    flip_byte,
     full_state,
     load_outcome,
     make_model,
@@ -33,6 +35,7 @@ from tests.checkpoint.ckpt_helpers import (
     mesh_1d,
     mesh_2d,
     shard,
+    wide_module,
 )
 
 V1_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v1")
@@ -144,25 +147,15 @@ def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
     assert sum(read for read, _, _ in unaligned) < 4096 * 256 + 4 * block
 
 
-def _wide_module(ws, seed, rows=4096):
-    """One (rows, 64) parameter sharded on dim 0 over ``ws`` ranks, drawn from ``seed``."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.manual_seed(seed)
-    module = nn.Module()
-    module.register_parameter("w", nn.Parameter(distribute_tensor(torch.randn(rows, 64), mesh_1d(ws), [Shard(0)])))
-    return module
-
-
 def _save_wide(rank, ws, path):
-    ck.save(path, _wide_module(ws, 0))
+    ck.save(path, wide_module(ws, 0))
 
 
 def _load_wide(rank, ws, path, block_rows):
-    module = _wide_module(ws, 1)
+    module = wide_module(ws, 1)
     stats = ck.LoadStats()
     ck.load(path, module, stats=stats)
-    assert torch.equal(module.w.full_tensor(), _wide_module(ws, 0).w.full_tensor())
+    assert torch.equal(module.w.full_tensor(), wide_module(ws, 0).w.full_tensor())
     rows = -(-4096 // ws)
     lo, hi = rank * rows, min(4096, (rank + 1) * rows)
     n_edges = (lo % block_rows != 0) + (hi % block_rows != 0)
@@ -196,33 +189,6 @@ def test_column_split_reads_runs_unverified_whole_rows_verified(tmp_path, worlds
 # ---------------------------------------------------------------- corruption
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
-def _byte_of(path, key, row, block_rows=None):
-    """File and absolute offset of the first byte of ``row`` of the chunk of ``key`` holding it."""
-    from fsdp2.checkpoint.safetensors_io import read_header
-
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    for c in manifest["tensors"][key]["chunks"]:
-        if c["offsets"][0] <= row < c["offsets"][0] + c["shape"][0]:
-            full = os.path.join(path, c["file"])
-            fd = os.open(full, os.O_RDONLY)
-            try:
-                info = read_header(fd, full, os.path.getsize(full)).tensors[c["key"]]
-            finally:
-                os.close(fd)
-            row_bytes = (info.end - info.begin) // c["shape"][0]
-            return full, info.begin + (row - c["offsets"][0]) * row_bytes
-    raise AssertionError(key)
-
-
 def _load_rows_outcome(rank, ws, path):
     return load_outcome(path, shard(_rows_model(7), mesh_1d(ws)))
 
@@ -230,8 +196,8 @@ def _load_rows_outcome(rank, ws, path):
 def test_flipped_byte_is_caught_by_the_rank_that_reads_it(worlds, tmp_path):
     path = str(tmp_path / "c")
     worlds.run(1, _save_rows, path, 1024, (1,))  # one file; 0.weight is 24 rows of 256 B: 4 rows a block
-    data, offset = _byte_of(path, "model/0.weight", 20)  # rank 1 of 2 owns rows 12..23
-    _flip(data, offset + 5)
+    data, offset = byte_of(path, "model/0.weight", 20)  # rank 1 of 2 owns rows 12..23
+    flip_byte(data, offset + 5)
     results = worlds.run(2, _load_rows_outcome, path)
     assert all(untouched for _, untouched in results)
     assert "rank-00000.safetensors is corrupted (crc32c" in results[1][0]
@@ -254,8 +220,8 @@ def test_flipped_byte_names_its_block_and_bytes(tmp_path, monkeypatch, window_by
     monkeypatch.setattr(tensor_reader, "hashing_for", lambda _: tensor_reader.Hashing(window_bytes, combine=combine))
     path = str(tmp_path / "c")
     ck.save(path, matrices("w"))  # 4 KiB rows: 64 rows a block
-    data, start = _byte_of(path, "model/w", 9 * 64)
-    _flip(data, start + 1000)
+    data, start = byte_of(path, "model/w", 9 * 64)
+    flip_byte(data, start + 1000)
     target = matrices("w", seed=None)
     with pytest.raises(ck.CheckpointError) as error:
         ck.load(path, target)
@@ -309,8 +275,8 @@ def test_corruption_outside_what_is_read_is_not_read(tmp_path):
     opt.step()
     path = str(tmp_path / "c")
     ck.save(path, model, opt)
-    data, offset = _byte_of(path, "optim/state/0.weight/exp_avg", 3)
-    _flip(data, offset)
+    data, offset = byte_of(path, "optim/state/0.weight/exp_avg", 3)
+    flip_byte(data, offset)
     target = make_model(1)
     stats = ck.LoadStats()
     ck.load(path, target, stats=stats)  # model only
@@ -331,7 +297,7 @@ def test_corrupted_header_is_caught(tmp_path):
     data = os.path.join(path, "gen-000001", "rank-00000.safetensors")
     with open(data, "rb") as f:
         head = f.read(4096)
-    _flip(data, head.index(b'"model/0.bias"') + 7)  # '0' -> ' ': still JSON, a renamed tensor
+    flip_byte(data, head.index(b'"model/0.bias"') + 7)  # '0' -> ' ': still JSON, a renamed tensor
     with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors is corrupted \(crc32c of its header"):
         ck.load(path, make_model(1))
     assert any("header crc32c" in p for p in ck.verify_checkpoint(path))
@@ -383,7 +349,7 @@ def test_format_1_verify_and_corruption(tmp_path, capsys):
     assert cli.main(["verify", V1_FIXTURE]) == 0
     copy = str(tmp_path / "v1")
     shutil.copytree(V1_FIXTURE, copy)
-    _flip(os.path.join(copy, "gen-000001", "rank-00001.safetensors"), 900)
+    flip_byte(os.path.join(copy, "gen-000001", "rank-00001.safetensors"), 900)
     assert cli.main(["verify", copy]) == 1
     assert "crc32" in capsys.readouterr().out
     with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32 "):
@@ -594,8 +560,8 @@ def test_checkpoint_saved_with_one_implementation_loads_verified_with_the_other(
     assert_same_state(full_state(target), full_state(model))
     assert stats.bytes_verified == stats.bytes_read > 0
     assert ck.verify_checkpoint(path) == []
-    data, offset = _byte_of(path, "model/0.weight", 1)
-    _flip(data, offset)
+    data, offset = byte_of(path, "model/0.weight", 1)
+    flip_byte(data, offset)
     with pytest.raises(ck.CheckpointError, match=r"corrupted \(crc32c .* key 'model/0.weight'"):
         ck.load(path, make_model(1))
 

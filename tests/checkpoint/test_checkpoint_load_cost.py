@@ -17,8 +17,7 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import format as ckformat
 from fsdp2.checkpoint import integrity, reader, tensor_reader
-from tests.checkpoint.ckpt_helpers import assert_same_state, full_state, matrices
-from tests.checkpoint.test_checkpoint_integrity import _byte_of, _flip, _wide_module
+from tests.checkpoint.ckpt_helpers import assert_same_state, byte_of, flip_byte, full_state, matrices, wide_module
 
 
 def _stack(layers: int, seed: int = 0) -> nn.Module:
@@ -180,7 +179,7 @@ def test_a_chunk_bigger_than_a_read_task_is_cut_at_block_edges(tmp_path, monkeyp
 
 
 def _tall_module(ws, seed):
-    return _wide_module(ws, seed, rows=16384)
+    return wide_module(ws, seed, rows=16384)
 
 
 def _load_tall(rank, ws, path):
@@ -202,7 +201,7 @@ def test_windowed_check_across_unaligned_shard_edges(worlds, tmp_path):
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] == 1024 * 64
     row = 9216 + 1000  # rank 1 owns rows 5462..10923, read from row 5120 (a block edge) in windows of 4096 rows
-    _flip(*_byte_of(path, "model/w", row))
+    flip_byte(*byte_of(path, "model/w", row))
     results = worlds.run(3, _load_tall, path)
     assert f"key 'model/w', block {row // 1024})" in results[1]
     assert all("failed on another rank" in r for r in (results[0], results[2]))

@@ -16,6 +16,7 @@ import torch
 
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.models.llama import Llama, LlamaConfig
+from tests.support.parity import assert_compiled_equals_eager, token_loss
 
 pytestmark = pytest.mark.slow  # dynamo traces of whole steps
 
@@ -48,17 +49,13 @@ def _batch(step, rank, world_size, cfg):
     return tokens[rows, :-1], tokens[rows, 1:]
 
 
-def _loss(model, x, y):
-    logits = model(x)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
-def _train_side_by_side(
+def _eager_and_compiled(
     rank,
     world_size,
+    *,
     kind,
     steps,
-    backend,
+    backend="aot_eager",
     precision="fp32",
     mesh_shape=None,
     optimizer="adamw",
@@ -97,7 +94,7 @@ def _train_side_by_side(
             for micro in range(microbatches):  # all but the last without gradient sync
                 model.set_requires_gradient_sync(sync_every_microbatch or micro == microbatches - 1)
                 x, y = _batch(step * microbatches + micro, rank, world_size, cfg)
-                loss = _loss(run, x, y)
+                loss = token_loss(run, x, y)
                 loss.backward()
             opt.step()
             opt.zero_grad()
@@ -105,19 +102,6 @@ def _train_side_by_side(
         results[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
     return results
-
-
-def _assert_same(results, exact=True):
-    (eager_losses, eager_params), (losses, params) = results["eager"], results["compiled"]
-    if exact:
-        assert losses == eager_losses
-        for a, b in zip(eager_params, params, strict=True):
-            assert torch.equal(a, b), (a - b).abs().max()
-    else:
-        for a, b in zip(eager_losses, losses):
-            assert abs(a - b) <= 1e-5 * abs(a)
-        for a, b in zip(eager_params, params):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -132,20 +116,22 @@ def _assert_same(results, exact=True):
 )
 def test_compiled_matches_eager_bitwise(worlds, world_size, kind, steps, precision, mesh_shape):
     """aot_eager runs the ops eager fsdp2 runs, on the same gathered layout: bitwise equal."""
-    results = worlds.run(world_size, _train_side_by_side, kind, steps, "aot_eager", precision, mesh_shape)[0]
-    _assert_same(results)
+    results = worlds.run(
+        world_size, _eager_and_compiled, kind=kind, steps=steps, precision=precision, mesh_shape=mesh_shape
+    )[0]
+    assert_compiled_equals_eager(results)
 
 
 def test_gradient_accumulation_without_sync(worlds):
     """Two microbatches without gradient sync, then one with: one reduction of the sum, as eager
     (bf16 compute, fp32 reduction: the sum is kept in the reduce dtype, as eager keeps it)."""
-    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "bf16", None, "adamw", False, 3)[0]
-    _assert_same(results)
+    results = worlds.run(2, _eager_and_compiled, kind="gpt", steps=2, precision="bf16", microbatches=3)[0]
+    assert_compiled_equals_eager(results)
 
 
 def test_parameter_frozen_after_fully_shard_stays_frozen(worlds):
-    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "fp32", None, "adamw", True)[0]
-    _assert_same(results)
+    results = worlds.run(2, _eager_and_compiled, kind="gpt", steps=2, freeze=True)[0]
+    assert_compiled_equals_eager(results)
     base, _ = _build("gpt")
     frozen_index = [name for name, _ in base.named_parameters()].index("blocks.0.mlp.0.weight")
     assert torch.equal(results["compiled"][1][frozen_index], base.blocks[0].mlp[0].weight.detach())
@@ -155,15 +141,15 @@ def test_inductor_matches_eager(worlds):
     """Inductor's C++ kernels fuse and reorder fp32 reductions (layer norm, softmax, the loss):
     equal within 1e-5 relative, not bitwise. SGD: Adam would amplify rounding noise in
     near-zero gradients into full-size updates."""
-    results = worlds.run(2, _train_side_by_side, "gpt", 3, "inductor", "fp32", None, "sgd")[0]
-    _assert_same(results, exact=False)
+    results = worlds.run(2, _eager_and_compiled, kind="gpt", steps=3, backend="inductor", optimizer="sgd")[0]
+    assert_compiled_equals_eager(results, exact=False)
 
 
 def test_synced_backwards_without_zero_grad_add_to_the_gradients(worlds):
     """Two synced backwards per step: the second adds its reduced gradient to the DTensor .grad
     the first wrote (the hand-off's path for gradients already there), as eager adds them."""
-    results = worlds.run(2, _train_side_by_side, "gpt", 2, "aot_eager", "fp32", None, "adamw", False, 2, True)[0]
-    _assert_same(results)
+    results = worlds.run(2, _eager_and_compiled, kind="gpt", steps=2, microbatches=2, sync_every_microbatch=True)[0]
+    assert_compiled_equals_eager(results)
 
 
 def test_flat_cat_is_torch_cat_of_the_flattened_tensors():
@@ -266,14 +252,14 @@ def test_python_calls_of_the_compiled_step_against_the_unsharded_model(fake_worl
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step():
-            _loss(run, x, y).backward()
+            token_loss(run, x, y).backward()
             opt.step()
             opt.zero_grad()
 
         try:
             for _ in range(3):  # compile, then steps on the compiled graphs (the optimizer's state made)
                 step()
-            counts[name] = _count_calls(lambda: _loss(run, x, y).backward())
+            counts[name] = _count_calls(lambda: token_loss(run, x, y).backward())
             opt.zero_grad()
             steps[name] = _count_calls(step)[0]
         finally:
@@ -357,7 +343,7 @@ def _graphs_of_one_step(rank, world_size, kind, shard_kwargs=None, partition="mi
     model = _shard(model, **(shard_kwargs or {}))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
-    _loss(compiled, x, y).backward()
+    token_loss(compiled, x, y).backward()
     forward, backward = graphs[0], graphs[1]
     nodes = [n for n in forward.graph.nodes if n.op == "call_function"]
     gathers = [n for n in nodes if _op(n) == "all_gather_into_tensor"]
@@ -444,7 +430,7 @@ def _compile_with(rank, world_size, setup):
     if setup == "premul_sum":
         collectives.supports_premul_sum = lambda group: True  # as NCCL
     try:
-        _loss(compiled, x, y).backward()
+        token_loss(compiled, x, y).backward()
     except Exception as error:  # noqa: BLE001 - the test reads the message
         return f"{type(error).__name__}: {error}"
     finally:
@@ -483,16 +469,16 @@ def _replaced_after_a_compiled_step(rank, world_size):
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
     try:
-        _loss(compiled, x, y).backward()  # compiled: the graph no longer reads the DTensor parameters
+        token_loss(compiled, x, y).backward()  # compiled: the graph no longer reads the DTensor parameters
         model.zero_grad()
         model.blocks[0].mlp[0].weight = torch.nn.Parameter(torch.zeros(4 * cfg.dim, cfg.dim))
         try:
-            _loss(compiled, x, y).backward()
+            token_loss(compiled, x, y).backward()
             message = None
         except Exception as error:  # noqa: BLE001 - the test reads the message
             message = f"{type(error).__name__}: {error}"
         model.load_state_dict(model.state_dict())  # takes the new parameter over (refresh_params)
-        _loss(compiled, x, y).backward()
+        token_loss(compiled, x, y).backward()
         weight = model.blocks[0].mlp[0].weight
         result = {
             "message": message,
@@ -502,7 +488,7 @@ def _replaced_after_a_compiled_step(rank, world_size):
         }
         model.zero_grad()
         model.load_state_dict(model.state_dict(), assign=True)  # new Parameters, taken over too
-        _loss(compiled, x, y).backward()
+        token_loss(compiled, x, y).backward()
         result["trained_after_assign"] = model.blocks[0].mlp[0].weight.grad is not None
         return result
     finally:
@@ -537,14 +523,14 @@ def _count_comm_around_compiled_steps(rank, world_size):
             model = _shard(copy.deepcopy(base))
             backend = "aot_eager_decomp_partition" if name == "fullgraph" else "aot_eager"
             run = model if name == "eager" else torch.compile(model, backend=backend, fullgraph=name == "fullgraph")
-            _loss(run, x, y).backward()  # compiled (or eager) once, outside any counter
+            token_loss(run, x, y).backward()  # compiled (or eager) once, outside any counter
             try:
                 with count_comm() as stats:
-                    _loss(run, x, y).backward()
+                    token_loss(run, x, y).backward()
                 counted[name] = (dict(stats.calls), dict(stats.bytes))
             except Exception as error:  # noqa: BLE001 - the test reads the message
                 counted[name] = f"{type(error).__name__}: {error}"
-            _loss(run, x, y).backward()  # and after the counter: compiled again, no error
+            token_loss(run, x, y).backward()  # and after the counter: compiled again, no error
         return counted
     finally:
         torch._dynamo.reset()
@@ -588,7 +574,7 @@ def _steps_with_clip_and_checkpoint(rank, world_size, root_dir, activation_check
 
         def step(batch):
             x, y = _batch(batch, rank, world_size, cfg)
-            loss = _loss(run, x, y)
+            loss = token_loss(run, x, y)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
@@ -626,7 +612,7 @@ def _local_shard_swapped_after_a_compiled_step(rank, world_size, how):
         run = model if name == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
         x, y = _batch(0, rank, world_size, cfg)
         try:
-            _loss(run, x, y).backward()
+            token_loss(run, x, y).backward()
             model.zero_grad()
             mlp = model.blocks[0].mlp  # not fully_shard'ed itself: its parameters are its block's
             weight = mlp[0].weight
@@ -635,14 +621,14 @@ def _local_shard_swapped_after_a_compiled_step(rank, world_size, how):
             else:
                 weight.data = distribute_tensor(torch.zeros(weight.shape), weight.device_mesh, weight.placements)
             try:
-                loss = _loss(run, x, y)
+                loss = token_loss(run, x, y)
                 loss.backward()
                 losses[name] = loss.item()
             except Exception as error:  # noqa: BLE001 - the test reads the message
                 message = f"{type(error).__name__}: {error}"
                 model.zero_grad()
                 model.load_state_dict(model.state_dict())  # fsdp2 re-reads its parameters
-                loss = _loss(run, x, y)
+                loss = token_loss(run, x, y)
                 loss.backward()
                 losses["compiled after load_state_dict"] = loss.item()
         finally:

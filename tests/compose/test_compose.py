@@ -13,16 +13,19 @@ import pytest
 import torch
 import torch._dynamo
 
-from tests.side_by_side import (
-    CFG,
-    assert_same_params as _assert_same_params,
-    batch as _batch,
-    full as _full,
-    shard_blocks_then_root as _shard_blocks_then_root,
-    twins as _twins,
-)
-from tests.compile.test_traced import _assert_same, _loss
 from fsdp2.models import GPT
+from tests.support.models import CFG, Activation, DataclassModel, Features, float8_mlp
+from tests.support.parity import (
+    assert_compiled_equals_eager,
+    assert_same_params,
+    full_tensor,
+    shard_blocks_then_root,
+    step_batch,
+    token_loss,
+    twins,
+    world_mesh,
+)
+from tests.support.user_collectives import RecordingReduceScatter
 
 pytestmark = pytest.mark.slow  # dynamo traces of whole steps, 4-rank worlds
 
@@ -43,26 +46,26 @@ def _train_gpt(run, model, steps: int, rank: int, ws: int) -> tuple[list, list]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
-        loss = _loss(run, *_batch(step, rank, ws))
+        loss = token_loss(run, *step_batch(step, rank, ws))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return losses, [_full(p) for p in model.parameters()]
+    return losses, [full_tensor(p) for p in model.parameters()]
 
 
 def _grads(model):
-    return {name: None if p.grad is None else _full(p.grad) for name, p in model.named_parameters()}
+    return {name: None if p.grad is None else full_tensor(p.grad) for name, p in model.named_parameters()}
 
 
 # -- set_is_last_backward(False): gradients written as PyTorch writes them ----------------------------
 
 
 def _not_last_backward(rank, ws):
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):
         model.set_is_last_backward(False)
-        model.loss(*_batch(0, rank, ws)).backward()
+        model.loss(*step_batch(0, rank, ws)).backward()
     their_grads, our_grads = _grads(theirs), _grads(ours)
     for name, grad in their_grads.items():
         assert (grad is None) == (our_grads[name] is None), name
@@ -71,7 +74,7 @@ def _not_last_backward(rank, ws):
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for opt in opts:
         opt.step()
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
 
 
 def test_not_last_backward_writes_gradients_like_pytorch(worlds):
@@ -84,15 +87,14 @@ def test_not_last_backward_writes_gradients_like_pytorch(worlds):
 def _compiled_twin(rank, ws):
     """(eager-sharded GPT, its torch.compile(fullgraph=True), unsharded reference)."""
     from fsdp2 import fully_shard
-    from tests.side_by_side import world_mesh as _mesh
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = GPT(CFG)
     model = copy.deepcopy(reference)
     for block in model.blocks:
-        fully_shard(block, mesh=_mesh())
-    fully_shard(model, mesh=_mesh())
+        fully_shard(block, mesh=world_mesh())
+    fully_shard(model, mesh=world_mesh())
     return model, torch.compile(model, backend="aot_eager", fullgraph=True), reference
 
 
@@ -101,7 +103,7 @@ def _global_loss(reference, steps, ws):
     total = 0
     for step in steps:
         for rank in range(ws):
-            total = total + _loss(reference, *_batch(step, rank, ws)) / ws
+            total = total + token_loss(reference, *step_batch(step, rank, ws)) / ws
     return total
 
 
@@ -112,13 +114,13 @@ def _mixed_accumulation(rank, ws, eager_first):
     model, compiled, reference = _compiled_twin(rank, ws)
     first, second = (model, compiled) if eager_first else (compiled, model)
     model.set_requires_gradient_sync(False)
-    _loss(first, *_batch(0, rank, ws)).backward()
+    token_loss(first, *step_batch(0, rank, ws)).backward()
     model.set_requires_gradient_sync(True)
-    _refused(lambda: _loss(second, *_batch(1, rank, ws)).backward(), "same module")
-    _loss(first, *_batch(1, rank, ws)).backward()
+    _refused(lambda: token_loss(second, *step_batch(1, rank, ws)).backward(), "same module")
+    token_loss(first, *step_batch(1, rank, ws)).backward()
     _global_loss(reference, (0, 1), ws).backward()
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(_full(p.grad), ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(full_tensor(p.grad), ref.grad, rtol=1e-5, atol=1e-6, msg=name)
     torch._dynamo.reset()
 
 
@@ -130,7 +132,7 @@ def test_eager_and_compiled_microbatches_in_one_accumulation_are_refused(worlds,
 def _eager_state_before_a_compiled_step(rank, ws, how):
     model, compiled, _ = _compiled_twin(rank, ws)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _loss(compiled, *_batch(0, rank, ws)).backward()
+    token_loss(compiled, *step_batch(0, rank, ws)).backward()
     opt.step()
     opt.zero_grad()
     if how == "unshard":
@@ -139,13 +141,13 @@ def _eager_state_before_a_compiled_step(rank, ws, how):
     else:
         model.set_reshard_after_backward(False)
         match = "set_reshard_after_backward"
-    _refused(lambda: _loss(compiled, *_batch(1, rank, ws)).backward(), match)
+    _refused(lambda: token_loss(compiled, *step_batch(1, rank, ws)).backward(), match)
     # Nothing changed: undone, the compiled step runs and every parameter is the optimizer's.
     if how == "unshard":
         model.blocks[1].reshard()
     else:
         model.set_reshard_after_backward(True)
-    _loss(compiled, *_batch(1, rank, ws)).backward()
+    token_loss(compiled, *step_batch(1, rank, ws)).backward()
     assert [id(p) for p in model.parameters()] == [id(p) for group in opt.param_groups for p in group["params"]]
     assert all(p.grad is not None for p in model.parameters())
     torch._dynamo.reset()
@@ -189,14 +191,14 @@ def _tp_compiled_vs_eager(rank, ws, steps):
                 0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step)
             )
             rows = tokens[2 * dp_rank : 2 * dp_rank + 2]
-            loss = _loss(run, rows[:, :-1], rows[:, 1:])
+            loss = token_loss(run, rows[:, :-1], rows[:, 1:])
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
 
 
 def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
@@ -215,14 +217,13 @@ def _float8_compiled_vs_eager(rank, ws, param_dtype):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
     from fsdp2 import MixedPrecisionPolicy, fully_shard
-    from tests.frameworks.test_frameworks import _float8_mlp
 
     torch._dynamo.reset()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     runs = {}
     for name in ("eager", "compiled"):
         torch.manual_seed(0)
-        model = _float8_mlp()
+        model = float8_mlp()
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
         for index in (0, 2):
             fully_shard(model[index], mesh=init_device_mesh("cpu", (ws,)), mp_policy=mp)
@@ -244,15 +245,14 @@ def _float8_compiled_vs_eager(rank, ws, param_dtype):
                 precompute_float8_dynamic_scale_for_fsdp(model)
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
     assert all(not torch.equal(a, b) for a, b in zip(runs["eager"][1], _initial_float8_mlp_params(ws)))
 
 
 def _initial_float8_mlp_params(ws):
-    from tests.frameworks.test_frameworks import _float8_mlp
 
     torch.manual_seed(0)
-    return [p.detach() for p in _float8_mlp().parameters()]
+    return [p.detach() for p in float8_mlp().parameters()]
 
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
@@ -263,21 +263,6 @@ def test_torchao_float8_all_gather_compiled_whole_equals_eager(worlds, param_dty
     worlds.run(2, _float8_compiled_vs_eager, param_dtype)
 
 
-def _float8_tensor_parallel_compiled(rank, ws):
-    from tests.compose.test_matrix import Setup, _Stage, _train
-
-    setup = Setup(mesh="tp", float8="gather", compile=True)
-    _refused(lambda: _train(setup, "fsdp2", rank, ws, None, _Stage()), "torchao's float8 all-gather.*tensor-parallel")
-    torch._dynamo.reset()
-
-
-def test_torchao_float8_all_gather_on_tensor_parallel_weights_under_the_compiled_whole_step_is_refused(worlds):
-    """Under TP the compiled step's float8 hooks would scale each TP shard by its own amax (the
-    precomputed whole-weight scale does not reach them), where eager uses the precomputed one."""
-    pytest.importorskip("torchao")
-    worlds.run(4, _float8_tensor_parallel_compiled)
-
-
 # -- inputs cast under the compiled whole step ---------------------------------------------------------
 
 
@@ -285,14 +270,13 @@ def _dataclass_input_compiled_vs_eager(rank, ws):
     """A dataclass input (nested) to a model with bf16 parameters and ``cast_forward_inputs``:
     the compiled step casts it as eager does (output and gradients bitwise)."""
     from fsdp2 import MixedPrecisionPolicy, fully_shard
-    from tests.runtime.test_dropin import _Activation, _DataclassModel, _Features
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base = _DataclassModel()
+    base = DataclassModel()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(rank)
-    x = _Activation(torch.randn(4, 12, generator=generator), _Features(torch.randn(4, 12, generator=generator)))
+    x = Activation(torch.randn(4, 12, generator=generator), Features(torch.randn(4, 12, generator=generator)))
     runs = {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(base)
@@ -302,7 +286,7 @@ def _dataclass_input_compiled_vs_eager(rank, ws):
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
         out = run(x)
         out.float().sum().backward()
-        runs[name] = (out.detach(), [_full(p.grad) for p in model.parameters()])
+        runs[name] = (out.detach(), [full_tensor(p.grad) for p in model.parameters()])
     torch._dynamo.reset()
     (eager_out, eager_grads), (out, grads) = runs["eager"], runs["compiled"]
     assert out.dtype == torch.bfloat16 and torch.equal(out, eager_out)
@@ -343,12 +327,12 @@ def _all_reduce_hook_compiled_vs_eager(rank, ws):
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(2):
-            _loss(run, *_batch(step, rank, ws)).backward()
+            token_loss(run, *step_batch(step, rank, ws)).backward()
             opt.step()
             opt.zero_grad()
         # As a multiset: the two executors may call the hooks of one backward in another order.
         seen.sort(key=lambda t: (t.numel(), t.float().sum().item()))
-        runs[name] = (seen, [_full(p) for p in model.parameters()])
+        runs[name] = (seen, [full_tensor(p) for p in model.parameters()])
     torch._dynamo.reset()
     (eager_seen, eager_params), (seen, params) = runs["eager"], runs["compiled"]
     assert len(seen) == len(eager_seen) == 2 * (len(base.blocks) + 1)
@@ -412,7 +396,7 @@ def _reshard_to_subgroup_compiled_vs_eager(rank, ws):
         runs[name] = _train_gpt(run, model, 3, rank, ws)
         subgroups = [model.blocks[0]._fsdp_state.group.reshard_after_forward.subgroup]
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
     (forward,), (backward,) = graphs["forward"], graphs["backward"]
     blocks = len(base.blocks)
     forward_sizes = sorted(size for size, _ in _gather_ops(forward))
@@ -469,7 +453,7 @@ def _unused_params_compiled_vs_eager(rank, ws):
             grads.append({n: p.grad is None for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad()
-        runs[name] = (grads, [_full(p) for p in model.parameters()])
+        runs[name] = (grads, [full_tensor(p) for p in model.parameters()])
     torch._dynamo.reset()
     for name in ("eager", "compiled"):
         assert runs[name][0] == runs["pytorch"][0], (name, runs[name][0])
@@ -499,9 +483,9 @@ def _unused_params_reduced_compiled_vs_eager(rank, ws):
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         run(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)), False).sum().backward()
-        grads = {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+        grads = {n: None if p.grad is None else full_tensor(p.grad) for n, p in model.named_parameters()}
         opt.step()
-        runs[name] = (grads, [_full(p) for p in model.parameters()])
+        runs[name] = (grads, [full_tensor(p) for p in model.parameters()])
     torch._dynamo.reset()
     (eager_grads, eager_params), (grads, params) = runs["eager"], runs["compiled"]
     assert eager_grads["never.weight"] is not None and not eager_grads["never.weight"].any()
@@ -536,7 +520,6 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
     """``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on every group: the compiled step
     calls the user's objects where eager does (as many calls, the same reduce ops), bitwise."""
     from fsdp2 import fully_shard
-    from tests.runtime.test_reduce_plan import _RecordingReduceScatter
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -544,7 +527,7 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
     runs, calls = {}, {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(base)
-        gather, scatter = _UserAllGather(), _RecordingReduceScatter()
+        gather, scatter = _UserAllGather(), RecordingReduceScatter()
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -555,7 +538,7 @@ def _custom_collectives_compiled_vs_eager(rank, ws):
         runs[name] = _train_gpt(run, model, 2, rank, ws)
         calls[name] = (gather.calls, sorted(scatter.ops))
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
     assert calls["compiled"] == calls["eager"] and calls["eager"][0] > 0, calls
 
 
@@ -589,15 +572,15 @@ def _quantized_all_gather_compiled_vs_eager(rank, ws, dtype):
         losses = []
         for step in range(3):
             with count_comm() as stats:
-                loss = _loss(run, *_batch(step, rank, ws))
+                loss = token_loss(run, *step_batch(step, rank, ws))
                 loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
-        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        runs[name] = (losses, [full_tensor(p) for p in model.parameters()])
         gathered[name] = stats.bytes["all_gather"]
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
     assert gathered["compiled"] < gathered["compiled exact"] / 2, gathered
 
 
@@ -634,20 +617,20 @@ def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
         for step in range(2):
             for micro in range(2):
                 model.set_requires_all_reduce(micro == 1)
-                loss = _loss(run, *_batch(2 * step + micro, rank, ws))
+                loss = token_loss(run, *step_batch(2 * step + micro, rank, ws))
                 loss.backward()
                 losses.append(loss.detach())
                 if micro == 0:
                     assert all(p.grad is None for p in model.parameters())  # the sums stay kept
             opt.step()
             opt.zero_grad()
-        runs[name] = (losses, [_full(p) for p in model.parameters()])
+        runs[name] = (losses, [full_tensor(p) for p in model.parameters()])
         model.set_requires_all_reduce(False)
-        _loss(run, *_batch(9, rank, ws)).backward()
+        token_loss(run, *step_batch(9, rank, ws)).backward()
         other = model if name == "compiled" else torch.compile(model, backend="aot_eager", fullgraph=True)
-        _refused(lambda other=other: _loss(other, *_batch(9, rank, ws)).backward(), "set_requires_all_reduce")
+        _refused(lambda other=other: token_loss(other, *step_batch(9, rank, ws)).backward(), "set_requires_all_reduce")
     torch._dynamo.reset()
-    _assert_same(runs)
+    assert_compiled_equals_eager(runs)
 
 
 def test_hsdp_without_all_reduce_under_the_compiled_whole_step_equals_eager(worlds):

@@ -6,7 +6,7 @@ the same initial weights on the same batches. A cell's expected outcome is one o
 
 - ``pytorch``: the reference is PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) with the
   same features; losses, gradient norms and final parameters are bitwise equal, and forward and
-  backward issue the same collectives (counted as tests/runtime/test_dropin.py counts them).
+  backward issue the same collectives (counted by tests/support/parity.py's ``CollectiveCounter``).
 - ``reference:TOL:REASON``: PyTorch cannot run a feature of the cell; the reference replaces it as
   the feature's ``reference`` says (compile -> eager, fsdp2's int8 all-gather -> the exact one,
   torchao's float8 all-gather -> float8 training without it, fsdp2.optim.Muon ->
@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp2.models import Llama, LlamaConfig
-from tests.side_by_side import CollectiveCounter as _CollectiveCounter
+from tests.support.parity import CollectiveCounter
 
 pytestmark = pytest.mark.slow  # every pair of features: minutes
 
@@ -623,7 +623,7 @@ def _train(setup: Setup, engine: str, rank: int, ws: int, ckpt_dir: str | None, 
                 model.set_is_last_backward(last)
             x, y = _batch(step, micro, meshes)
             # The collectives forward and backward issue, counted as tests/runtime/test_dropin.py counts them.
-            with contextlib.nullcontext() if setup.compile else _CollectiveCounter() as counter:
+            with contextlib.nullcontext() if setup.compile else CollectiveCounter() as counter:
                 loss = _loss(run, x, y) / setup.microbatches
                 loss.backward()
             if counter is not None:
@@ -838,6 +838,24 @@ def _control(rank: int, ws: int) -> bool:
 
 def test_the_comparison_tells_runs_apart(worlds):
     assert worlds.run(2, _control) == [False, False]
+
+
+def _float8_tensor_parallel_compiled(rank: int, ws: int) -> bool:
+    import torch._dynamo
+
+    setup = Setup(mesh="tp", float8="gather", compile=True)
+    with pytest.raises(Exception, match="torchao's float8 all-gather.*tensor-parallel") as raised:
+        _train(setup, "fsdp2", rank, ws, None, _Stage())
+    torch._dynamo.reset()
+    return _is_fsdp_usage_error(raised.value)
+
+
+def test_torchao_float8_all_gather_on_tensor_parallel_weights_under_the_compiled_whole_step_is_refused(worlds):
+    """A triple beyond the pairs (tp, float8 gather, compile). Under TP the compiled step's float8
+    hooks would scale each TP shard by its own amax (the precomputed whole-weight scale does not
+    reach them), where eager uses the precomputed one: refused by name."""
+    pytest.importorskip("torchao")
+    assert worlds.run(4, _float8_tensor_parallel_compiled) == [True] * 4
 
 
 def test_cells_cover_every_pair_and_agree_with_features():

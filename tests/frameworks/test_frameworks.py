@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from fsdp2.models import GPT
-from tests.side_by_side import (
-    CFG,
-    assert_same_params as _assert_same_params,
-    batch as _batch,
-    shard_blocks_then_root as _shard_blocks_then_root,
-    train_side_by_side as _train_side_by_side,
-    twins as _twins,
-    world_mesh as _mesh,
+from tests.support.models import CFG, float8_mlp
+from tests.support.parity import (
+    assert_same_params,
+    shard_blocks_then_root,
+    step_batch,
+    train_side_by_side,
+    twins,
+    world_mesh,
 )
 
 
@@ -83,13 +83,13 @@ def _identity(rank, ws):
 
     import fsdp2
 
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for cls in (torch_fsdp.FSDPModule, torch_impl.FSDPModule):
         assert isinstance(ours, cls) and isinstance(ours.blocks[0], cls)
         assert not isinstance(ours.tok_emb, cls)  # not fully_shard'ed itself
     assert isinstance(ours, fsdp2.FSDPModule) and not isinstance(theirs, fsdp2.FSDPModule)
     # Either fully_shard's state() answers the same for an fsdp2 module (frameworks may hold either).
-    ours.loss(*_batch(0, rank, ws)).backward()  # lazy init: the root knows its states
+    ours.loss(*step_batch(0, rank, ws)).backward()  # lazy init: the root knows its states
     for state_of in (torch_fsdp.fully_shard.state, fsdp2.fully_shard.state):
         assert [len(s._fsdp_param_groups) for s in state_of(ours)._state_ctx.all_states] == [1, 1, 1]
         assert state_of(ours.tok_emb) is None
@@ -100,7 +100,7 @@ def _identity(rank, ws):
     ours.blocks[0].reshard()
     # Slicing a fully_shard'ed container builds the original class (past both FSDPModule classes).
     sequential = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    fsdp2.fully_shard(sequential, mesh=_mesh())
+    fsdp2.fully_shard(sequential, mesh=world_mesh())
     assert type(sequential[0:1]) is nn.Sequential
 
 
@@ -135,7 +135,7 @@ def _torchtitan_set_fsdp_gradient_sync(model_parts, is_last_microbatch: bool) ->
 
 
 def _torchtitan_training(rank, ws):
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):
         _torchtitan_disable_fsdp_gradient_division(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
@@ -145,7 +145,7 @@ def _torchtitan_training(rank, ws):
             losses, comm = [], {}
             for micro in range(2):  # torchtitan's gradient accumulation over 2 microbatches
                 _torchtitan_set_fsdp_gradient_sync([model], is_last_microbatch=micro == 1)
-                x, y = _batch(10 * step + micro, rank, ws)
+                x, y = step_batch(10 * step + micro, rank, ws)
 
                 def micro_step(model=model, x=x, y=y):
                     loss = model.loss(x, y)
@@ -161,7 +161,7 @@ def _torchtitan_training(rank, ws):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        _assert_same_params(theirs, ours)
+        assert_same_params(theirs, ours)
 
 
 def test_torchtitan_gradient_division_and_accumulation_like_pytorch(worlds):
@@ -177,14 +177,14 @@ def _lightning_no_backward_sync(rank, ws):
     from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 
     control = _ParallelBackwardSyncControl()
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     opts = [torch.optim.SGD(m.parameters(), lr=1e-1) for m in (theirs, ours)]
     for step in range(2):
         counts = []
         for model in (theirs, ours):
             comm = {}
             for micro in range(3):
-                x, y = _batch(10 * step + micro, rank, ws)
+                x, y = step_batch(10 * step + micro, rank, ws)
                 with control.no_backward_sync(model, enabled=micro < 2):  # Fabric's own context
                     _comm_counts(lambda model=model, x=x, y=y: model.loss(x, y).backward(), comm)
             counts.append(comm)
@@ -193,7 +193,7 @@ def _lightning_no_backward_sync(rank, ws):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        _assert_same_params(theirs, ours)
+        assert_same_params(theirs, ours)
 
 
 def test_lightning_fabric_no_backward_sync_skips_the_sync_like_pytorch(worlds):
@@ -226,7 +226,7 @@ def _accelerate_prepare(rank, ws):
     with fsdp2.install_as_torch_fsdp():
         fsdp2_prepare_model(_Accelerator(), ours)
     assert isinstance(ours, fsdp2.FSDPModule) and not isinstance(theirs, fsdp2.FSDPModule)
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_accelerate_fsdp2_prepare_model_uses_fsdp2_under_the_switch(worlds):
@@ -308,7 +308,7 @@ def _pipeline_side_by_side(rank, ws, schedule_name):
     assert counts[0] == counts[1], counts  # one reduce-scatter per group and step, not one per microbatch
     for theirs, ours in zip(*parts):
         _assert_same_grads(theirs, ours)
-        _assert_same_params(theirs, ours)
+        assert_same_params(theirs, ours)
     return parts[1]  # fsdp2's stage modules on this rank
 
 
@@ -371,11 +371,11 @@ def _register_forward_method(rank, ws):
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     def shard(model, fully_shard):
-        mesh = _mesh()
+        mesh = world_mesh()
         fully_shard(model.proj, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    theirs, ours = _twins(_Scorer, shard)
+    theirs, ours = twins(_Scorer, shard)
     for model in (theirs, ours):
         register_fsdp_forward_method(model, "score")  # PyTorch's function, on both
     opts = [torch.optim.SGD(m.parameters(), lr=1e-1) for m in (theirs, ours)]
@@ -386,7 +386,7 @@ def _register_forward_method(rank, ws):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        _assert_same_params(theirs, ours)
+        assert_same_params(theirs, ours)
 
 
 def _score_step(model, x):
@@ -404,12 +404,12 @@ def _memory_tracker(rank, ws):
 
     from fsdp2 import FSDPUsageError
 
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     tracker = FSDPMemTracker(ours)
     with pytest.raises(FSDPUsageError, match=r"fsdp2_mem_tracker\..*reads FSDPState\._pre_forward_hook_handle"):
         with tracker:
             pass
-    _train_side_by_side(theirs, ours, rank, ws, steps=1)  # the model still trains, untouched
+    train_side_by_side(theirs, ours, rank, ws, steps=1)  # the model still trains, untouched
 
 
 def test_pytorch_memory_tracker_refuses_fsdp2_modules_naming_the_call(worlds):
@@ -423,8 +423,8 @@ def _dcp_state_dict(rank, ws):
         set_model_state_dict,
     )
 
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
-    _train_side_by_side(theirs, ours, rank, ws, steps=1)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
+    train_side_by_side(theirs, ours, rank, ws, steps=1)
     their_sd, our_sd = get_model_state_dict(theirs), get_model_state_dict(ours)
     assert list(their_sd) == list(our_sd)
     for key in their_sd:
@@ -435,9 +435,9 @@ def _dcp_state_dict(rank, ws):
     set_model_state_dict(
         ours, full, options=torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict=True)
     )
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    ours.loss(*_batch(0, rank, ws)).backward()
+    ours.loss(*step_batch(0, rank, ws)).backward()
     opt.step()
     assert get_optimizer_state_dict(ours, opt)["state"]
 
@@ -568,7 +568,7 @@ def _peft_model(adapter: str):
 
 
 def _shard_peft(model, fully_shard, **kwargs):
-    mesh = _mesh()
+    mesh = world_mesh()
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -616,7 +616,7 @@ def _peft_side_by_side(rank, ws, adapter, mixed_precision):
         if mixed_precision
         else {}
     )
-    theirs, ours = _twins(lambda: _peft_model(adapter), lambda m, fs: _shard_peft(m, fs, **kwargs))
+    theirs, ours = twins(lambda: _peft_model(adapter), lambda m, fs: _shard_peft(m, fs, **kwargs))
     their_trace = _peft_steps(theirs, _trainable_adamw(theirs), 3, rank, ws)
     our_opt = _trainable_adamw(ours)
     our_trace = _peft_steps(ours, our_opt, 3, rank, ws)
@@ -626,7 +626,7 @@ def _peft_side_by_side(rank, ws, adapter, mixed_precision):
         assert all(torch.equal(a, b) for a, b in zip(their_losses, our_losses)), (step, their_losses, our_losses)
         assert torch.equal(their_norm, our_norm), (step, their_norm, our_norm)
         assert their_comm == our_comm, (step, their_comm, our_comm)
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
     # Frozen parameters carry no gradient and no optimizer state.
     frozen = [p for p in ours.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
@@ -659,7 +659,7 @@ def _peft_resume(rank, ws, path):
     resumed, resumed_opt = build()
     assert load(path, resumed, resumed_opt) == {"step": 2}
     _peft_steps(resumed, resumed_opt, 1, rank, ws, first_step=2)
-    _assert_same_params(straight, resumed)
+    assert_same_params(straight, resumed)
 
 
 def test_peft_lora_checkpoint_resume_is_bitwise(worlds, tmp_path):
@@ -668,10 +668,6 @@ def test_peft_lora_checkpoint_resume_is_bitwise(worlds, tmp_path):
 
 
 # -- torchao float8 training ----------------------------------------------------------------------------
-
-
-def _float8_mlp():
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
 
 
 def _gathered_bytes(fn):
@@ -700,12 +696,12 @@ def _float8_side_by_side(rank, ws):
     def shard(model, fully_shard, float8_all_gather):
         convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather))
         for index in (0, 2):
-            fully_shard(model[index], mesh=_mesh())
-        fully_shard(model, mesh=_mesh())
+            fully_shard(model[index], mesh=world_mesh())
+        fully_shard(model, mesh=world_mesh())
         return model
 
     # PyTorch's FSDP2 cannot all-gather float8 over gloo ("Invalid scalar type"): it runs without.
-    theirs, ours = _twins(_float8_mlp, lambda m, fs: shard(m, fs, fs.__module__.startswith("fsdp2")))
+    theirs, ours = twins(float8_mlp, lambda m, fs: shard(m, fs, fs.__module__.startswith("fsdp2")))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for step in range(3):
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -724,7 +720,7 @@ def _float8_side_by_side(rank, ws):
         (their_loss, their_bytes), (our_loss, our_bytes) = results
         assert torch.equal(their_loss, our_loss), (step, their_loss, our_loss)
         assert our_bytes < their_bytes, (our_bytes, their_bytes)  # the float8 weights travel as bytes
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
 
 
 def test_torchao_float8_all_gather_equals_pytorch_without_it(worlds):

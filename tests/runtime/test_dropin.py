@@ -11,7 +11,6 @@ the point.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import subprocess
 import sys
@@ -22,19 +21,18 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2.models import GPT
-from tests.runtime.test_features import _ReentrantCheckpointBlock
-from tests.side_by_side import (
-    CFG,
-    assert_same_params as _assert_same_params,
-    batch as _batch,
-    shard_blocks_then_root as _shard_blocks_then_root,
-    train_side_by_side as _train_side_by_side,
-    train_step as _step,
-    twins as _twins,
-    world_mesh as _mesh,
+from tests.support.models import CFG, DataclassModel, ReentrantCheckpointBlock
+from tests.support.parity import (
+    assert_same_params,
+    shard_blocks_then_root,
+    side_by_side_step,
+    step_batch,
+    train_parity,
+    train_side_by_side,
+    twins,
+    world_mesh,
 )
 
 
@@ -54,9 +52,9 @@ def _default_and_root_resharding(rank, ws):
 
     for setting in (None, True, False, 2):
         kwargs = {} if setting is None else {"reshard_after_forward": setting}
-        theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, **kwargs))
-        _train_side_by_side(theirs, ours, rank, ws, steps=2)
-        x, y = _batch(9, rank, ws)
+        theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, **kwargs))
+        train_side_by_side(theirs, ours, rank, ws, steps=2)
+        x, y = step_batch(9, rank, ws)
         ours.loss(x, y)  # a grad-enabled forward: what stays gathered for backward?
         theirs.loss(x, y)
         for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
@@ -74,15 +72,15 @@ def test_reshard_after_forward_default_none_and_root_like_pytorch(worlds):
 
 def _list_of_modules(rank, ws):
     def shard(model, fully_shard):
-        mesh = _mesh()
+        mesh = world_mesh()
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard([model.ln_f, model.lm_head], mesh=mesh)  # torchtitan's [norm, output] group
         fully_shard(model, mesh=mesh)
 
-    theirs, ours = _twins(lambda: GPT(CFG), shard)
+    theirs, ours = twins(lambda: GPT(CFG), shard)
     assert ours.ln_f._fsdp_state is ours.lm_head._fsdp_state
-    _train_side_by_side(theirs, ours, rank, ws)
+    train_side_by_side(theirs, ours, rank, ws)
 
 
 def test_list_of_modules_is_one_group(worlds):
@@ -97,8 +95,8 @@ def _policies(rank, ws):
     assert fsdp2.MixedPrecisionPolicy is torch_fsdp.MixedPrecisionPolicy
     assert fsdp2.CPUOffloadPolicy is torch_fsdp.CPUOffloadPolicy
     mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, mp_policy=mp))
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_pytorch_policy_objects_are_accepted(worlds):
@@ -111,8 +109,8 @@ def _divide_factor(rank, ws):
             model.set_force_sum_reduction_for_comms(True)  # PyTorch's PREMUL_SUM does not exist on gloo
             model.set_gradient_divide_factor(1.0)  # on the root only: not recursive in PyTorch
 
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
-    _train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD, before_step=before)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
+    train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD, before_step=before)
 
 
 def test_gradient_divide_factor_is_not_recursive(worlds):
@@ -123,8 +121,8 @@ def _reduce_in(rank, ws, reduce_dtype):
     import torch.distributed.fsdp as torch_fsdp
 
     mp = torch_fsdp.MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
-    _train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD)
+    theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, mp_policy=mp))
+    train_side_by_side(theirs, ours, rank, ws, steps=2, optimizer=torch.optim.SGD)
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
@@ -136,6 +134,7 @@ def test_gradients_reduced_in_fp16_or_fp64_divide_like_pytorch(worlds, reduce_dt
 
 def _default_reduce_dtype(rank, ws, accumulate):
     from fsdp2 import compat
+    from fsdp2.compat import TorchDispatchMode
 
     class ReduceScatterDtypes(TorchDispatchMode):
         def __init__(self):
@@ -155,16 +154,16 @@ def _default_reduce_dtype(rank, ws, accumulate):
         return model.loss(x, y)
 
     mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce_dtype: the default
-    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, mp_policy=mp))
+    theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, mp_policy=mp))
     seen = []
     for model in (theirs, ours):
         with ReduceScatterDtypes() as recorder:
-            model.loss(*_batch(9, rank, ws)).backward()
+            model.loss(*step_batch(9, rank, ws)).backward()
         seen.append(recorder.dtypes)
         model.zero_grad()
     expected = torch.float32 if compat.REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE else torch.bfloat16
     assert seen == [{expected}, {expected}], seen
-    _train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
+    train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
 
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["sync", "accumulate"])
@@ -176,15 +175,15 @@ def test_default_reduce_dtype_follows_the_installed_pytorch(worlds, accumulate):
 
 
 def _last_backward_before_forward(rank, ws):
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):
         model.set_is_last_backward(False)  # 1F1B microbatching sets it before the first forward
-    x, y = _batch(0, rank, ws)
+    x, y = step_batch(0, rank, ws)
     for model in (theirs, ours):
         model.loss(x, y).backward()
         model.set_is_last_backward(True)
         model.loss(x, y).backward()
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
     for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
         assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
 
@@ -196,16 +195,16 @@ def test_set_is_last_backward_before_first_forward(worlds):
 def _k_then_true(rank, ws):
     from fsdp2.runtime.param_group import GroupState
 
-    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=2))
+    theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, reshard_after_forward=2))
     for model in (theirs, ours):
         model.set_reshard_after_forward(True)
     group = ours.blocks[0]._fsdp_state.group
-    x, y = _batch(0, rank, ws)
+    x, y = step_batch(0, rank, ws)
     loss = ours.loss(x, y)
     assert group.state == GroupState.SHARDED  # no 1/k copy kept any more
     loss.backward()
     theirs.loss(x, y).backward()  # the same extra gradients on both sides
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_set_reshard_after_forward_true_drops_the_kth_copy(worlds):
@@ -222,13 +221,13 @@ class _CheckpointedGPT(GPT):
 
 def _prefetch_with_checkpointing(rank, ws):
     def shard(model, fully_shard):
-        _shard_blocks_then_root(model, fully_shard)
+        shard_blocks_then_root(model, fully_shard)
         blocks = list(model.blocks)
         for a, b in zip(blocks, blocks[1:]):
             a.set_modules_to_forward_prefetch([b])
 
-    theirs, ours = _twins(lambda: _CheckpointedGPT(CFG), shard)
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    theirs, ours = twins(lambda: _CheckpointedGPT(CFG), shard)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_forward_prefetch_with_activation_checkpointing_gathers_like_pytorch(worlds):
@@ -314,9 +313,9 @@ def _named_mesh_dims(rank, ws):
             fully_shard(module, mesh=mesh, dp_mesh_dims=dims)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (sliced, named)]
         for step in range(2):
-            losses = [_step(m, o, step, rank, ws)[0] for m, o in zip((sliced, named), opts)]
+            losses = [side_by_side_step(m, o, step, rank, ws)[0] for m, o in zip((sliced, named), opts)]
             assert torch.equal(losses[0], losses[1]), (dims, step)
-        _assert_same_params(sliced, named)
+        assert_same_params(sliced, named)
     with pytest.raises(Exception, match="not in the mesh"):
         fully_shard(GPT(CFG), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="nope"))
 
@@ -384,17 +383,17 @@ def _full_spmd_mesh(rank, ws, case):
             fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
         fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
 
-    theirs, ours = _twins(_spmd_mlp_net, shard)
+    theirs, ours = twins(_spmd_mlp_net, shard)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for step in range(2):
         x = distribute_tensor(torch.randn(8, 8, generator=torch.Generator().manual_seed(step)), mesh, input_placements)
         results = [
-            _step(m, opt, step, rank, ws, loss_fn=lambda m, *_: m(x).pow(2).mean().full_tensor())
+            side_by_side_step(m, opt, step, rank, ws, loss_fn=lambda m, *_: m(x).pow(2).mean().full_tensor())
             for m, opt in zip((theirs, ours), opts)
         ]
         assert torch.equal(results[0][0], results[1][0]), (case, step)
         assert results[0][1] == results[1][1], (case, step, results)
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
     for a, b in zip(theirs.parameters(), ours.parameters()):
         assert (a.device_mesh.mesh_dim_names, a.placements) == (b.device_mesh.mesh_dim_names, b.placements)
     their_seen, our_seen = unsharded.values()
@@ -470,14 +469,15 @@ def _per_parameter_meshes(rank, ws):
             fully_shard(model.experts, mesh=expert_mesh, reshard_after_forward=False)
             fully_shard(model, mesh=mesh)
 
-    theirs, ours = _twins(_MoE, shard)
+    theirs, ours = twins(_MoE, shard)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for step in range(3):
         results = [
-            _step(m, opt, step, rank, ws, loss_fn=_moe_loss(m, step, rank, ws)) for m, opt in zip((theirs, ours), opts)
+            side_by_side_step(m, opt, step, rank, ws, loss_fn=_moe_loss(m, step, rank, ws))
+            for m, opt in zip((theirs, ours), opts)
         ]
         assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1], (step, results)
-    _assert_same_params(theirs, ours)
+    assert_same_params(theirs, ours)
     for a, b in zip(theirs.parameters(), ours.parameters()):
         assert (a.device_mesh, a.placements) == (b.device_mesh, b.placements)
 
@@ -486,11 +486,11 @@ def _per_parameter_meshes(rank, ws):
     def dim_one_on_this_mesh(p):
         return ShardPlacementResult(Shard(1) if p.dim() == 2 else None, this_mesh)
 
-    theirs, ours = _twins(
+    theirs, ours = twins(
         _MoE, lambda m, fully_shard: fully_shard(m, mesh=mesh, shard_placement_fn=dim_one_on_this_mesh)
     )
     assert ours.dense.weight.placements == (Shard(1),)
-    _train_side_by_side(theirs, ours, rank, ws, loss_fn=lambda m, x, y: m(x.float()[:, :8]).sum())
+    train_side_by_side(theirs, ours, rank, ws, loss_fn=lambda m, x, y: m(x.float()[:, :8]).sum())
 
 
 @_needs_pytorch_2_13("ShardPlacementResult")
@@ -501,7 +501,7 @@ def test_shard_placement_result_per_parameter_mesh(worlds):
 def _deepcopy_refused(rank, ws):
     from fsdp2.errors import FSDPUsageError
 
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):
         # (what is copied, the sharded module the error names): a plain ModuleList of sharded blocks too
         for module, named in ((model, "FSDPGPT"), (model.blocks[0], "FSDPBlock"), (model.blocks, "FSDPBlock")):
@@ -528,7 +528,7 @@ def _containers_refused(rank, ws):
             with pytest.raises(
                 ValueError, match="fully_shard does not support containers that do not implement forward"
             ):
-                shard(container, mesh=_mesh())
+                shard(container, mesh=world_mesh())
         assert not any(isinstance(p, DTensor) for p in container.parameters())  # left as it was
 
     class Stack(nn.ModuleList):  # a container with a forward of its own is a module like any other
@@ -541,10 +541,12 @@ def _containers_refused(rank, ws):
     if not _PYTORCH_2_13:  # PyTorch's FSDP2 refused every ModuleList/ModuleDict before, forward or not
         torch.manual_seed(0)
         reference = Stack([nn.Linear(4, 4), nn.Linear(4, 4)])
-        ours = fully_shard(copy.deepcopy(reference), mesh=_mesh())
+        ours = fully_shard(copy.deepcopy(reference), mesh=world_mesh())
         assert torch.equal(reference(x), ours(x))
         return
-    theirs, ours = _twins(lambda: Stack([nn.Linear(4, 4), nn.Linear(4, 4)]), lambda m, shard: shard(m, mesh=_mesh()))
+    theirs, ours = twins(
+        lambda: Stack([nn.Linear(4, 4), nn.Linear(4, 4)]), lambda m, shard: shard(m, mesh=world_mesh())
+    )
     assert torch.equal(theirs(x), ours(x))
 
 
@@ -586,13 +588,13 @@ def _subclass_hooks(rank, ws, reshard_after_forward, int8_mlp=True):
     from fsdp2.runtime.extensions import SubclassCodec
 
     kwargs = dict(reshard_after_forward=reshard_after_forward)
-    theirs, ours = _twins(lambda: _subclass_gpt(int8_mlp), lambda m, fs: _shard_blocks_then_root(m, fs, **kwargs))
+    theirs, ours = twins(lambda: _subclass_gpt(int8_mlp), lambda m, fs: shard_blocks_then_root(m, fs, **kwargs))
     codecs = {type(p.codec) for s in (ours.blocks[0]._fsdp_state, ours._fsdp_state) for p in s.group.params}
     assert SubclassCodec in codecs and len(codecs) == 2  # hook-carrying weights next to plain biases and norms
     their_opt, our_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
     for step in range(3):  # the first unshard builds the parameter, later ones refill it through out=
-        their_loss, their_comm = _step(theirs, their_opt, step, rank, ws)
-        our_loss, our_comm = _step(ours, our_opt, step, rank, ws)
+        their_loss, their_comm = side_by_side_step(theirs, their_opt, step, rank, ws)
+        our_loss, our_comm = side_by_side_step(ours, our_opt, step, rank, ws)
         assert torch.equal(their_loss, our_loss), (step, their_loss.item(), our_loss.item())
         # One all-gather per group, mixed dtypes; at world size 1 fsdp2 communicates nothing.
         assert their_comm == our_comm or ws == 1, (step, their_comm, our_comm)
@@ -621,19 +623,19 @@ def _subclass_hooks_kept_rows(rank, ws):
     ours = _subclass_gpt_pair_for(rank, ws, 2)[1]
     their_opt, our_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
     for step in range(2):
-        their_loss, _ = _step(theirs, their_opt, step, rank, ws)
-        our_loss, _ = _step(ours, our_opt, step, rank, ws)
+        their_loss, _ = side_by_side_step(theirs, their_opt, step, rank, ws)
+        our_loss, _ = side_by_side_step(ours, our_opt, step, rank, ws)
         assert torch.equal(their_loss, our_loss), step
         _assert_same_local_params(theirs, ours)
-    x, y = _batch(5, rank, ws)
+    x, y = step_batch(5, rank, ws)
     ours.loss(x, y)
     assert ours.blocks[0]._fsdp_state.group.state.name == "PARTIALLY_SHARDED"
     assert unwrap(ours.blocks[0].attn.qkv.weight.to_local()).dtype == torch.float32
 
 
 def _subclass_gpt_pair_for(rank, ws, reshard_after_forward):
-    return _twins(
-        _subclass_gpt, lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=reshard_after_forward)
+    return twins(
+        _subclass_gpt, lambda m, fs: shard_blocks_then_root(m, fs, reshard_after_forward=reshard_after_forward)
     )
 
 
@@ -666,7 +668,7 @@ def _subclass_hook_errors(rank, ws):
         model = model_with(cls)
         before = dict(model.named_parameters())
         with pytest.raises(FSDPUsageError, match=message) as error:
-            fully_shard(model, mesh=_mesh(), **kwargs)
+            fully_shard(model, mesh=world_mesh(), **kwargs)
         assert "parameter 1.weight" in str(error.value)
         assert not isinstance(model, FSDPModule) and dict(model.named_parameters()) == before  # nothing changed
 
@@ -679,16 +681,16 @@ def test_tensor_subclass_hook_errors(worlds):
 
 
 def _to_dtype(rank, ws):
-    theirs, ours = _twins(lambda: GPT(CFG), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):
         model.to(torch.float64)
     assert all(p.dtype == torch.float64 for p in ours.parameters())
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
     # and a bf16 model moved back to fp32
-    theirs, ours = _twins(lambda: GPT(CFG).to(torch.bfloat16), _shard_blocks_then_root)
+    theirs, ours = twins(lambda: GPT(CFG).to(torch.bfloat16), shard_blocks_then_root)
     for model in (theirs, ours):
         model.to(torch.float32)
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_module_to_dtype_after_fully_shard(worlds):
@@ -708,23 +710,23 @@ def _replaced_params(rank, ws):
         with torch.device("meta"):
             return GPT(CFG)
 
-    theirs, ours = _twins(build, _shard_blocks_then_root)
+    theirs, ours = twins(build, shard_blocks_then_root)
     for model in (theirs, ours):
         current = model.state_dict()
         sharded = {k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in current.items()}
         model.load_state_dict(sharded, assign=True)
     assert all(isinstance(p, DTensor) and not p.is_meta for p in ours.parameters())
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
     # fsdp2 also takes full tensors with assign=True (each rank keeps its own box).
     with torch.device("meta"):
         meta = GPT(CFG)
-    model = _shard_blocks_then_root(meta, fully_shard)
+    model = shard_blocks_then_root(meta, fully_shard)
     model.load_state_dict(full, assign=True)
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), full[name]), name
     # A parameter assigned by hand before the first forward is used too.
-    model.lm_head.weight = nn.Parameter(distribute_tensor(torch.zeros(67, 36), _mesh(), [Shard(0)]))
-    x, _ = _batch(0, rank, ws)
+    model.lm_head.weight = nn.Parameter(distribute_tensor(torch.zeros(67, 36), world_mesh(), [Shard(0)]))
+    x, _ = step_batch(0, rank, ws)
     assert torch.count_nonzero(model(x)) == 0
 
 
@@ -735,8 +737,8 @@ def test_parameters_replaced_after_fully_shard_are_used(worlds):
 def _state_dict_while_unsharded(rank, ws):
     from torch.distributed.tensor import DTensor
 
-    theirs, ours = _twins(lambda: GPT(CFG), lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=False))
-    x, y = _batch(0, rank, ws)
+    theirs, ours = twins(lambda: GPT(CFG), lambda m, fs: shard_blocks_then_root(m, fs, reshard_after_forward=False))
+    x, y = step_batch(0, rank, ws)
     for model in (theirs, ours):
         model.loss(x, y)  # grad-enabled forward, no backward: everything stays gathered
     sd_theirs, sd_ours = theirs.state_dict(), ours.state_dict()
@@ -751,58 +753,19 @@ def test_state_dict_while_unsharded_returns_dtensors(worlds):
     worlds.run(2, _state_dict_while_unsharded)
 
 
-@dataclasses.dataclass
-class _Features:
-    h: torch.Tensor
-
-
-@dataclasses.dataclass
-class _Activation:
-    x: torch.Tensor
-    inner: _Features  # nested
-
-
-class _DataclassBlock(nn.Module):
-    def __init__(self, d=12):
-        super().__init__()
-        self.l = nn.Linear(d, d)
-
-    def forward(self, a):
-        x = a.inner.h if isinstance(a, _Activation) else a
-        y = torch.tanh(self.l(x))
-        return _Activation(y, _Features(y * 2))
-
-
-class _DataclassModel(nn.Module):
-    def __init__(self, d=12):
-        super().__init__()
-        self.blocks = nn.ModuleList(_DataclassBlock(d) for _ in range(3))
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.inner.h)
-
-    def loss(self, x, y):
-        return (self(x.float() / 67) - y.float().mean(-1, keepdim=True)).square().mean()
-
-
 def _dataclass_activations(rank, ws):
     # The tokens are floats here: 16 of them feed a 12-wide model through a slice.
     def loss_fn(model, x, y):
         return model.loss(x[:, :12], y)
 
-    theirs, ours = _twins(_DataclassModel, lambda m, fs: _shard_blocks_then_root(m, fs, reshard_after_forward=True))
+    theirs, ours = twins(DataclassModel, lambda m, fs: shard_blocks_then_root(m, fs, reshard_after_forward=True))
     if torch.__version__ >= "2.13":
-        _train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
+        train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
         return
     # PyTorch before 2.13 reads freed parameters here itself: check against an unsharded replica
     # trained on every rank's batch instead.
-    from tests.runtime.test_features import _train_parity
-
     torch.manual_seed(0)
-    _train_parity(rank, ws, ours, _DataclassModel(), loss_fn=loss_fn)
+    train_parity(rank, ws, ours, DataclassModel(), loss_fn=loss_fn)
 
 
 def test_dataclass_activations_between_blocks(worlds):
@@ -815,8 +778,8 @@ def _jvp(rank, ws):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     model = copy.deepcopy(reference)
-    fully_shard(model[0], mesh=_mesh())
-    fully_shard(model, mesh=_mesh())
+    fully_shard(model[0], mesh=world_mesh())
+    fully_shard(model, mesh=world_mesh())
     x, v = torch.randn(4, 8), torch.randn(4, 8)
     with torch.no_grad():
         out, tangent = torch.func.jvp(model, (x,), (v,))
@@ -844,7 +807,7 @@ def _frozen_float8(rank, ws):
 
     torch.manual_seed(0)
     reference = _Float8Frozen()
-    model = fully_shard(copy.deepcopy(reference), mesh=_mesh())
+    model = fully_shard(copy.deepcopy(reference), mesh=world_mesh())
     x = torch.randn(3, 8)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     model(x).sum().backward()
@@ -876,12 +839,12 @@ def _frozen_base_with_adapter(rank, ws):
 
     def shard(model, fully_shard):
         for block in (model[1], model[2]):
-            fully_shard(block, mesh=_mesh())
-        fully_shard(model, mesh=_mesh())
+            fully_shard(block, mesh=world_mesh())
+        fully_shard(model, mesh=world_mesh())
 
-    theirs, ours = _twins(build, shard)
+    theirs, ours = twins(build, shard)
     loss_fn = lambda model, x, y: model(torch.nn.functional.one_hot(x % 16, 16).float()).sum()  # noqa: E731
-    _train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
+    train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn)
 
 
 def test_frozen_base_layer_read_after_its_adapters_gradients(worlds):
@@ -892,13 +855,13 @@ def _replicate_over_fsdp(rank, ws):
     from torch.distributed._composable.replicate import replicate
 
     def shard(model, fully_shard):
-        mesh = _mesh()
+        mesh = world_mesh()
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         replicate(model)  # DDP for the root's own parameters
 
-    theirs, ours = _twins(lambda: GPT(CFG), shard)
-    _train_side_by_side(theirs, ours, rank, ws, steps=2)
+    theirs, ours = twins(lambda: GPT(CFG), shard)
+    train_side_by_side(theirs, ours, rank, ws, steps=2)
 
 
 def test_replicate_wrapping_fsdp_modules(worlds):
@@ -950,14 +913,14 @@ def _chunked_loss_synced_once(model, x, y, chunks=2):
 
 def _chunked_loss_side_by_side(rank, ws, loss_fn, reshard_after_forward):
     def shard(model, fully_shard):
-        mesh = _mesh()
+        mesh = world_mesh()
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard([model.ln_f, model.lm_head], mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh)
 
-    theirs, ours = _twins(lambda: _HiddenGPT(CFG), shard)
-    _train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
+    theirs, ours = twins(lambda: _HiddenGPT(CFG), shard)
+    train_side_by_side(theirs, ours, rank, ws, loss_fn=loss_fn)
 
 
 @_needs_pytorch_2_13("handling of a grouped module run alone after forward (chunked loss) to compare with")
@@ -973,14 +936,14 @@ def test_group_module_run_after_a_backward_is_gathered_again(worlds, loss_fn, re
 
 def _gpt_with_reentrant_checkpoints():
     model = GPT(CFG)
-    model.blocks = nn.ModuleList(_ReentrantCheckpointBlock(block) for block in model.blocks)
+    model.blocks = nn.ModuleList(ReentrantCheckpointBlock(block) for block in model.blocks)
     return model
 
 
 def _shard_nested(model, fully_shard):
     # reshard_after_forward=True: fsdp2 also frees a kept root after a no-grad forward (nothing
     # needs it gathered), PyTorch keeps it; with True both gather the same.
-    mesh = _mesh()
+    mesh = world_mesh()
     for block in model.blocks:
         fully_shard(block.inner, mesh=mesh, reshard_after_forward=True)
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
@@ -996,8 +959,8 @@ def _policy_and_reference_loss(model, x, y):
 
 
 def _two_forwards_side_by_side(rank, ws):
-    theirs, ours = _twins(_gpt_with_reentrant_checkpoints, _shard_nested)
-    _train_side_by_side(theirs, ours, rank, ws, loss_fn=_policy_and_reference_loss)
+    theirs, ours = twins(_gpt_with_reentrant_checkpoints, _shard_nested)
+    train_side_by_side(theirs, ours, rank, ws, loss_fn=_policy_and_reference_loss)
 
 
 @_needs_pytorch_2_13("re-gathering for a recompute after its group's backward (two forwards) to compare with")

@@ -4,7 +4,7 @@ Each rank function builds the same reference model (``torch.manual_seed(0)`` run
 call), trains it on the *global* batch in this process, and trains the sharded copy on its
 own slice of that batch. With equal slices, the average of the per-rank mean losses equals the
 global mean loss and the averaged gradients equal the global-batch gradient, so losses and
-final parameters must match within fp32 tolerance (``ATOL``/``RTOL``).
+final parameters must match within fp32 tolerance (tests/support/parity.py).
 """
 
 from __future__ import annotations
@@ -13,126 +13,39 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2 import CPUOffloadPolicy, FSDPModule, fully_shard, register_fsdp_forward_method
 from fsdp2.models.gpt import GPT, Block, GPTConfig
-
-# dim 36 and vocab 67 split unevenly on 4 ranks (and 67 on 2) on purpose.
-CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
-ATOL, RTOL = 1e-5, 1e-4
-LOCAL_BATCH = 3
-STEPS = 2
-
-
-# -- helpers (run inside rank processes) --------------------------------------------------------
-
-
-def _close(actual, expected, what=""):
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
-
-
-def _global_batch(step: int, ws: int, cfg: GPTConfig = CFG):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (LOCAL_BATCH * ws, cfg.seq_len), generator=g)
-    targets = torch.randint(0, cfg.vocab_size, (LOCAL_BATCH * ws, cfg.seq_len), generator=g)
-    return tokens, targets
-
-
-def _local(t: torch.Tensor, rank: int, ws: int) -> torch.Tensor:
-    return t.chunk(ws)[rank]
-
-
-def _mean_over_ranks(value: torch.Tensor, group=None) -> torch.Tensor:
-    value = value.detach().clone()
-    dist.all_reduce(value, group=group)
-    return value / dist.get_world_size(group)
-
-
-def _shard_gpt(model: GPT, **kwargs) -> GPT:
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _assert_params_match(model: nn.Module, ref: nn.Module, what: str = "param") -> None:
-    ref_params = dict(ref.named_parameters())
-    names = [n for n, _ in model.named_parameters()]
-    assert names == list(ref_params), (names, list(ref_params))
-    for name, param in model.named_parameters():
-        _close(_full(param.detach()), ref_params[name].detach(), f"{what} {name}")
-
-
-def _assert_grads_match(model: nn.Module, ref: nn.Module) -> None:
-    ref_params = dict(ref.named_parameters())
-    for name, param in model.named_parameters():
-        ref_grad = ref_params[name].grad
-        if ref_grad is None:
-            assert param.grad is None, name
-        else:
-            assert param.grad is not None, name
-            _close(_full(param.grad), ref_grad, f"grad {name}")
-
-
-def _assert_all_sharded(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for name, param in module.named_parameters(recurse=False):
-                assert isinstance(param, DTensor), f"{type(module).__name__}.{name} is unsharded"
-
-
-def _train_parity(rank, ws, model, ref, steps=STEPS, lr=0.05, loss_fn=None, group=None, dp_rank=None, dp_size=None):
-    """SGD on ``model`` (local slices) and ``ref`` (global batch); assert equal losses and params."""
-    dp_rank = rank if dp_rank is None else dp_rank
-    dp_size = ws if dp_size is None else dp_size
-    loss_fn = loss_fn or (lambda m, x, y: m.loss(x, y))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        tokens, targets = _global_batch(step, dp_size)
-        loss = loss_fn(model, _local(tokens, dp_rank, dp_size), _local(targets, dp_rank, dp_size))
-        loss.backward()
-        ref_loss = loss_fn(ref, tokens, targets)
-        ref_loss.backward()
-        _close(_mean_over_ranks(loss, group), ref_loss.detach(), f"loss at step {step}")
-        _assert_grads_match(model, ref)
-        _step_and_zero(opt, ref_opt)
-        losses.append(ref_loss.item())
-    _assert_params_match(model, ref)
-    _assert_all_sharded(model)
-    return losses
-
-
-def _step_and_zero(*optimizers) -> None:
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad()
-
-
-def _gpt_pair(cfg: GPTConfig = CFG, **shard_kwargs):
-    ref = GPT(cfg)
-    model = _shard_gpt(copy.deepcopy(ref), mesh=init_device_mesh("cpu", (dist.get_world_size(),)), **shard_kwargs)
-    return model, ref
+from tests.support.models import CFG, ReentrantCheckpointBlock
+from tests.support.parity import (
+    STEPS,
+    assert_all_sharded,
+    assert_grads_match,
+    assert_near,
+    assert_params_match,
+    full_tensor,
+    global_batch,
+    gpt_pair,
+    mean_over_ranks,
+    rank_slice,
+    shard_gpt,
+    step_and_zero,
+    train_parity,
+)
 
 
 # -- plain training ------------------------------------------------------------------------------
 
 
 def _plain_training(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     for name, param in model.named_parameters():
         assert isinstance(param, nn.Parameter) and isinstance(param, DTensor), name
         assert param.placements == (Shard(0),), name
-    return _train_parity(rank, ws, model, ref)
+    return train_parity(rank, ws, model, ref)
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -143,10 +56,10 @@ def test_training_matches_unsharded(worlds, ws):
 
 def _shard_dim_one(rank, ws):
     ref = GPT(CFG)
-    model = _shard_gpt(copy.deepcopy(ref), shard_placement_fn=lambda p: Shard(p.dim() - 1) if p.dim() == 2 else None)
+    model = shard_gpt(copy.deepcopy(ref), shard_placement_fn=lambda p: Shard(p.dim() - 1) if p.dim() == 2 else None)
     assert model.lm_head.weight.placements == (Shard(1),)
     assert model.ln_f.weight.placements == (Shard(0),)
-    _train_parity(rank, ws, model, ref)
+    train_parity(rank, ws, model, ref)
 
 
 def test_shard_placement_fn_dim_one(worlds):
@@ -160,7 +73,7 @@ def _meta_init(rank, ws):
     ref = GPT(CFG)
     with torch.device("meta"):
         model = GPT(CFG)
-    _shard_gpt(model)
+    shard_gpt(model)
     for param in model.parameters():
         assert param.device.type == "meta"
     model.to_empty(device="cpu")
@@ -178,8 +91,8 @@ def _meta_init(rank, ws):
         assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), name
         assert torch.isfinite(local).all(), name
     # A step on the freshly initialized model works and leaves finite shards.
-    tokens, targets = _global_batch(0, ws)
-    model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+    tokens, targets = global_batch(0, ws)
+    model.loss(rank_slice(tokens, rank, ws), rank_slice(targets, rank, ws)).backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.step()
     opt.zero_grad()
@@ -187,8 +100,8 @@ def _meta_init(rank, ws):
         assert torch.isfinite(param.to_local()).all(), name
     # Parity after loading the reference's full tensors.
     model.load_state_dict(ref.state_dict())
-    _assert_params_match(model, ref, "loaded")
-    _train_parity(rank, ws, model, ref)
+    assert_params_match(model, ref, "loaded")
+    train_parity(rank, ws, model, ref)
 
 
 def test_meta_device_init(worlds):
@@ -200,11 +113,11 @@ def test_meta_device_init(worlds):
 
 def _tied(rank, ws):
     cfg = GPTConfig(**{**CFG.__dict__, "tie_weights": True})
-    model, ref = _gpt_pair(cfg)
+    model, ref = gpt_pair(cfg)
     assert model.lm_head.weight is model.tok_emb.weight
     assert isinstance(model.tok_emb.weight, DTensor)
     assert len(list(model.parameters())) == len(list(ref.parameters()))
-    _train_parity(rank, ws, model, ref)
+    train_parity(rank, ws, model, ref)
     assert model.lm_head.weight is model.tok_emb.weight
 
 
@@ -216,8 +129,8 @@ def _frozen(rank, ws):
     ref = GPT(CFG)
     for m in (ref.tok_emb, ref.pos_emb, ref.blocks[0].ln1):
         m.requires_grad_(False)
-    model = _shard_gpt(copy.deepcopy(ref))
-    _train_parity(rank, ws, model, ref)
+    model = shard_gpt(copy.deepcopy(ref))
+    train_parity(rank, ws, model, ref)
     for name, param in model.named_parameters():
         frozen = name.startswith(("tok_emb", "pos_emb", "blocks.0.ln1"))
         assert param.requires_grad != frozen, name
@@ -231,8 +144,8 @@ def test_frozen_params(worlds):
 def _frozen_after_fully_shard(rank, ws):
     from fsdp2.runtime import collectives
 
-    model, ref = _gpt_pair()
-    _train_parity(rank, ws, model, ref, steps=1)  # gradients flowed everywhere once
+    model, ref = gpt_pair()
+    train_parity(rank, ws, model, ref, steps=1)  # gradients flowed everywhere once
     for m in (model, ref):
         for sub in (m.tok_emb, m.blocks[0]):
             sub.requires_grad_(False)
@@ -243,7 +156,7 @@ def _frozen_after_fully_shard(rank, ws):
         reduced.append(inp.numel()) or real_reduce(out, inp, group, async_op, op)
     )
     try:
-        _train_parity(rank, ws, model, ref)
+        train_parity(rank, ws, model, ref)
     finally:
         collectives.reduce_scatter = real_reduce
     for name, param in model.named_parameters():
@@ -273,13 +186,13 @@ def _ignored(rank, ws):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     for step in range(STEPS):
-        tokens, targets = _global_batch(step, ws)
-        model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+        tokens, targets = global_batch(step, ws)
+        model.loss(rank_slice(tokens, rank, ws), rank_slice(targets, rank, ws)).backward()
         ref.loss(tokens, targets).backward()
         for p in ignored:  # fsdp2 leaves ignored params to the user: average them ourselves
-            p.grad = _mean_over_ranks(p.grad)
-        _step_and_zero(opt, ref_opt)
-    _assert_params_match(model, ref)
+            p.grad = mean_over_ranks(p.grad)
+        step_and_zero(opt, ref_opt)
+    assert_params_match(model, ref)
     for p in ignored:
         assert not isinstance(p, DTensor)
 
@@ -301,8 +214,8 @@ class _TwiceGPT(GPT):
 
 def _called_twice(rank, ws):
     ref = _TwiceGPT(CFG)
-    model = _shard_gpt(copy.deepcopy(ref))
-    _train_parity(rank, ws, model, ref)
+    model = shard_gpt(copy.deepcopy(ref))
+    train_parity(rank, ws, model, ref)
 
 
 def test_module_called_twice_per_step(worlds):
@@ -351,16 +264,16 @@ def _nested_io(rank, ws):
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4 * ws, 36, generator=g), torch.randn(4 * ws, 36, generator=g)
-        loss = _nested_loss(model, _local(x, rank, ws), _local(y, rank, ws))
+        loss = _nested_loss(model, rank_slice(x, rank, ws), rank_slice(y, rank, ws))
         loss.backward()
         # The sum term scales with the batch: compare against the reference's per-rank mean.
-        ref_loss = sum(_nested_loss(ref, _local(x, r, ws), _local(y, r, ws)) for r in range(ws)) / ws
+        ref_loss = sum(_nested_loss(ref, rank_slice(x, r, ws), rank_slice(y, r, ws)) for r in range(ws)) / ws
         ref_loss.backward()
-        _close(_mean_over_ranks(loss), ref_loss.detach(), "loss")
-        _assert_grads_match(model, ref)
-        _step_and_zero(opt, ref_opt)
-    _assert_params_match(model, ref)
-    _assert_all_sharded(model)
+        assert_near(mean_over_ranks(loss), ref_loss.detach(), "loss")
+        assert_grads_match(model, ref)
+        step_and_zero(opt, ref_opt)
+    assert_params_match(model, ref)
+    assert_all_sharded(model)
 
 
 def test_nested_inputs_and_outputs(worlds):
@@ -371,30 +284,30 @@ def test_nested_inputs_and_outputs(worlds):
 
 
 def _state_dict(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     # Train a step so the values are not just the initial ones.
-    _train_parity(rank, ws, model, ref, steps=1)
+    train_parity(rank, ws, model, ref, steps=1)
     sd, ref_sd = model.state_dict(), ref.state_dict()
     assert list(sd) == list(ref_sd)
     for key, value in sd.items():
         assert isinstance(value, DTensor), key
-        _close(value.full_tensor(), ref_sd[key], key)
+        assert_near(value.full_tensor(), ref_sd[key], key)
     saved = {k: v.clone() for k, v in sd.items()}  # state_dict() values alias the parameters
     assert all(isinstance(v, DTensor) for v in saved.values())
     # Load a full-tensor state dict from another model...
     other = GPT(CFG)
     model.load_state_dict(other.state_dict())
-    _assert_params_match(model, other, "after full load")
+    assert_params_match(model, other, "after full load")
     # ...and a DTensor state dict (ours, saved earlier) back.
     model.load_state_dict(saved)
-    _assert_params_match(model, ref, "after DTensor load")
+    assert_params_match(model, ref, "after DTensor load")
     # Loading keeps the same parameter objects (an optimizer holding them stays valid).
     before = [id(p) for p in model.parameters()]
     model.load_state_dict(other.state_dict())
     assert [id(p) for p in model.parameters()] == before
     # Training still matches after a load.
     ref.load_state_dict(other.state_dict())
-    _train_parity(rank, ws, model, ref, steps=1)
+    train_parity(rank, ws, model, ref, steps=1)
 
 
 def test_state_dict_round_trip(worlds):
@@ -405,19 +318,19 @@ def test_state_dict_round_trip(worlds):
 
 
 def _unshard_reshard(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     block = model.blocks[0]
     block.unshard()
     for name, param in block.named_parameters():
         assert not isinstance(param, DTensor), name
-        _close(param.detach(), dict(ref.blocks[0].named_parameters())[name].detach(), name)
+        assert_near(param.detach(), dict(ref.blocks[0].named_parameters())[name].detach(), name)
     block.reshard()
     assert all(isinstance(p, DTensor) for p in block.parameters())
     handle = model.unshard(async_op=True)
     assert handle is not None
     handle.wait()
     assert not isinstance(model.lm_head.weight, DTensor)
-    _close(model.lm_head.weight.detach(), ref.lm_head.weight.detach(), "lm_head")
+    assert_near(model.lm_head.weight.detach(), ref.lm_head.weight.detach(), "lm_head")
     assert isinstance(model.blocks[1].mlp[0].weight, DTensor)  # not the children's params
     model.reshard()
 
@@ -428,7 +341,7 @@ def _unshard_reshard(rank, ws):
             m.blocks[1].unshard(async_op=True)
         return m.loss(x, y)
 
-    _train_parity(rank, ws, model, ref, loss_fn=loss_fn)
+    train_parity(rank, ws, model, ref, loss_fn=loss_fn)
 
 
 def test_unshard_reshard(worlds):
@@ -436,13 +349,13 @@ def test_unshard_reshard(worlds):
 
 
 def _prefetch(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     blocks = list(model.blocks)
     model.set_modules_to_forward_prefetch([blocks[0]])
     blocks[0].set_modules_to_forward_prefetch([blocks[1]])
     blocks[1].set_modules_to_backward_prefetch([blocks[0]])
     blocks[0].set_modules_to_backward_prefetch([])
-    _train_parity(rank, ws, model, ref, steps=3)
+    train_parity(rank, ws, model, ref, steps=3)
 
 
 def test_explicit_prefetch(worlds):
@@ -452,7 +365,7 @@ def test_explicit_prefetch(worlds):
 def _implicit_backward_prefetch(rank, ws):
     from fsdp2.runtime.param_group import GroupState, ParamGroup
 
-    model, _ = _gpt_pair()
+    model, _ = gpt_pair()
     names = {id(block._fsdp_state.group): f"blocks.{i}" for i, block in enumerate(model.blocks)}
     calls = []
     original = ParamGroup.unshard
@@ -463,7 +376,7 @@ def _implicit_backward_prefetch(rank, ws):
 
     ParamGroup.unshard = logged
     try:
-        loss = model.loss(*_global_batch(0, 1))
+        loss = model.loss(*global_batch(0, 1))
         calls.clear()
         loss.backward()
     finally:
@@ -489,20 +402,20 @@ class _GenGPT(GPT):
 
 def _forward_method(rank, ws):
     ref = _GenGPT(CFG)
-    model = _shard_gpt(copy.deepcopy(ref))
+    model = shard_gpt(copy.deepcopy(ref))
     register_fsdp_forward_method(model, "greedy_next")
-    tokens, _ = _global_batch(0, ws)
+    tokens, _ = global_batch(0, ws)
     with torch.no_grad():
         got = model.greedy_next(tokens)
         expected = ref.greedy_next(tokens)
     assert torch.equal(got, expected)
-    _assert_all_sharded(model)
+    assert_all_sharded(model)
     # With grad: the root stays unsharded (waiting for a backward) until resharded by hand.
     model.greedy_next(tokens)
     assert not isinstance(model.lm_head.weight, DTensor)
     assert isinstance(model.blocks[0].mlp[0].weight, DTensor)
     model.reshard()
-    _train_parity(rank, ws, model, ref)
+    train_parity(rank, ws, model, ref)
 
 
 def test_register_fsdp_forward_method(worlds):
@@ -513,15 +426,15 @@ def test_register_fsdp_forward_method(worlds):
 
 
 def _clip_grad_norm(rank, ws):
-    model, ref = _gpt_pair()
-    tokens, targets = _global_batch(0, ws)
-    model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+    model, ref = gpt_pair()
+    tokens, targets = global_batch(0, ws)
+    model.loss(rank_slice(tokens, rank, ws), rank_slice(targets, rank, ws)).backward()
     ref.loss(tokens, targets).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
     assert ref_norm > 0.1  # so that clipping actually scales
-    _close(_full(norm), ref_norm, "total norm")
-    _assert_grads_match(model, ref)
+    assert_near(full_tensor(norm), ref_norm, "total norm")
+    assert_grads_match(model, ref)
 
 
 def test_clip_grad_norm(worlds):
@@ -529,16 +442,16 @@ def test_clip_grad_norm(worlds):
 
 
 def _divide_factor(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     # Not recursive (as in PyTorch): the root's own parameters are summed, the blocks' averaged.
     model.set_gradient_divide_factor(1.0)
-    tokens, targets = _global_batch(0, ws)
-    model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+    tokens, targets = global_batch(0, ws)
+    model.loss(rank_slice(tokens, rank, ws), rank_slice(targets, rank, ws)).backward()
     ref.loss(tokens, targets).backward()
     block_params = {id(p) for p in model.blocks.parameters()}
     for name, param in model.named_parameters():
         scale = 1 if id(param) in block_params else ws
-        _close(_full(param.grad), scale * dict(ref.named_parameters())[name].grad, f"grad {name}")
+        assert_near(full_tensor(param.grad), scale * dict(ref.named_parameters())[name].grad, f"grad {name}")
 
 
 def test_gradient_divide_factor(worlds):
@@ -558,8 +471,8 @@ def _activation_checkpointing(rank, ws):
     ref = GPT(CFG)
     for block in ref.blocks:
         block.__class__ = _CheckpointedBlock
-    model = _shard_gpt(copy.deepcopy(ref))
-    _train_parity(rank, ws, model, ref)
+    model = shard_gpt(copy.deepcopy(ref))
+    train_parity(rank, ws, model, ref)
 
 
 def test_activation_checkpointing(worlds):
@@ -575,21 +488,12 @@ def _checkpoint_whole_block(rank, ws):
             return self.lm_head(self.ln_f(x))
 
     ref = Outer(CFG)
-    model = _shard_gpt(copy.deepcopy(ref))
-    _train_parity(rank, ws, model, ref)
+    model = shard_gpt(copy.deepcopy(ref))
+    train_parity(rank, ws, model, ref)
 
 
 def test_activation_checkpointing_around_fsdp_block(worlds):
     worlds.run(2, _checkpoint_whole_block)
-
-
-class _ReentrantCheckpointBlock(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.inner = block
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
 
 
 def _two_forwards_loss(model, tokens, targets):
@@ -600,13 +504,13 @@ def _two_forwards_loss(model, tokens, targets):
 
 def _two_forwards_reentrant(rank, ws):
     ref = GPT(CFG)
-    ref.blocks = nn.ModuleList(_ReentrantCheckpointBlock(block) for block in ref.blocks)
+    ref.blocks = nn.ModuleList(ReentrantCheckpointBlock(block) for block in ref.blocks)
     model = copy.deepcopy(ref)
     for block in model.blocks:
         fully_shard(block.inner)
         fully_shard(block)
     fully_shard(model)
-    _train_parity(rank, ws, model, ref, loss_fn=_two_forwards_loss)
+    train_parity(rank, ws, model, ref, loss_fn=_two_forwards_loss)
 
 
 def test_two_forwards_with_reentrant_checkpointing_reduce_every_gradient(worlds):
@@ -620,13 +524,13 @@ def test_two_forwards_with_reentrant_checkpointing_reduce_every_gradient(worlds)
 
 
 def _reshard_after_backward_false(rank, ws):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     for step in range(STEPS):
-        tokens, targets = _global_batch(step, ws)
+        tokens, targets = global_batch(step, ws)
         # One-row microbatches; keep the parameters gathered between them, reshard after the last.
-        xs, ys = _local(tokens, rank, ws).split(1), _local(targets, rank, ws).split(1)
+        xs, ys = rank_slice(tokens, rank, ws).split(1), rank_slice(targets, rank, ws).split(1)
         for micro, (x, y) in enumerate(zip(xs, ys)):
             last = micro == len(xs) - 1
             model.set_reshard_after_backward(last)
@@ -634,10 +538,10 @@ def _reshard_after_backward_false(rank, ws):
             if not last:
                 assert not isinstance(model.blocks[0].mlp[0].weight, DTensor), "resharded after backward"
         ref.loss(tokens, targets).backward()
-        _assert_all_sharded(model)
-        _assert_grads_match(model, ref)
-        _step_and_zero(opt, ref_opt)
-    _assert_params_match(model, ref)
+        assert_all_sharded(model)
+        assert_grads_match(model, ref)
+        step_and_zero(opt, ref_opt)
+    assert_params_match(model, ref)
 
 
 def test_set_reshard_after_backward_false(worlds):
@@ -645,14 +549,14 @@ def test_set_reshard_after_backward_false(worlds):
 
 
 def _reshard_after_forward_int(rank, ws, value, expect_sharded):
-    model, ref = _gpt_pair(reshard_after_forward=value)
-    tokens, targets = _global_batch(0, ws)
-    out = model(_local(tokens, rank, ws))
+    model, ref = gpt_pair(reshard_after_forward=value)
+    tokens, targets = global_batch(0, ws)
+    out = model(rank_slice(tokens, rank, ws))
     assert isinstance(model.blocks[0].mlp[0].weight, DTensor) == expect_sharded
     out.sum().backward()
-    _assert_all_sharded(model)
+    assert_all_sharded(model)
     model.zero_grad()
-    _train_parity(rank, ws, model, ref)
+    train_parity(rank, ws, model, ref)
 
 
 @pytest.mark.parametrize("value", ["one", "half", "world"])
@@ -663,13 +567,13 @@ def test_reshard_after_forward_int(worlds, value):
 
 
 def _no_grad_forward(rank, ws):
-    model, ref = _gpt_pair(reshard_after_forward=False)
-    tokens, _ = _global_batch(0, ws)
+    model, ref = gpt_pair(reshard_after_forward=False)
+    tokens, _ = global_batch(0, ws)
     with torch.no_grad():
         out = model(tokens)
-    _close(out, ref(tokens).detach(), "no_grad logits")
-    _assert_all_sharded(model)  # even the root and reshard_after_forward=False blocks
-    _train_parity(rank, ws, model, ref)
+    assert_near(out, ref(tokens).detach(), "no_grad logits")
+    assert_all_sharded(model)  # even the root and reshard_after_forward=False blocks
+    train_parity(rank, ws, model, ref)
 
 
 def test_no_grad_forward_leaves_everything_resharded(worlds):
@@ -682,14 +586,14 @@ def test_no_grad_forward_leaves_everything_resharded(worlds):
 def _hsdp(rank, ws):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ref = GPT(CFG)
-    model = _shard_gpt(copy.deepcopy(ref), mesh=mesh)
+    model = shard_gpt(copy.deepcopy(ref), mesh=mesh)
     for name, param in model.named_parameters():
         assert param.placements == (Replicate(), Shard(0)), name
         shard_rank = mesh.get_local_rank("shard")
         rows = ref.get_parameter(name).chunk(2, 0)
         assert param.to_local().shape == (rows[shard_rank].shape if shard_rank < len(rows) else (0,)), name
     # Every rank is its own data-parallel rank (2 replicas x 2 shards).
-    _train_parity(rank, ws, model, ref)
+    train_parity(rank, ws, model, ref)
 
 
 def test_hsdp_2x2(worlds):
@@ -697,8 +601,8 @@ def test_hsdp_2x2(worlds):
 
 
 def _cpu_offload(rank, ws):
-    model, ref = _gpt_pair(offload_policy=CPUOffloadPolicy(pin_memory=False))
-    _train_parity(rank, ws, model, ref)
+    model, ref = gpt_pair(offload_policy=CPUOffloadPolicy(pin_memory=False))
+    train_parity(rank, ws, model, ref)
     for name, param in model.named_parameters():
         assert param.to_local().device.type == "cpu", name
 
@@ -708,12 +612,12 @@ def test_cpu_offload(worlds):
 
 
 def _no_sync_microbatches(rank, ws, n_micro):
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     for step in range(STEPS):
-        tokens, targets = _global_batch(step, ws)
-        xs, ys = _local(tokens, rank, ws).chunk(n_micro), _local(targets, rank, ws).chunk(n_micro)
+        tokens, targets = global_batch(step, ws)
+        xs, ys = rank_slice(tokens, rank, ws).chunk(n_micro), rank_slice(targets, rank, ws).chunk(n_micro)
         for micro in range(n_micro):
             last = micro == n_micro - 1
             model.set_requires_gradient_sync(last)
@@ -723,12 +627,12 @@ def _no_sync_microbatches(rank, ws, n_micro):
             if not last:
                 # Nothing was communicated: no sharded gradient yet, everything resharded.
                 assert all(p.grad is None for p in model.parameters())
-                _assert_all_sharded(model)
+                assert_all_sharded(model)
         ref.loss(tokens, targets).backward()
-        _assert_grads_match(model, ref)
-        _step_and_zero(opt, ref_opt)
-    _assert_params_match(model, ref)
-    _assert_all_sharded(model)
+        assert_grads_match(model, ref)
+        step_and_zero(opt, ref_opt)
+    assert_params_match(model, ref)
+    assert_all_sharded(model)
 
 
 def test_gradient_accumulation_without_sync(worlds):
@@ -742,7 +646,7 @@ def _synced_microbatches_in_flight(rank, ws, n_micro):
     at every reduction."""
     from fsdp2.runtime.reduce import PaddedScatterInput
 
-    model, ref = _gpt_pair()
+    model, ref = gpt_pair()
     model.set_reduce_scatter_max_input_buffers(8)
     fills = []
     original_fill = PaddedScatterInput.fill
@@ -754,20 +658,20 @@ def _synced_microbatches_in_flight(rank, ws, n_micro):
     PaddedScatterInput.fill = fill
     try:
         for step in range(2):
-            tokens, targets = _global_batch(step, ws)
-            xs, ys = _local(tokens, rank, ws).chunk(n_micro), _local(targets, rank, ws).chunk(n_micro)
+            tokens, targets = global_batch(step, ws)
+            xs, ys = rank_slice(tokens, rank, ws).chunk(n_micro), rank_slice(targets, rank, ws).chunk(n_micro)
             for micro in range(n_micro):
                 model.set_is_last_backward(micro == n_micro - 1)
                 (model.loss(xs[micro], ys[micro]) / n_micro).backward()
                 assert all(p.grad is not None for p in model.parameters())
             ref.loss(tokens, targets).backward()
-            _assert_grads_match(model, ref)
+            assert_grads_match(model, ref)
             for module in (model, ref):
                 module.zero_grad(set_to_none=True)
     finally:
         PaddedScatterInput.fill = original_fill
     assert len(fills) == 2 * n_micro  # the padded bucket's kept buffer served all its reductions
-    _assert_all_sharded(model)
+    assert_all_sharded(model)
 
 
 def test_synced_microbatches_with_reductions_in_flight(worlds):
@@ -782,7 +686,7 @@ def _padding_reads_as_nan(rank, ws, with_hook):
     from fsdp2.runtime.gather import KeptGatherOutput
     from fsdp2.runtime.reduce import PaddedScatterInput
 
-    model, ref = _gpt_pair()  # 67 vocabulary rows, 3 x 36 qkv rows on 2 ranks: padded
+    model, ref = gpt_pair()  # 67 vocabulary rows, 3 x 36 qkv rows on 2 ranks: padded
     seen = []
     if with_hook:
         for module in model.modules():
@@ -803,10 +707,10 @@ def _padding_reads_as_nan(rank, ws, with_hook):
     PaddedScatterInput.fill, KeptGatherOutput.allocate = fill, allocate
     try:
         for step in range(2):  # the kept buffers' second use: storage regrown
-            tokens, targets = _global_batch(step, ws)
-            model.loss(_local(tokens, rank, ws), _local(targets, rank, ws)).backward()
+            tokens, targets = global_batch(step, ws)
+            model.loss(rank_slice(tokens, rank, ws), rank_slice(targets, rank, ws)).backward()
             ref.loss(tokens, targets).backward()
-            _assert_grads_match(model, ref)
+            assert_grads_match(model, ref)
             for module in (model, ref):
                 module.zero_grad(set_to_none=True)
     finally:

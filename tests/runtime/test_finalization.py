@@ -16,7 +16,8 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 from fsdp2.models import GPT
-from tests.side_by_side import CFG, CollectiveCounter, assert_same_params, batch, shard_blocks_then_root, twins
+from tests.support.models import CFG
+from tests.support.parity import CollectiveCounter, assert_same_params, shard_blocks_then_root, step_batch, twins
 
 MICROBATCHES = 3
 PYTORCH_HAS_MANUAL_FINALIZATION = hasattr(torch_fsdp.FSDPModule, "finalize_backward")
@@ -29,7 +30,7 @@ def _backwards_then_finalize(model, step, rank, ws, async_op: bool) -> tuple[tor
     total = torch.zeros(())
     with CollectiveCounter() as comm:
         for micro in range(MICROBATCHES):
-            x, y = batch(MICROBATCHES * step + micro, rank, ws)
+            x, y = step_batch(MICROBATCHES * step + micro, rank, ws)
             loss = model.loss(x, y)
             loss.backward()
             total += loss.detach()
@@ -52,7 +53,7 @@ def _backwards_finalized_automatically(model, step, rank, ws) -> tuple[torch.Ten
     with CollectiveCounter() as comm:
         for micro in range(MICROBATCHES):
             model.set_requires_gradient_sync(micro == MICROBATCHES - 1)
-            x, y = batch(MICROBATCHES * step + micro, rank, ws)
+            x, y = step_batch(MICROBATCHES * step + micro, rank, ws)
             loss = model.loss(x, y)
             loss.backward()
             total += loss.detach()
@@ -94,7 +95,7 @@ def _gradients_reduced_during_backward_complete_at_finalize(rank, ws):
     """Gradient sync on during the backward: groups reduce as their gradients are ready, and the
     iteration still ends at finalize_backward (their results in ``.grad`` by then)."""
     theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
-    x, y = batch(0, rank, ws)
+    x, y = step_batch(0, rank, ws)
     theirs.loss(x, y).backward()
     ours.set_manual_backward_finalization(True)
     ours.loss(x, y).backward()
@@ -120,7 +121,7 @@ def _sharded_gpt():
 def _finalization_misuse(rank, ws):
     from fsdp2 import FSDPUsageError
 
-    x, y = batch(0, rank, ws)
+    x, y = step_batch(0, rank, ws)
     model = _sharded_gpt()
     assert model.finalize_backward() is None  # before the first forward: nothing to finalize
     model.finalize_backward(async_op=True).wait()
@@ -226,7 +227,7 @@ def _kept_storage(rank, ws):
     kept = {}
     for step in range(2):
         for model, opt in zip((theirs, ours), optimizers):
-            x, y = batch(step, rank, ws)
+            x, y = step_batch(step, rank, ws)
             model.loss(x, y).backward()
             opt.step()
             opt.zero_grad()

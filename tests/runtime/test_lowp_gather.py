@@ -54,7 +54,7 @@ def _master_input(p, group):
 
 
 def _reference_gathered(p, group, policy):
-    from tests.runtime.test_quantize import reference_dequantize, reference_quantize
+    from tests.support.quantize_reference import reference_dequantize, reference_quantize
 
     layout = p.layout
     slots = torch.empty(layout.world, layout.padded_shard_numel, dtype=p.local_shard.dtype)
@@ -96,7 +96,7 @@ def _check_gathered(model, policy) -> int:
     return quantized
 
 
-def _gathered_parity(rank, ws, qdtype, mp, wide_dim1, offload):
+def _gathered_parity(rank, ws, *, qdtype, mp, wide_dim1, offload):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
@@ -135,7 +135,7 @@ def _gathered_parity(rank, ws, qdtype, mp, wide_dim1, offload):
     ids=["2-int8-bf16", "2-float8-bf16-offload", "3-int8-fp32-dim1", "3-float8-bf16"],
 )
 def test_gathered_parameters_equal_the_reference_quantizer(worlds, ws, qdtype, mp, wide_dim1, offload):
-    counts = worlds.run(ws, _gathered_parity, qdtype, mp, wide_dim1, offload)
+    counts = worlds.run(ws, _gathered_parity, qdtype=qdtype, mp=mp, wide_dim1=wide_dim1, offload=offload)
     assert counts[0] == 2 + 4 * CFG.n_layers + 1  # embeddings, 4 matrices per block, head
 
 

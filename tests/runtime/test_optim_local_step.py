@@ -7,6 +7,8 @@ without DTensor dispatch. Every parity check also asserts the steps really ran o
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -479,3 +481,109 @@ def test_set_local_shard_steps_takes_a_bool():
 
     with pytest.raises(TypeError, match="True or False"):
         set_local_shard_steps(0)
+
+
+# -- the default's scope: optimizers over anything but fsdp2 shards ------------------------------
+
+
+@contextlib.contextmanager
+def _default_off():
+    """The default's hook removed for a block (as if fully_shard had never run)."""
+    from fsdp2.optim import set_local_shard_steps
+
+    set_local_shard_steps(False)
+    try:
+        yield
+    finally:
+        set_local_shard_steps(True)
+
+
+def _unrelated_optimizer_steps(rank, world_size):
+    """Two identical optimizers over plain tensors, and two over PyTorch FSDP2's DTensors, in a
+    process where fully_shard has run: one of each pair steps with fsdp2's default registered, the
+    other with it removed. Per kind: bitwise the same, the same attributes, the class's own step,
+    and the host work of a steady step (ATen ops, bytes, Python calls by file) with and without."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp2.tools import count_host_work
+
+    shard(make_model(0), mesh_1d(world_size))  # fsdp2 parameters exist: the default is on
+
+    def plain_params():
+        return list(make_model(0).parameters())
+
+    def torch_fsdp2_params():
+        return list(torch_fully_shard(make_model(0), mesh=mesh_1d(world_size)).parameters())
+
+    results = {}
+    for kind, build in (("plain", plain_params), ("pytorch_fsdp2", torch_fsdp2_params)):
+        params = [build(), build()]
+        opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in params]
+
+        def step(i):
+            for p in params[i]:
+                p.grad = torch.full_like(p, 0.25)
+            opts[i].step()
+
+        for _ in range(3):
+            step(0)
+            with _default_off():
+                step(1)
+        with_default = count_host_work(lambda: step(0))
+        with _default_off():
+            without = count_host_work(lambda: step(1))
+        extra_calls = {
+            file.rpartition("/")[2]: with_default.calls_by_file.get(file, 0) - without.calls_by_file.get(file, 0)
+            for file in {*with_default.calls_by_file, *without.calls_by_file}
+        }
+        results[kind] = dict(
+            same=all(torch.equal(_local(a), _local(b)) for a, b in zip(*params))
+            and _same(_state_snapshot(opts[0]), _state_snapshot(opts[1])),
+            same_attributes=sorted(vars(opts[0])) == sorted(vars(opts[1])),
+            own_step="step" not in vars(opts[0]),
+            same_ops=(with_default.ops, with_default.bytes_by_op) == (without.ops, without.bytes_by_op),
+            extra_calls={file: n for file, n in extra_calls.items() if n},
+        )
+    return results
+
+
+def test_the_default_leaves_optimizers_over_other_tensors_as_they_are(worlds):
+    """Optimizers over plain tensors or PyTorch FSDP2's DTensors step bitwise as without fsdp2, with
+    nothing written on them and the same ops; the default's global hook adds its own Python call
+    per step and nothing else (fails when it marks the optimizers it looks at, an attribute and a
+    dict lookup per step)."""
+    for results in worlds.run(2, _unrelated_optimizer_steps):
+        for kind, result in results.items():
+            assert result == dict(
+                same=True,
+                same_attributes=True,
+                own_step=True,
+                same_ops=True,
+                extra_calls={"local_step.py": 1},
+            ), kind
+
+
+def test_the_default_hook_exists_from_the_first_fully_shard_until_switched_off():
+    """Importing fsdp2 registers nothing with torch.optim; the first fully_shard registers one global
+    step pre-hook (no more for later calls), set_local_shard_steps(False) removes it, True restores it."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.distributed as dist
+from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import fsdp2, fsdp2.optim
+counts = [len(hooks)]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+for _ in range(2):
+    fsdp2.fully_shard(torch.nn.Linear(4, 4))
+    counts.append(len(hooks))
+fsdp2.optim.set_local_shard_steps(False)
+counts.append(len(hooks))
+fsdp2.optim.set_local_shard_steps(True)
+counts.append(len(hooks))
+print(counts)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[0, 1, 1, 0, 1]"

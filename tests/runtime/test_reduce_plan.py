@@ -23,7 +23,9 @@ from fsdp2 import compat
 from fsdp2.models import GPT
 from fsdp2.runtime import collectives
 from fsdp2.runtime.reduce_plan import AVG, SUM, ReducePlan, ReduceOp
-from tests.side_by_side import CFG, assert_same_params as _assert_same_params, train_step as _step
+from tests.support.models import CFG
+from tests.support.parity import assert_same_params, side_by_side_step
+from tests.support.user_collectives import RecordingReduceScatter, describe_op, premul_factor
 
 
 class _Divisions(TorchDispatchMode):
@@ -45,17 +47,6 @@ class _Divisions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _premul_factor(op) -> float | None:
-    """The scale of a ``ReduceOp.PREMUL_SUM(scale)``, None for other ops (plain ``RedOpType``s)."""
-    return op.factor if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM else None
-
-
-def _describe(op) -> tuple:
-    if _premul_factor(op) is not None:
-        return ("premul_sum", _premul_factor(op))
-    return (str(getattr(op, "op", op)).rsplit(".", 1)[-1].lower(),)
-
-
 @contextlib.contextmanager
 def _as_nccl(log: list):
     """Log the gradient collectives' ops into ``log``; compute PREMUL_SUM as NCCL would."""
@@ -66,17 +57,17 @@ def _as_nccl(log: list):
 
     def emulated(real, kind):
         def collective(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            log.append((kind, *_describe(op)))
-            if _premul_factor(op) is not None:
-                input, op = input * _premul_factor(op), dist.ReduceOp.SUM
+            log.append((kind, *describe_op(op)))
+            if premul_factor(op) is not None:
+                input, op = input * premul_factor(op), dist.ReduceOp.SUM
             return real(output, input, op=op, group=group, async_op=async_op)
 
         return collective
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        log.append(("all_reduce", *_describe(op)))
-        if _premul_factor(op) is not None:
-            tensor.mul_(_premul_factor(op))
+        log.append(("all_reduce", *describe_op(op)))
+        if premul_factor(op) is not None:
+            tensor.mul_(premul_factor(op))
             op = dist.ReduceOp.SUM
         return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -133,13 +124,13 @@ def _side_by_side(rank, ws, reduce_dtype=None, hsdp=False, factor=None, force_su
     for step in range(2):
         for model, opt, (ops, divisions) in zip(models, optimizers, logs):
             with _as_nccl(ops), _Divisions(divisions):
-                _step(model, opt, step, rank, ws)
+                side_by_side_step(model, opt, step, rank, ws)
     # Per kind in issue order (fsdp2 issues a group's reduce-scatters before its all-reduces).
     (their_ops, their_divisions), (our_ops, our_divisions) = [(sorted(o, key=lambda e: e[0]), d) for o, d in logs]
     assert our_ops == their_ops, f"reduce ops: PyTorch {their_ops}, fsdp2 {our_ops}"
     assert our_divisions == their_divisions, f"divisions: PyTorch {their_divisions}, fsdp2 {our_divisions}"
     assert len(seen[0]) == len(seen[1]) and all(torch.equal(a, b) for a, b in zip(*seen)), "the hook saw other values"
-    _assert_same_params(*models)
+    assert_same_params(*models)
     return their_ops
 
 
@@ -214,25 +205,11 @@ def test_reduce_plan_choices(kwargs, expected):
     assert ReducePlan.choose(**{**settings, **kwargs}) == expected
 
 
-class _RecordingReduceScatter:
-    """A user's reduce-scatter (PyTorch's ``ReduceScatter`` protocol): c10d's, with the op logged."""
-
-    def __init__(self):
-        self.ops: list[tuple] = []
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.ops.append(_describe(op))
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 def _custom_reduce_scatter_op(rank, ws):
     from fsdp2 import fully_shard
 
     model = fully_shard(torch.nn.Linear(4, 4), mesh=_mesh(hsdp=False))
-    comm = _RecordingReduceScatter()
+    comm = RecordingReduceScatter()
     model.set_custom_reduce_scatter(comm)
     model(torch.ones(2, 4)).sum().backward()
     return comm.ops
@@ -271,7 +248,7 @@ def test_the_plan_follows_each_setting_changed_after_it_was_chosen(fake_world):
     model.set_force_sum_reduction_for_comms(True)
     assert reduce.plan(torch.float32) == chosen(divide_factor=8.0, force_sum=True)
     model.set_force_sum_reduction_for_comms(False)
-    model.set_custom_reduce_scatter(_RecordingReduceScatter())  # takes PREMUL_SUM, as PyTorch's
+    model.set_custom_reduce_scatter(RecordingReduceScatter())  # takes PREMUL_SUM, as PyTorch's
     assert reduce.plan(torch.float32) == chosen(divide_factor=8.0, premul=True)
 
 

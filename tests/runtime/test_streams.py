@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp2.runtime import collectives, schedule
 from fsdp2.models.gpt import GPT
 from fsdp2.runtime.streams import CommStreams, GatherBuffers, SideStream
-from tests.runtime.test_features import CFG, _gpt_pair, _shard_gpt, _train_parity
+from tests.support.models import CFG
+from tests.support.parity import gpt_pair, shard_gpt, train_parity
 
 
 class StreamLog:
@@ -168,7 +169,7 @@ def _reduce_buffer_freed(log: StreamLog, issued_at: int) -> None:
 def _protocol(rank, ws):
     log = StreamLog()
     with _recorded(log):
-        model, ref = _gpt_pair()  # 2 blocks + root, 3 all-gathers per forward
+        model, ref = gpt_pair()  # 2 blocks + root, 3 all-gathers per forward
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         x = torch.randint(0, 67, (2, 16))
         for _ in range(3):
@@ -201,11 +202,11 @@ def _parity_on_streams(rank, ws, hybrid):
         if hybrid:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
             ref = GPT(CFG)
-            model = _shard_gpt(copy.deepcopy(ref), mesh=mesh)
-            _train_parity(rank, ws, model, ref)
+            model = shard_gpt(copy.deepcopy(ref), mesh=mesh)
+            train_parity(rank, ws, model, ref)
         else:
-            model, ref = _gpt_pair()
-            _train_parity(rank, ws, model, ref)
+            model, ref = gpt_pair()
+            train_parity(rank, ws, model, ref)
         del model
         gc.collect()
     assert not log.violations, log.violations
@@ -231,8 +232,8 @@ def _one_rank(rank, ws, shortcut):
     log = StreamLog()
     with _recorded(log), count_comm() as stats:
         with contextlib.nullcontext() if shortcut else schedule.always_communicate():
-            model, ref = _gpt_pair()
-        _train_parity(rank, ws, model, ref)
+            model, ref = gpt_pair()
+        train_parity(rank, ws, model, ref)
         del model
         gc.collect()
     assert not log.violations, log.violations
