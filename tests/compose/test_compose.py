@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from tests.runtime.test_dropin import CFG, _assert_same_params, _batch, _full, _shard_blocks_then_root, _twins
+from tests.runtime.side_by_side import full as _full
+from tests.runtime.test_dropin import CFG, _assert_same_params, _batch, _shard_blocks_then_root, _twins
 from tests.compile.test_traced import _assert_same, _loss
 from fsdp2.models import GPT
 

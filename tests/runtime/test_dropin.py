@@ -22,9 +22,11 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2.models import GPT, GPTConfig
+from tests.runtime.side_by_side import CollectiveCounter as _CollectiveCounter
+from tests.runtime.side_by_side import assert_same_params as _assert_same_params
+from tests.runtime.side_by_side import twins as _twins
 from tests.runtime.test_features import _ReentrantCheckpointBlock
 
 CFG = GPTConfig(vocab_size=67, seq_len=16, dim=36, n_layers=2, n_heads=3)
@@ -56,43 +58,11 @@ def _shard_blocks_then_root(model, fully_shard, **kwargs):
     return model
 
 
-def _twins(build, shard):
-    """(PyTorch-sharded, fsdp2-sharded) copies of one model built from one seed."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from fsdp2 import fully_shard
-
-    torch.manual_seed(0)
-    base = build()
-    theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
-    shard(theirs, torch_fully_shard)
-    shard(ours, fully_shard)
-    return theirs, ours
-
-
 def _batch(step, rank, ws, cfg=CFG):
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, cfg.vocab_size, (2 * ws, cfg.seq_len + 1), generator=g)
     local = tokens[2 * rank : 2 * rank + 2]
     return local[:, :-1], local[:, 1:]
-
-
-class _CollectiveCounter(TorchDispatchMode):
-    """Counts the c10d collectives (and functional collectives) issued, as DTensor's
-    ``CommDebugMode`` does, without its module tracking, which fails when a backward runs
-    between a module's forwards (a chunked loss)."""
-
-    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if func.namespace in self.NAMESPACES and "wait" not in name:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def _step(model, opt, step, rank, ws, loss_fn=None):
@@ -105,15 +75,6 @@ def _step(model, opt, step, rank, ws, loss_fn=None):
     opt.step()
     opt.zero_grad()
     return loss.detach(), comm.counts
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _assert_same_params(theirs, ours):
-    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
-        assert torch.equal(_full(a), _full(b)), f"parameter {name} differs from PyTorch FSDP2"
 
 
 def _train_side_by_side(theirs, ours, rank, ws, steps=3, loss_fn=None, optimizer=torch.optim.AdamW, before_step=None):
