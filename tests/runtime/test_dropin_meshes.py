@@ -93,6 +93,13 @@ def test_tensor_parallel_on_meshes_made_by_unflattening_like_pytorch(worlds, kin
     worlds.run(4, _tensor_parallel_side_by_side, kind, False, 1)
 
 
+@pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 cannot join meshes made by unflattening")
+def test_partial_gradients_summed_over_microbatches_like_pytorch(worlds):
+    """Norm weights replicated under sequence parallelism get pending-sum (Partial) gradients in
+    bf16; across backwards without sync they add up in the reduce dtype and are reduced once."""
+    worlds.run(4, _tensor_parallel_side_by_side, "unflattened", True, 3)
+
+
 def _tp_mesh_of_another_root(rank, ws):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor
