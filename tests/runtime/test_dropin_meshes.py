@@ -277,6 +277,29 @@ def _build_two_mesh_net(seed, fully_shard_fn=None):
     return fully_shard(model, mesh=dp_mesh)
 
 
+def _checkpoint_over_two_meshes(rank, ws, path):
+    """fsdp2.checkpoint saves a call over two meshes (unflattened from one world mesh, as
+    torchtitan's) and loads it back into a model built from another seed."""
+    from fsdp2 import checkpoint
+
+    def full(model):
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+    source = _build_two_mesh_net(seed=1)
+    expected = full(source)
+    checkpoint.save(path, source)
+    target = _build_two_mesh_net(seed=2)
+    assert any(not torch.equal(v, expected[k]) for k, v in full(target).items())
+    checkpoint.load(path, target)
+    return [k for k, v in full(target).items() if not torch.equal(v, expected[k])]
+
+
+@pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 has no ShardPlacementResult")
+def test_checkpoint_of_one_call_over_two_meshes(worlds, tmp_path):
+    differing = worlds.run(4, _checkpoint_over_two_meshes, str(tmp_path / "ckpt"))[0]
+    assert differing == [], f"loaded back differently: {differing}"
+
+
 def _mesh_without_the_calls_ranks(rank, ws):
     from types import SimpleNamespace
 
