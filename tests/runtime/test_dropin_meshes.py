@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 
 from fsdp2.models import Llama, LlamaConfig
 from tests.runtime.side_by_side import (
@@ -95,6 +96,12 @@ def test_tensor_parallel_on_meshes_made_by_unflattening_like_pytorch(worlds, kin
 
 
 @pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 cannot join meshes made by unflattening")
+@pytest.mark.xfail(
+    TorchVersion(torch.__version__) >= "2.15",
+    reason="PyTorch 2.15's FSDP2 gives TP-replicated parameters Parameter.grad_dtype = reduce dtype, so autograd "
+    "computes their gradients at that precision; fsdp2 does not set grad_dtype yet",
+    strict=True,
+)
 def test_partial_gradients_summed_over_microbatches_like_pytorch(worlds):
     """Norm weights replicated under sequence parallelism get pending-sum (Partial) gradients in
     bf16; across backwards without sync they add up in the reduce dtype and are reduced once."""
@@ -216,6 +223,9 @@ def _experts_on_their_mesh(rank, ws, expert_placement, explicit_prefetch, steps=
     assert_same_layout(theirs, ours)
     views = [torch_fsdp.fully_shard.state(m.blocks[0])._fsdp_param_groups for m in (theirs, ours)]
     assert [len(v) for v in views] == [2, 2], views
+    for model in (theirs, ours):  # the one-group accessor refuses, in both
+        with pytest.raises(AssertionError, match="_fsdp_param_groups"):
+            torch_fsdp.fully_shard.state(model.blocks[0])._fsdp_param_group
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
