@@ -85,13 +85,15 @@ def _first_among_sibling_meshes(mesh) -> bool:
     """True unless another copy of ``mesh`` (a slice of a larger mesh) holds the same data first.
 
     A DTensor on ``mesh["dp"]`` of a (dp, tp) mesh -- e.g. a norm weight that tensor parallelism
-    left alone -- is held identically by every tp peer; the peer at tp coordinate 0 writes it.
+    left alone -- is held identically by every tp peer; the peers' copy at coordinate 0 of the
+    other dims writes it: the copy holding the root's first rank. Read from the ranks, not the dim
+    names, so meshes unflattened from a flat world mesh (whose root names none of their dims)
+    count the same way.
     """
     root = compat.root_mesh(mesh)
-    if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+    if root is mesh:
         return True
-    root_coord = root.get_coordinate()
-    return all(c == 0 for name, c in zip(root.mesh_dim_names, root_coord) if name not in mesh.mesh_dim_names)
+    return int(root.mesh.flatten()[0]) in mesh.mesh.flatten().tolist()
 
 
 def _owned_region(value: torch.Tensor, rank: int) -> Region | None:

@@ -85,7 +85,11 @@ def sharded_spec(fqn: str, param: torch.Tensor, dp: DataParallelMesh, shard_dim:
 
 
 def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp..., tp...) mesh both were sliced from; the data-parallel dims must come first."""
+    """The (dp..., tp...) mesh: the data-parallel mesh's dims, then the TP mesh's.
+
+    Both must come from one root mesh, in any order of dims: named dims of one ``init_device_mesh``,
+    or meshes made by unflattening one flat world mesh (torchtitan's), whose root names neither's dims.
+    """
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if not dp_names or not tp_names or set(dp_names) & set(tp_names):
         raise FSDPUsageRuntimeError(
@@ -94,21 +98,29 @@ def _combined_mesh(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Device
             "mesh: mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], "
             "plan); fully_shard(m, mesh=mesh['dp'])."
         )
-    root = compat.root_mesh(dp_mesh)
-    if root != compat.root_mesh(tp_mesh):  # equal, not identical: DeviceMesh caches slices
+    fix = (
+        "Slice the data-parallel and tensor-parallel meshes from one DeviceMesh: "
+        "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and mesh['dp'], mesh['tp'], or unflatten one world "
+        "mesh into both."
+    )
+    if _ranks_in_order(dp_mesh) != _ranks_in_order(tp_mesh):
         raise FSDPUsageRuntimeError(
-            f"fully_shard: parameter {fqn} is tensor-parallel on a mesh that is not a sibling of the "
-            "data-parallel mesh; slice both from one DeviceMesh (init_device_mesh(..., mesh_dim_names=...))."
+            f"fully_shard: parameter {fqn} is tensor-parallel on {tp_mesh}, which shares no root mesh with the "
+            f"data-parallel mesh {dp_mesh} (their roots order the ranks differently). {fix}"
         )
-    if tuple(root.mesh_dim_names) == tuple(dp_names) + tuple(tp_names):
-        return root
-    names = tuple(dp_names) + tuple(tp_names)
-    if list(root.mesh_dim_names).index(names[0]) > list(root.mesh_dim_names).index(tp_names[0]):
-        raise FSDPUsageError(
-            f"fully_shard: mesh dims {root.mesh_dim_names}: the data-parallel dims {dp_names} must come "
-            f"before the tensor-parallel dims {tp_names}."
-        )
-    return root[names]
+    try:
+        return compat.concatenate_meshes([dp_mesh, tp_mesh])
+    except (KeyError, RuntimeError, ValueError) as e:  # overlapping dims, or a torch that cannot join them
+        raise FSDPUsageRuntimeError(
+            f"fully_shard: parameter {fqn} is tensor-parallel on {tp_mesh}, which cannot be joined with the "
+            f"data-parallel mesh {dp_mesh} ({e}). {fix}"
+        ) from e
+
+
+def _ranks_in_order(mesh: DeviceMesh) -> list[int]:
+    """The ranks of the mesh ``mesh`` was sliced or unflattened from, in its order: meshes whose
+    roots list the same ranks in the same order have dims that index the same devices."""
+    return compat.root_mesh(mesh).mesh.flatten().tolist()
 
 
 def _spmd_spec(fqn: str, param: DTensor, dp: DataParallelMesh, shard_dim: int) -> ShardedSpec:

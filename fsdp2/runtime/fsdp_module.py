@@ -32,7 +32,8 @@ class UnshardHandle(compat.TorchUnshardHandle):
         self._state = state
 
     def wait(self) -> None:
-        self._state.group.wait_for_unshard()
+        for group in self._state.groups:
+            group.wait_for_unshard()
 
 
 class GradientReductionHandle(compat.TorchGradientReductionHandle):
@@ -97,7 +98,8 @@ class FSDPModule(compat.TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (e.g. ahead of its forward)."""
         state = self._fsdp_state
-        state.group.unshard(async_op=async_op)
+        for group in state.groups:
+            group.unshard(async_op=async_op)
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -106,7 +108,8 @@ class FSDPModule(compat.TorchFSDPModule):
 
     def reshard(self) -> None:
         """Free this module's gathered parameters; only the shards remain. Not recursive."""
-        self._fsdp_state.group.reshard()
+        for group in self._fsdp_state.groups:
+            group.reshard()
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: reshard everything, forget the
@@ -126,20 +129,23 @@ class FSDPModule(compat.TorchFSDPModule):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
-            state.group.requires_gradient_sync = requires_gradient_sync
+            for group in state.groups:
+                group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across
         replicas (accumulation); the next all-reduce includes them."""
         for state in self._fsdp_states(recurse):
-            state.group.reduce.requires_all_reduce = requires_all_reduce
+            for group in state.groups:
+                group.reduce.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size.
         Not recursive (as in PyTorch): call it on each module whose factor should change."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
-        self._fsdp_state.group.reduce.divide_factor = float(factor)
+        for group in self._fsdp_state.groups:
+            group.reduce.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
@@ -153,19 +159,23 @@ class FSDPModule(compat.TorchFSDPModule):
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """``hook(reduce_output)`` runs on each reduced gradient bucket of this module (after the
         HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``.
-        ``stream`` is accepted
-        for compatibility: the hook runs where the reduction runs."""
+        ``stream`` is accepted for compatibility: the hook runs where the reduction runs. A module
+        whose parameters are sharded on several meshes (``ShardPlacementResult``) calls it for
+        each mesh's buckets (PyTorch's FSDP2 refuses such a module)."""
         if not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
-        self._fsdp_state.group.reduce.all_reduce_hook = hook
-        self._fsdp_state.traced.prepare_buckets()  # the compiled step hands the hook undivided shards
+        state = self._fsdp_state
+        for group, traced in zip(state.groups, state.traced_groups):
+            group.reduce.all_reduce_hook = hook
+            traced.prepare_buckets()  # the compiled step hands the hook undivided shards
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: parameters without a gradient this backward are reduced as zeros, so ranks whose
         control flow used different parameters still issue matching reduce-scatters. Default
         False (as PyTorch): such parameters keep ``.grad`` None."""
         for state in self._fsdp_states(recurse):
-            state.group.reduce.include_unused = reduce_scatter_unused_params
+            for group in state.groups:
+                group.reduce.include_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight under this module's root (default 2)."""
@@ -186,35 +196,43 @@ class FSDPModule(compat.TorchFSDPModule):
         """Run reduce-scatters on a process group of their own (collective: call it on every rank)."""
         groups: dict[tuple[int, ...], Any] = {}
         for state in self._fsdp_states(recurse):
-            reduce = state.group.reduce
-            if not enable:
-                reduce.reduce_scatter_group = None
-                continue
-            ranks = tuple(dist.get_process_group_ranks(reduce.dp.shard_group))
-            if ranks not in groups:
-                groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            reduce.reduce_scatter_group = groups[ranks]
+            for group in state.groups:
+                reduce = group.reduce
+                if not enable:
+                    reduce.reduce_scatter_group = None
+                    continue
+                ranks = tuple(dist.get_process_group_ranks(reduce.dp.shard_group))
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                reduce.reduce_scatter_group = groups[ranks]
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(size, *, dtype, device)`` and ``comm(output, input, group,
-        async_op)``) for this module's all-gathers instead of c10d's."""
+        async_op)``) for this module's all-gathers instead of c10d's. Parameters sharded on
+        several meshes: every mesh's all-gather calls it, with that mesh's process group."""
         _check_comm(comm, "set_custom_all_gather")
-        self._fsdp_state.group.gather.custom_all_gather = comm
-        self._fsdp_state.traced.use_custom_comm("all_gather", comm)
+        state = self._fsdp_state
+        for group, traced in zip(state.groups, state.traced_groups):
+            group.gather.custom_all_gather = comm
+            traced.use_custom_comm("all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
         reducing with the c10d ``op`` PyTorch's FSDP2 would pass) for this module's reduce-scatters
-        instead of c10d's."""
+        instead of c10d's. Parameters sharded on several meshes: every mesh's reduce-scatter calls
+        it, with that mesh's process group."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        self._fsdp_state.group.reduce.custom_reduce_scatter = comm
-        self._fsdp_state.traced.use_custom_comm("reduce_scatter", comm)
+        state = self._fsdp_state
+        for group, traced in zip(state.groups, state.traced_groups):
+            group.reduce.custom_reduce_scatter = comm
+            traced.use_custom_comm("reduce_scatter", comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: this module's gradient collectives reduce with SUM only, and the division by the
         data-parallel size (or the gradient divide factor) runs as separate ops; False (default):
         AVG/PREMUL_SUM where PyTorch's FSDP2 uses them. Not recursive, as in PyTorch."""
-        self._fsdp_state.group.reduce.force_sum = bool(enable)
+        for group in self._fsdp_state.groups:
+            group.reduce.force_sum = bool(enable)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's
@@ -227,8 +245,9 @@ class FSDPModule(compat.TorchFSDPModule):
         ``recurse=False`` only this module's own group changes (e.g. keep the root's embeddings
         and head exact: ``model.set_all_gather_policy(None, recurse=False)`` after setting it on all)."""
         for state in self._fsdp_states(recurse):
-            state.group.set_all_gather_policy(policy, type(self).__name__)
-            state.traced.prepare_buckets()  # the compiled step buckets quantized parameters apart
+            for group, traced in zip(state.groups, state.traced_groups):
+                group.set_all_gather_policy(policy, type(self).__name__)
+                traced.prepare_buckets()  # the compiled step buckets quantized parameters apart
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise FSDPUsageError(
@@ -244,16 +263,19 @@ class FSDPModule(compat.TorchFSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise FSDPUsageError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
-            state.group.reshard_after_forward.set(reshard_after_forward)
+            for group in state.groups:
+                group.reshard_after_forward.set(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
-            state.group.reshard_after_backward = reshard_after_backward
+            for group in state.groups:
+                group.reshard_after_backward = reshard_after_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward does not gather this module's parameters (none is needed to compute
         its gradients, e.g. an embedding); its gradients are still reduced."""
-        self._fsdp_state.group.unshard_in_backward = unshard_in_backward
+        for group in self._fsdp_state.groups:
+            group.unshard_in_backward = unshard_in_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """True: backward iterations end when the caller calls :meth:`finalize_backward` (on this
@@ -313,7 +335,8 @@ class FSDPModule(compat.TorchFSDPModule):
         the same memory, so their data pointers stay the same, as CUDA graph capture needs), at
         the cost of holding it between uses. False (default): resharding frees it."""
         for state in self._fsdp_states(recurse):
-            state.group.keep_unsharded_storage = bool(keep)
+            for group in state.groups:
+                group.keep_unsharded_storage = bool(keep)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward is not the last before the optimizer step (microbatching):
@@ -339,13 +362,13 @@ class FSDPModule(compat.TorchFSDPModule):
     def _apply(self, fn, recurse: bool = True):
         # to()/to_empty()/cuda() replace parameter contents: reshard first so the shards are
         # what is registered, then re-read them (dtypes may have changed).
-        states = self._fsdp_states(recurse=True)
-        for state in states:
-            state.group.reshard()
+        groups = [group for state in self._fsdp_states(recurse=True) for group in state.groups]
+        for group in groups:
+            group.reshard()
         # Past PyTorch's FSDPModule._apply (it reads PyTorch's state) to the module's own class.
         result = compat.apply_past_torch_fsdp_module(self, fn, recurse)
-        for state in states:
-            state.group.refresh_params()
+        for group in groups:
+            group.refresh_params()
         return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):

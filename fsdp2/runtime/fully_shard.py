@@ -52,6 +52,7 @@ class _ParamPlan:
     """What fully_shard will do with one parameter, decided before anything is changed."""
 
     managed: schedule.ManagedParam
+    dp: DataParallelMesh | None = None  # the mesh it is sharded on: the call's, or shard_placement_fn's
     shard_dim: int = 0
     spec: ShardedSpec | None = None
 
@@ -72,10 +73,12 @@ def fully_shard(
 
     Apply it bottom-up: to each block first, then to the root. Every managed parameter becomes an
     ``nn.Parameter`` wrapping a DTensor (``Shard(0)`` on ``mesh`` unless ``shard_placement_fn``
-    says otherwise). Forward and backward all-gather the parameters just in time and
-    reduce-scatter the gradients. ``reshard_after_forward`` None (default) frees the parameters
-    after forward except in the root, True frees them, False keeps them, ``k`` keeps 1/k of them
-    for backward. Returns ``module``, whose class now also derives from :class:`FSDPModule`.
+    says otherwise; a ``ShardPlacementResult`` may name another mesh, whose parameters form a
+    group of their own, gathered and reduced in their own collectives). Forward and backward
+    all-gather the parameters just in time and reduce-scatter the gradients.
+    ``reshard_after_forward`` None (default) frees the parameters after forward except in the
+    root, True frees them, False keeps them, ``k`` keeps 1/k of them for backward. Returns
+    ``module``, whose class now also derives from :class:`FSDPModule`.
     """
     modules = _modules_of(module)
     name = "+".join(type(m).__name__ for m in modules)
@@ -91,16 +94,21 @@ def fully_shard(
     _check_reshard_after_forward(reshard_after_forward, dp, name)
     plans = _plan_params(modules, set(ignored_params or ()), name)
     _check_devices(plans, dp, name)
+    meshes = _CallMeshes(dp, name)
     for plan in plans:
-        plan.shard_dim = _shard_dim(plan, shard_placement_fn, dp, name)
-        plan.spec = sharded_spec(plan.managed.fqn, plan.managed.param, dp, plan.shard_dim)
-        extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, dp, name)
-    subgroup = None
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) and plans:
-        if 1 < reshard_after_forward < dp.shard_size:
-            group, position = dp.subgroup(reshard_after_forward)  # collective: before any change
-            across = dp.across_subgroups(reshard_after_forward)
-            subgroup = Subgroup(group, position, reshard_after_forward, across)
+        plan.dp, plan.shard_dim = _placement(plan, shard_placement_fn, meshes, name)
+        plan.spec = sharded_spec(plan.managed.fqn, plan.managed.param, plan.dp, plan.shard_dim)
+        extensions.check_hooks(plan.managed.fqn, plan.spec.fsdp_input, plan.shard_dim, plan.dp, name)
+    # One group per mesh, in the order of their first parameters (PyTorch's order).
+    group_meshes: list[DataParallelMesh] = []
+    for plan in plans:
+        if not any(plan.dp is m for m in group_meshes):
+            group_meshes.append(plan.dp)
+    for group_dp in group_meshes:
+        if group_dp is not dp:
+            _check_reshard_after_forward(reshard_after_forward, group_dp, name)
+    # Collective (every rank, same order): before any change.
+    subgroups = [_subgroup(reshard_after_forward, group_dp) for group_dp in group_meshes]
 
     # Validation is over: from here on we change the module.
     for prepare in _before_change:
@@ -110,7 +118,7 @@ def fully_shard(
             p.managed.fqn,
             p.managed.param,
             [ParamSlot(m, n) for m, n in p.managed.places],
-            dp,
+            p.dp,
             p.shard_dim,
             p.spec,
             mp_policy,
@@ -121,17 +129,35 @@ def fully_shard(
     ]
     for m in modules:
         _move_buffers(m, dp)
-    group = ParamGroup(sharded, dp, ReshardAfterForward(reshard_after_forward, dp.shard_size, subgroup), name)
-    state = FSDPState(modules, group, mp_policy)
+    groups = [
+        ParamGroup(
+            [param for param, plan in zip(sharded, plans) if plan.dp is group_dp],
+            group_dp,
+            ReshardAfterForward(reshard_after_forward, group_dp.shard_size, subgroup),
+            name,
+        )
+        for group_dp, subgroup in zip(group_meshes, subgroups)
+    ] or [ParamGroup([], dp, ReshardAfterForward(reshard_after_forward, dp.shard_size), name)]
+    state = FSDPState(modules, groups, mp_policy)
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
         compat.mark_fully_sharded(m)
         # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
         compat.set_torch_fully_shard_state(m, TorchStateView.of(state))
-    _register_state_dict_hooks(group)
+    for group in groups:
+        _register_state_dict_hooks(group)
     _link_traced_forward_order(modules)
     return module
+
+
+def _subgroup(reshard_after_forward: Any, dp: DataParallelMesh) -> Subgroup | None:
+    """The k-rank subgroup ``reshard_after_forward=k`` reshards to on ``dp`` (collective), if any."""
+    k = reshard_after_forward
+    if isinstance(k, int) and not isinstance(k, bool) and 1 < k < dp.shard_size:
+        group, position = dp.subgroup(k)
+        return Subgroup(group, position, k, dp.across_subgroups(k))
+    return None
 
 
 def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
@@ -143,7 +169,7 @@ def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
             state = m.__dict__.get("_fsdp_state")
             if isinstance(state, FSDPState) and state not in states:
                 states.append(state)
-    traced.link_forward_order([state.traced for state in states])
+    traced.link_forward_order([t for state in states for t in state.traced_groups])
 
 
 def _state_of(module: nn.Module) -> TorchStateView | None:
@@ -259,17 +285,21 @@ def _check_devices(plans: list[_ParamPlan], dp: DataParallelMesh, name: str) -> 
             )
 
 
-def _shard_dim(plan: _ParamPlan, shard_placement_fn, dp: DataParallelMesh, name: str) -> int:
+def _placement(plan: _ParamPlan, shard_placement_fn, meshes: "_CallMeshes", name: str) -> tuple[DataParallelMesh, int]:
+    """The mesh a parameter is sharded on and its shard dim, from ``shard_placement_fn``'s answer:
+    None, ``Shard(dim)``, or PyTorch 2.13's ``ShardPlacementResult(placement, mesh_info)``."""
     param, fqn = plan.managed.param, plan.managed.fqn
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    dp = meshes.default
     if compat.ShardPlacementResult is not None and isinstance(placement, compat.ShardPlacementResult):
-        placement = _placement_on_this_mesh(placement, dp, fqn, name)
+        dp = meshes.of_result(placement.mesh_info, fqn)
+        placement = placement.placement
     if placement is None:
-        return 0
+        return dp, 0
     if not isinstance(placement, Shard):
         raise FSDPUsageError(
             f"fully_shard({name}): shard_placement_fn returned {placement!r} for {fqn}; expected Shard(dim), "
-            "a ShardPlacementResult on fully_shard's mesh, or None"
+            "a ShardPlacementResult, or None"
         )
     ndim = param.dim()
     if not -ndim <= placement.dim < ndim:
@@ -277,22 +307,55 @@ def _shard_dim(plan: _ParamPlan, shard_placement_fn, dp: DataParallelMesh, name:
             f"fully_shard({name}): shard_placement_fn returned Shard({placement.dim}) for {fqn} of shape "
             f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})."
         )
-    return placement.dim % ndim
+    return dp, placement.dim % ndim
 
 
-def _placement_on_this_mesh(result: Any, dp: DataParallelMesh, fqn: str, name: str) -> Shard | None:
-    """The placement of PyTorch 2.13's ``ShardPlacementResult(placement, mesh_info)``, whose mesh must
-    be the one this call shards on: fsdp2 gathers a fully_shard call's parameters in one collective
-    over one mesh, so it refuses per-parameter meshes rather than shard them elsewhere."""
-    mesh = getattr(result.mesh_info, "mesh", None)
-    if mesh != dp.mesh and mesh != dp.shard_mesh:
-        raise FSDPUsageError(
-            f"fully_shard({name}): shard_placement_fn returned a ShardPlacementResult for {fqn} on mesh {mesh}, "
-            f"not this call's mesh {dp.mesh}; fsdp2 shards the parameters of one fully_shard call on one mesh. "
-            "Apply fully_shard to the module holding these parameters (e.g. the MoE experts) first, with "
-            "mesh=<their mesh>, then to its parent."
-        )
-    return result.placement
+class _CallMeshes:
+    """The data-parallel meshes of one fully_shard call: its own, and those ``shard_placement_fn``
+    names through ``ShardPlacementResult`` mesh infos, one object per pair of process groups
+    (shard, replicate), as PyTorch's FSDP2 groups parameters."""
+
+    def __init__(self, default: DataParallelMesh, name: str):
+        self.default = default
+        self.name = name
+        self._by_groups = {(default.shard_group, default.replicate_group): default}
+
+    def of_result(self, mesh_info: Any, fqn: str) -> DataParallelMesh:
+        mesh = getattr(mesh_info, "mesh", None)
+        default = self.default
+        if mesh is not None and (mesh == default.mesh or mesh == default.shard_mesh):
+            return default
+        where = f"fully_shard({self.name}): shard_placement_fn put parameter {fqn} on mesh {mesh}"
+        if not isinstance(mesh, DeviceMesh) or getattr(mesh_info, "shard_mesh_dim", None) is None:
+            raise FSDPUsageError(
+                f"{where} with {type(mesh_info).__name__}; a ShardPlacementResult needs an FSDPMeshInfo or "
+                "HSDPMeshInfo whose mesh is a DeviceMesh."
+            )
+        if getattr(mesh_info, "is_spmd_mesh", False):
+            raise FSDPUsageNotImplementedError(
+                f"{where} with dp_mesh_dims (a full SPMD mesh); fsdp2 takes dp_mesh_dims for the call's own mesh "
+                "only. Give the parameter a mesh info of its data-parallel mesh, or the call's mesh."
+            )
+        shard_dim, replicate_dim = mesh_info.shard_mesh_dim, getattr(mesh_info, "replicate_mesh_dim", None)
+        if (mesh.ndim, shard_dim, replicate_dim) not in ((1, 0, None), (2, 1, 0)):
+            raise FSDPUsageNotImplementedError(
+                f"{where} (shard dim {shard_dim}, replicate dim {replicate_dim}); fsdp2 shards on a 1-D mesh "
+                "(FSDPMeshInfo(mesh, shard_mesh_dim=0)) or a 2-D (replicate, shard) mesh (HSDPMeshInfo(mesh, "
+                "shard_mesh_dim=1, replicate_mesh_dim=0))."
+            )
+        # This rank's data-parallel peers must each hold their part of the parameter: its mesh (one
+        # copy per rank, sliced or unflattened from a root) must cover them.
+        ours = set(default.mesh.mesh.flatten().tolist())
+        theirs = set(compat.root_mesh(mesh).mesh.flatten().tolist())
+        if not ours <= theirs:
+            raise FSDPUsageError(
+                f"{where}, whose ranks {sorted(theirs)} do not contain the call's data-parallel ranks "
+                f"{sorted(ours)} (mesh {default.mesh}). Give it a mesh sliced or unflattened from the mesh the "
+                "data-parallel mesh comes from, e.g. FSDPMeshInfo(world_mesh._unflatten(0, (efsdp, ep), "
+                "('efsdp', 'ep'))['efsdp'], shard_mesh_dim=0)."
+            )
+        dp = DataParallelMesh.from_mesh(mesh, self.name)
+        return self._by_groups.setdefault((dp.shard_group, dp.replicate_group), dp)
 
 
 def _move_buffers(module: nn.Module, dp: DataParallelMesh) -> None:

@@ -1,7 +1,8 @@
 """Forward/backward hooks of one fully_shard call, and the root's per-iteration state.
 
 Each fully_shard call gets an :class:`FSDPState`: hooks on its module(s) that move its
-:class:`ParamGroup` through the step (``pre_forward`` ... ``finalize_backward``). The first
+:class:`ParamGroup` (one per mesh its parameters are sharded on, usually one) through the step
+(``pre_forward`` ... ``finalize_backward``). The first
 state to run forward becomes the root (lazy init): it owns a :class:`Root` shared by every state
 below it, which orders backward prefetch, bounds reductions in flight and finishes backward.
 Calls flow downward: hooks -> group -> gather/reduce -> collectives.
@@ -81,7 +82,7 @@ class Root:
         self.finalization = settings.finalization
         self._awaited_by: object | None = None  # in REDUCING: the handle whose wait() completes it
         self.reduce_window = ReduceWindow(settings.max_reduces_in_flight)
-        groups = [s.group for s in states]
+        groups = [g for s in states for g in s.groups]
         self.streams = groups[0].streams
         self._offloads = any(p.offload for g in groups for p in g.params)
         # Inside the root's forward the all-gather stream need not wait for compute before
@@ -130,13 +131,17 @@ class Root:
         # A backward through the root's outputs ends every group's backward. One that never
         # reached them (a chunked loss's per-chunk backward through the head alone) ends only the
         # groups it ran: the others keep what they hold for the backward still to come.
-        whole_model = self.root_state.group.phase is not Phase.IDLE
+        whole_model = False
+        for group in self.root_state.groups:
+            if group.phase is not Phase.IDLE:
+                whole_model = True
         for state in reversed(self.states):
-            if whole_model or state.group.phase is not Phase.IDLE:
-                if manual:
-                    state.group.end_backward_before_finalize()
-                else:
-                    state.group.finalize_backward()
+            for group in reversed(state.groups):  # as backward ran them
+                if whole_model or group.phase is not Phase.IDLE:
+                    if manual:
+                        group.end_backward_before_finalize()
+                    else:
+                        group.finalize_backward()
             # A group some of whose modules ran alone after forward (the chunk's head) starts
             # its next forward afresh, gathering again what this backward freed.
             state.forget_forward()
@@ -157,7 +162,8 @@ class Root:
         self._check_finalize()
         logger.debug("FSDP::finalize_backward")
         for state in reversed(self.states):
-            state.group.finalize_backward()
+            for group in reversed(state.groups):
+                group.finalize_backward()
             state.forget_forward()
         if awaited_by is None:
             self._complete()
@@ -196,22 +202,24 @@ class Root:
                 "set_manual_backward_finalization(True) on the root before the forward"
             )
         for state in self.states:
-            group = state.group
-            reduce = group.reduce
-            if reduce.holds_partial_sums or (
-                group.dp.is_hybrid and not reduce.requires_all_reduce and group.has_unreduced_grads
-            ):
-                raise FSDPUsageRuntimeError(
-                    f"{name}.finalize_backward: fully_shard({state.name}) keeps HSDP sums for a later all-reduce "
-                    "(set_requires_all_reduce(False)), which manual finalization does not support; call "
-                    "set_requires_all_reduce(True) before backward, or finalize automatically"
-                )
+            for group in state.groups:
+                reduce = group.reduce
+                if reduce.holds_partial_sums or (
+                    group.dp.is_hybrid and not reduce.requires_all_reduce and group.has_unreduced_grads
+                ):
+                    raise FSDPUsageRuntimeError(
+                        f"{name}.finalize_backward: fully_shard({state.name}) keeps HSDP sums for a later all-reduce "
+                        "(set_requires_all_reduce(False)), which manual finalization does not support; call "
+                        "set_requires_all_reduce(True) before backward, or finalize automatically"
+                    )
 
     def reset(self) -> None:
         """Abandon the current iteration (``FSDPModule.reset_iter_state``)."""
         for state in self.states:
-            state.group.reset_iteration()
-            state.traced.discard_pending_grads()
+            for group in state.groups:
+                group.reset_iteration()
+            for traced in state.traced_groups:
+                traced.discard_pending_grads()
             state.forget_forward()
         self.reduce_window.discard()
         self.post_forward_order.clear()
@@ -221,12 +229,17 @@ class Root:
 
 
 class FSDPState:
-    """The hooks of one fully_shard call over ``modules`` (one, or several forming one group)."""
+    """The hooks of one fully_shard call over ``modules`` (one, or several forming one group).
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup, mp_policy: MixedPrecisionPolicy):
+    Its parameters form one :class:`ParamGroup` per mesh they are sharded on (``groups``: one,
+    unless ``shard_placement_fn`` put some on another mesh), each with its own collectives; the
+    verbs apply to every group, in order (backward: in reverse).
+    """
+
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[ParamGroup], mp_policy: MixedPrecisionPolicy):
         self.modules = modules
-        self.name = group.name
-        self.group = group
+        self.name = groups[0].name
+        self.groups = groups
         self.mp_policy = mp_policy
         self.root: Root | None = None  # set on the first forward (lazy init)
         self.is_root = False
@@ -234,10 +247,30 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit (reverse forward order)
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
-        self.traced = TracedGroup(group, modules)  # the hooks' path while torch.compile traces them
+        # The hooks' path while torch.compile traces them: one per group.
+        self.traced_groups = [TracedGroup(group, modules) for group in groups]
         for module in modules:
             module.register_forward_pre_hook(_registered_pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(_registered_post_forward, with_kwargs=True)
+
+    @property
+    def group(self) -> ParamGroup:
+        """The state's one group (most states have one; see ``groups``)."""
+        self._check_one_group()
+        return self.groups[0]
+
+    @property
+    def traced(self) -> TracedGroup:
+        """The one group's traced path (see ``traced_groups``)."""
+        self._check_one_group()
+        return self.traced_groups[0]
+
+    def _check_one_group(self) -> None:
+        if len(self.groups) != 1:
+            raise FSDPUsageError(
+                f"fully_shard({self.name}) shards its parameters on {len(self.groups)} meshes, one group each: "
+                "read FSDPState.groups (and traced_groups)"
+            )
 
     # -- lazy init ----------------------------------------------------------------------------------
 
@@ -260,9 +293,10 @@ class FSDPState:
             state.root = root
             state.is_root = state is self
             state.settings = self.settings
-            state.group.reshard_after_forward.resolve(is_root=state.is_root)
-            state.group.reduce_window = root.reduce_window
-            state.group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
+            for group in state.groups:
+                group.reshard_after_forward.resolve(is_root=state.is_root)
+                group.reduce_window = root.reduce_window
+                group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
         self._name_groups(states)
         logger.debug("FSDP::lazy_init: root %s over %d fully_shard groups", self.name, len(states))
 
@@ -274,7 +308,8 @@ class FSDPState:
             if state is not None:
                 paths.setdefault(id(state), []).append(path)
         for state in states:
-            state.group.module_fqn = ", ".join(paths.get(id(state), []))
+            for group in state.groups:
+                group.module_fqn = ", ".join(paths.get(id(state), []))
 
     # -- forward --------------------------------------------------------------------------------------
 
@@ -284,9 +319,22 @@ class FSDPState:
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            self.traced.pre_forward([other.traced for other in self.forward_prefetch])
+            self._traced().pre_forward([other._traced() for other in self.forward_prefetch])
             return self._cast_inputs(args, kwargs)
         return self._eager_pre_forward(module, args, kwargs)
+
+    def _traced(self) -> TracedGroup:
+        """The traced path of this state, which has one group: a call over several meshes is refused
+        at trace time (the compiled step keeps the root's parameters and nests module registries
+        per group, not per state)."""
+        if len(self.traced_groups) != 1:
+            raise FSDPUsageError(
+                f"torch.compile over fully_shard({self.name}): its parameters are sharded on {len(self.groups)} "
+                "meshes (shard_placement_fn returned ShardPlacementResult on another mesh), which the traced path "
+                "(fullgraph) does not support. Compile each block instead (block.compile()), which keeps fsdp2's "
+                "hooks eager."
+            )
+        return self.traced_groups[0]
 
     def _eager_iteration_running(self) -> bool:
         root = self.root
@@ -299,14 +347,15 @@ class FSDPState:
 
     @torch.compiler.disable
     def _eager_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        ends_at_inputs = False
+        ends_at_inputs: list[ParamGroup] = []
         with compat.outside_functorch():
             if self.root is None:
                 self.lazy_init()
             if self.root.backward is BackwardState.RUNNING:
                 # Activation-checkpoint recompute: gather (a no-op after this group's pre-backward)
                 # and nothing else. Its forward may stop early, so it is not tracked as a forward.
-                self.group.unshard()
+                for group in self.groups:
+                    group.unshard()
             elif not self._modules_to_run:  # the first of this group's modules in this forward
                 self._modules_to_run = set(self.modules)
                 try:
@@ -314,9 +363,11 @@ class FSDPState:
                 except BaseException:
                     self._modules_to_run.clear()  # nothing half-started: the next forward begins afresh
                     raise
-                ends_at_inputs = self.group.backward_end is BackwardEnd.INPUT_GRADS and torch.is_grad_enabled()
+                for group in self.groups:  # a loop, not a comprehension: no Python call per forward
+                    if group.backward_end is BackwardEnd.INPUT_GRADS and torch.is_grad_enabled():
+                        ends_at_inputs.append(group)
         if ends_at_inputs:  # inside any functorch transform: the inputs are its tensors
-            args, kwargs = _EndBackwardAtInputs.wrap(self.group, args, kwargs)
+            args, kwargs = _EndBackwardAtInputs.wrap(ends_at_inputs, args, kwargs)
         return self._cast_inputs(args, kwargs)
 
     def _begin_group_forward(self) -> None:
@@ -324,20 +375,23 @@ class FSDPState:
         if root.backward is BackwardState.REDUCING:
             root.check_no_reduction_pending("the forward")
         for state in root.states if self.is_root else (self,):
-            if state.traced.pending_grads and torch.is_grad_enabled():
-                raise _compiled_accumulation_pending(state)
+            for traced in state.traced_groups:
+                if traced.pending_grads and torch.is_grad_enabled():
+                    raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
-        logger.debug("%s", self.group.event("FSDP::pre_forward"))
         run_ahead = root.gathers_may_run_ahead
-        self.group.pre_forward(gathers_run_ahead=run_ahead)
+        for group in self.groups:
+            logger.debug("%s", group.event("FSDP::pre_forward"))
+            group.pre_forward(gathers_run_ahead=run_ahead)
         for other in self.forward_prefetch:
-            other.group.unshard(async_op=True, wait_for_compute=not run_ahead)
+            for group in other.groups:
+                group.unshard(async_op=True, wait_for_compute=not run_ahead)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            self.traced.post_forward()  # backward is autograd's: no pre-backward hook
+            self._traced().post_forward()  # backward is autograd's: no pre-backward hook
             return self._cast_output(output)
         return self._eager_post_forward(module, args, kwargs, output)
 
@@ -362,8 +416,10 @@ class FSDPState:
         return self._cast_output(output)
 
     def _end_group_forward(self) -> None:
-        logger.debug("%s", self.group.event("FSDP::post_forward"))
-        self.group.post_forward(grad_enabled=torch.is_grad_enabled())
+        grad_enabled = torch.is_grad_enabled()
+        for group in self.groups:
+            logger.debug("%s", group.event("FSDP::post_forward"))
+            group.post_forward(grad_enabled=grad_enabled)
         self.root.post_forward_order.append(self)
 
     def complete_unfinished_forward(self) -> None:
@@ -380,15 +436,20 @@ class FSDPState:
     @torch.compiler.disable
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.root.begin_backward()
-        if not self.group.pre_backward():
+        started = False
+        for group in self.groups:
+            if group.pre_backward():
+                logger.debug("%s", group.event("FSDP::pre_backward"))
+                started = True
+        if not started:
             return  # already done for another output of this group
-        logger.debug("%s", self.group.event("FSDP::pre_backward"))
         if self._modules_to_run:
             # Only some of the group's modules ran (a chunked loss calling the head alone): this
             # backward is the chunk's own and reaches no other group, so nothing is prefetched.
             return
         for other in self._backward_prefetch_targets():
-            other.group.unshard(async_op=True)  # no-op unless it is (partially) sharded
+            for group in reversed(other.groups):  # backward order
+                group.unshard(async_op=True)  # no-op unless it is (partially) sharded
 
     def _backward_prefetch_targets(self) -> list["FSDPState"]:
         if self.backward_prefetch is not None:
@@ -405,26 +466,27 @@ def _compiled_accumulation_pending(state: "FSDPState") -> FSDPUsageError:
 
 
 class _EndBackwardAtInputs(torch.autograd.Function):
-    """Identity on a group's forward inputs whose backward ends the group's backward: it runs
-    once autograd has the gradients of all of them, after every read of the group's parameters.
+    """Identity on a group's forward inputs whose backward ends the groups' backward: it runs
+    once autograd has the gradients of all of them, after every read of the groups' parameters.
     (Inputs that need no gradient give no signal: the end of backward finalizes such a group.)"""
 
     @staticmethod
-    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor):
-        ctx.group = group
+    def forward(ctx, groups: list[ParamGroup], *inputs: torch.Tensor):
+        ctx.groups = groups
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.group.inputs_grads_ready()
+        for group in reversed(ctx.groups):
+            group.inputs_grads_ready()
         return (None, *grads)
 
     @classmethod
-    def wrap(cls, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def wrap(cls, groups: list[ParamGroup], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
-        passed = dict(zip(map(id, inputs), cls.apply(group, *inputs)))
+        passed = dict(zip(map(id, inputs), cls.apply(groups, *inputs)))
         return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
 

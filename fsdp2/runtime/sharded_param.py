@@ -311,18 +311,19 @@ class ShardedParam:
         return grad is not None or self._accumulated_grad is not None
 
     def stash_grad_without_sync(self) -> None:
-        """Keep this backward's gradient locally (no communication) for a later synced backward."""
+        """Keep this backward's gradient locally (no communication) for a later synced backward.
+
+        Kept as autograd made it, only cast to ``reduce_dtype``: a tensor-parallel gradient stays a
+        DTensor, so pending (Partial) sums over microbatches add up at full precision and are
+        redistributed once, when the synced backward reduces them (as PyTorch's FSDP2 does)."""
         grad = self.unsharded_param.grad
         if grad is None or grad.dtype == self.reduce_dtype:
             return  # autograd accumulates in place into .grad at full precision already
         self.unsharded_param.grad = None
-        grad = self._local(grad).to(self.reduce_dtype)
-        self._accumulated_grad = grad if self._accumulated_grad is None else self._accumulated_grad.add_(grad)
-
-    def _local(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        if grad is None or self.tensor_parallel is None:
-            return grad
-        return self.tensor_parallel.local_grad(grad)
+        if self._accumulated_grad is None:
+            self._accumulated_grad = grad.to(self.reduce_dtype)
+        else:
+            self._accumulated_grad.add_(grad)
 
 
 # -- a group's parameters in one pass ------------------------------------------------------------
@@ -433,12 +434,12 @@ def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tens
         grad = None
         if unsharded is not None:
             grad, unsharded.grad = unsharded.grad, None
-        if p.tensor_parallel is not None and grad is not None:
-            grad = p.tensor_parallel.local_grad(grad)
         accumulated = p._accumulated_grad
         if accumulated is not None:
             p._accumulated_grad = None
             grad = accumulated if grad is None else accumulated.add_(grad)
+        if p.tensor_parallel is not None and grad is not None:
+            grad = p.tensor_parallel.local_grad(grad)  # once, on the sum over microbatches
         grads[id(p)] = grad
     return grads
 

@@ -14,7 +14,7 @@ import sys
 import weakref
 from typing import Any
 
-from fsdp2.errors import FSDPUsageError
+from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.param_group import ParamGroup
 
@@ -148,12 +148,18 @@ class TorchStateView(_Unsupported):
 
     @property
     def _fsdp_param_groups(self) -> list[TorchParamGroupView]:
-        group = self._state.group
-        return [TorchParamGroupView(group)] if group.has_params else []
+        """One per mesh the call's parameters are sharded on, in the order their groups gather."""
+        return [TorchParamGroupView(group) for group in self._state.groups if group.has_params]
 
     @property
     def _fsdp_param_group(self) -> TorchParamGroupView | None:
+        """The one group (None without parameters); as PyTorch, an AssertionError with several."""
         groups = self._fsdp_param_groups
+        if len(groups) > 1:
+            raise FSDPUsageAssertionError(
+                f"_fsdp_param_group: fully_shard({self._state.name}) shards its parameters on {len(groups)} meshes, "
+                "one FSDPParamGroup each: read _fsdp_param_groups instead."
+            )
         return groups[0] if groups else None
 
     def _pre_forward(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

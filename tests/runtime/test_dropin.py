@@ -436,15 +436,12 @@ def _moe_loss(model, step, rank, ws):
 
 
 def _per_parameter_meshes(rank, ws):
-    """PyTorch 2.13's ShardPlacementResult: experts on their own (ep x efsdp) mesh, dense parameters
-    on the default one. fsdp2 shards one fully_shard call on one mesh: such a result on another
-    mesh is refused, naming the way that trains bitwise like PyTorch (the experts' own
-    fully_shard call with their mesh); a result on the call's own mesh is its placement."""
+    """PyTorch 2.13's ShardPlacementResult: experts on their own (ep x efsdp) mesh, replicated
+    across ep (HSDP), dense parameters on the default one, in one fully_shard call: two groups,
+    each with its own collectives; a result on the call's own mesh is its placement."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
-    from torch.distributed.tensor import DTensor, Shard
-
-    from fsdp2 import FSDPUsageError, fully_shard
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (ws,))
     expert_mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("ep", "efsdp"))
@@ -454,22 +451,11 @@ def _per_parameter_meshes(rank, ws):
         experts = {id(p) for p in model.experts.parameters()}
         return lambda p: ShardPlacementResult(None, expert_info) if id(p) in experts else None
 
-    torch.manual_seed(0)
-    refused = _MoE()
-    with pytest.raises(FSDPUsageError, match=r"experts.w1 on mesh .*Apply fully_shard to the module holding these"):
-        fully_shard(refused, mesh=mesh, shard_placement_fn=experts_apart(refused))
-    assert not any(isinstance(p, DTensor) for p in refused.parameters())  # left as it was
-
     def shard(model, fully_shard):
-        if fully_shard.__module__.startswith("torch"):
-            fully_shard(model, mesh=mesh, shard_placement_fn=experts_apart(model))
-        else:
-            # In PyTorch the experts' group belongs to the root's state, which keeps its
-            # parameters after forward: keep them here too (equal all-gather counts).
-            fully_shard(model.experts, mesh=expert_mesh, reshard_after_forward=False)
-            fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh, shard_placement_fn=experts_apart(model))
 
     theirs, ours = twins(_MoE, shard)
+    assert len(ours._fsdp_state.groups) == 2
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
     for step in range(3):
         results = [

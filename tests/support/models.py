@@ -66,3 +66,48 @@ class DataclassModel(nn.Module):
 def float8_mlp() -> nn.Module:
     """Linear layers whose dims torchao's float8 training takes (multiples of 16)."""
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def llama_sequence_parallel(model, tp_mesh):
+    """torchtitan's tensor parallelism with sequence parallelism for ``fsdp2.models.Llama``: the
+    residual stream is split along the sequence, the norms run on it (their weights replicated, so
+    their gradients are pending sums across TP ranks), attention and MLP are Megatron-split."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.blocks:
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attn.wq": ColwiseParallel(),
+                "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "ffn.w1": ColwiseParallel(),
+                "ffn.w3": ColwiseParallel(),
+                "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    return model

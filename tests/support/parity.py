@@ -110,6 +110,16 @@ def assert_same_params(theirs, ours):
         assert torch.equal(full_tensor(a), full_tensor(b)), f"parameter {name} differs from PyTorch FSDP2"
 
 
+def assert_same_layout(theirs: nn.Module, ours: nn.Module) -> None:
+    """Every parameter is a DTensor on an equal mesh with equal placements in both."""
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+        assert (a.device_mesh, a.placements) == (b.device_mesh, b.placements), (
+            name,
+            (a.device_mesh, a.placements),
+            (b.device_mesh, b.placements),
+        )
+
+
 def train_side_by_side(theirs, ours, rank, ws, *, steps=3, loss_fn=None, optimizer=torch.optim.AdamW, before_step=None):
     """``steps`` steps of both twins: bitwise equal losses, collective counts and parameters at each.
     ``before_step(model, step)`` runs on both before each step."""
