@@ -169,7 +169,7 @@ def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
             state = m.__dict__.get("_fsdp_state")
             if isinstance(state, FSDPState) and state not in states:
                 states.append(state)
-    traced.link_forward_order([t for state in states for t in state.traced_groups])
+    traced.link_forward_order([state.traced_call for state in states])
 
 
 def _state_of(module: nn.Module) -> TorchStateView | None:

@@ -24,7 +24,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.runtime.param_group import BackwardEnd, ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
-from fsdp2.runtime.traced import ONE_EXECUTOR_PER_ACCUMULATION, TracedGroup
+from fsdp2.runtime.traced import ONE_EXECUTOR_PER_ACCUMULATION, TracedCall, TracedGroup
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
 # PyTorch's own, under the same event names.
@@ -247,8 +247,9 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit (reverse forward order)
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
-        # The hooks' path while torch.compile traces them: one per group.
-        self.traced_groups = [TracedGroup(group, modules) for group in groups]
+        # The hooks' path while torch.compile traces them: the call's, and one per group.
+        self.traced_groups = [TracedGroup(group) for group in groups]
+        self.traced_call = TracedCall(modules, self.traced_groups)
         for module in modules:
             module.register_forward_pre_hook(_registered_pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(_registered_post_forward, with_kwargs=True)
@@ -319,22 +320,9 @@ class FSDPState:
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            self._traced().pre_forward([other._traced() for other in self.forward_prefetch])
+            self.traced_call.pre_forward([other.traced_call for other in self.forward_prefetch])
             return self._cast_inputs(args, kwargs)
         return self._eager_pre_forward(module, args, kwargs)
-
-    def _traced(self) -> TracedGroup:
-        """The traced path of this state, which has one group: a call over several meshes is refused
-        at trace time (the compiled step keeps the root's parameters and nests module registries
-        per group, not per state)."""
-        if len(self.traced_groups) != 1:
-            raise FSDPUsageError(
-                f"torch.compile over fully_shard({self.name}): its parameters are sharded on {len(self.groups)} "
-                "meshes (shard_placement_fn returned ShardPlacementResult on another mesh), which the traced path "
-                "(fullgraph) does not support. Compile each block instead (block.compile()), which keeps fsdp2's "
-                "hooks eager."
-            )
-        return self.traced_groups[0]
 
     def _eager_iteration_running(self) -> bool:
         root = self.root
@@ -391,7 +379,7 @@ class FSDPState:
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            self._traced().post_forward()  # backward is autograd's: no pre-backward hook
+            self.traced_call.post_forward()  # backward is autograd's: no pre-backward hook
             return self._cast_output(output)
         return self._eager_post_forward(module, args, kwargs, output)
 

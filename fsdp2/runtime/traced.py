@@ -97,7 +97,6 @@ class _InTrace:
     kept: list[torch.Tensor] | None = None
     # reshard_after_forward=k: per bucket, the rows kept for re-gathering over the subgroup.
     kept_rows: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    ran: bool = False  # one of its modules ran (not only prefetched)
 
 
 def _encoded(p: "ShardedParam") -> bool:
@@ -127,38 +126,26 @@ def _decode(
 
 
 class TracedGroup:
-    """The traced path of one ParamGroup: its gather as graph ops, and which modules see it.
+    """The traced path of one ParamGroup: its gather as graph ops and where its gradients go.
 
-    ``held`` (the gathered parameters while the group's forward runs), ``prefetched`` and
-    ``in_trace`` live only within one trace: the root's post-forward clears them before it ends.
+    ``in_trace`` lives only within one trace: the root's post-forward clears it before it ends.
     """
 
     # Slots, not an instance dict: dynamo replays a trace's attribute writes on a slotted object
     # with plain STORE_ATTRs after the graph runs, and a dict-backed object's through a Python
-    # call per attribute (``held``, ``prefetched``, ... are written in every trace).
+    # call per attribute (``in_trace`` is written in every trace).
     __slots__ = (
         "group",
-        "modules",
-        "next",
-        "prefetched",
-        "held",
-        "modules_left",
         "in_trace",
         "grads",
         "pending_grads",
         "param_replaced",
         "custom_comm_keys",
-        "_held_dicts",
         "__weakref__",
     )
 
-    def __init__(self, group: "ParamGroup", modules: tuple[nn.Module, ...]):
+    def __init__(self, group: "ParamGroup"):
         self.group = group
-        self.modules = modules
-        self.next: TracedGroup | None = None  # the next group in module order (implicit prefetch)
-        self.prefetched: list[torch.Tensor] | None = None
-        self.held: list[torch.Tensor] | None = None
-        self.modules_left = 0
         self.in_trace: _InTrace | None = None
         self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
         # The keys of the buckets keeping sums of compiled backwards without gradient sync (or the
@@ -169,7 +156,6 @@ class TracedGroup:
         # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
         # the group's slots; a trace reads it (one guard), and only then compares each parameter.
         self.param_replaced = False
-        self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
         group.on_params_refreshed = self.params_refreshed
         _registrations.watch(self)
 
@@ -194,9 +180,6 @@ class TracedGroup:
     def gather(self, after_forward: schedule.AfterForward) -> list[torch.Tensor]:
         """Every parameter of the group unsharded, in ``group.params`` order (one collective per
         bucket; two with ``reshard_after_forward=k``, see :meth:`_gather_keeping_rows`)."""
-        if self.prefetched is not None:
-            gathered, self.prefetched = self.prefetched, None
-            return gathered
         params = self.group.params
         if not params:
             return []
@@ -219,10 +202,10 @@ class TracedGroup:
         return gathered
 
     def enter_trace(self) -> _InTrace:
-        """This group's record of the forward being traced (made by its first gather or run)."""
+        """This group's record of the forward being traced (made by its first gather; its call is
+        in ``_trace.touched`` then, which clears it at the end)."""
         if self.in_trace is None:
             self.in_trace = _InTrace()
-            _trace.touched.append(self)
         return self.in_trace
 
     def _port(self, bucket: _Bucket, in_trace: _InTrace) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -452,22 +435,104 @@ class TracedGroup:
             grads[bucket.key] = current
         self.grads = grads
 
+    def after_forward(self, is_root: bool) -> schedule.AfterForward:
+        """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
+        if not torch.is_grad_enabled():
+            return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
+        setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
+        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size)
+
+
+class TracedCall:
+    """The traced path of one fully_shard call: its modules, its groups (one per mesh its
+    parameters are sharded on), and what the modules see while its forward runs in a trace.
+
+    ``held`` (per group, the gathered parameters while the call's forward runs), ``prefetched`` and
+    ``ran`` live only within one trace: the root's post-forward clears them before it ends.
+    """
+
+    __slots__ = ("modules", "groups", "next", "prefetched", "held", "modules_left", "ran", "_held_dicts", "__weakref__")
+
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[TracedGroup]):
+        self.modules = modules
+        self.groups = groups
+        self.next: TracedCall | None = None  # the next call in module order (implicit prefetch)
+        self.prefetched: list[list[torch.Tensor]] | None = None
+        self.held: list[list[torch.Tensor]] | None = None
+        self.modules_left = 0
+        self.ran = False  # one of its modules ran in this trace (not only prefetched)
+        self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
+
+    def pre_forward(self, forward_prefetch: list["TracedCall"]) -> None:
+        """Before one of the call's modules runs: gather its groups (unless held), then prefetch."""
+        if self.held is not None:
+            return
+        is_root = _trace.root is None
+        if is_root:
+            _trace.root = self  # the first call of this forward keeps its parameters (eager's root)
+        self._enter_trace()
+        again, self.ran = self.ran, True  # run again in this forward (eager: its forward starts anew)
+        self.hold(self.gather(is_root))
+        self.modules_left = len(self.modules)
+        # Module order says what comes next only the first time round.
+        targets = forward_prefetch or ([self.next] if self.next is not None and not again else [])
+        for other in targets:
+            if other.held is None and other.prefetched is None:
+                other._enter_trace()
+                other.prefetched = other.gather(is_root=False)
+
+    def post_forward(self) -> None:
+        """After one of the call's modules: the last one releases the call (the root: all)."""
+        if self.held is None:
+            return
+        self.modules_left -= 1
+        if self.modules_left > 0:
+            return
+        self.release()
+        if _trace.root is self:
+            # Nothing gathered outlives the trace: a prefetch no module used is dropped, a call
+            # some of whose modules never ran is released.
+            for other in _trace.touched:
+                other.prefetched = None
+                other.ran = False
+                for traced in other.groups:
+                    traced.in_trace = None
+                if other.held is not None:
+                    other.release()
+            _trace.touched.clear()
+            _trace.root = None
+
+    def _enter_trace(self) -> None:
+        if self not in _trace.touched:  # cleared when the trace's root call ends its forward
+            _trace.touched.append(self)
+
+    def gather(self, is_root: bool) -> list[list[torch.Tensor]]:
+        """Each group's parameters, unsharded (prefetched ones as they were gathered)."""
+        if self.prefetched is not None:
+            gathered, self.prefetched = self.prefetched, None
+            return gathered
+        for traced in self.groups:
+            check_traceable(traced)
+        return [traced.gather(traced.after_forward(is_root)) for traced in self.groups]
+
     # -- what the modules see -----------------------------------------------------------------
 
-    def hold(self, unsharded: list[torch.Tensor]) -> None:
+    def hold(self, gathered: list[list[torch.Tensor]]) -> None:
         """The modules see the gathered parameters: each module's ``_parameters`` dict is swapped
-        for a new one (``release`` puts the original object back), so the trace never reads the
-        DTensor parameters, and dynamo installs no guard (a Python DTensor spec check) on them."""
-        self.held = unsharded
+        for a new one, once for all the call's groups (``release`` puts the original object back),
+        so the trace never reads the DTensor parameters, and dynamo installs no guard (a Python
+        DTensor spec check) on them."""
+        self.held = gathered
         by_module: dict[nn.Module, dict[str, torch.Tensor]] = {}
-        for p, tensor in zip(self.group.params, unsharded):
-            for slot in p.slots:
-                by_module.setdefault(slot.module, {})[slot.name] = tensor
-        for module, gathered in by_module.items():
+        for traced, unsharded in zip(self.groups, gathered):
+            for p, tensor in zip(traced.group.params, unsharded):
+                for slot in p.slots:
+                    by_module.setdefault(slot.module, {})[slot.name] = tensor
+        for module, tensors in by_module.items():
             original = compat.held_parameter_registry(module)
             # Only the parameters fsdp2 does not manage (ignored ones) are read from the original.
             compat.set_parameter_registry(
-                module, {name: gathered[name] if name in gathered else original[name] for name in original}
+                module, {name: tensors[name] if name in tensors else original[name] for name in original}
             )
             self._held_dicts.append((module, original))
 
@@ -478,54 +543,6 @@ class TracedGroup:
             compat.set_parameter_registry(module, original)
         self._held_dicts = []
 
-    # -- the group's forward in a trace -------------------------------------------------------
-
-    def pre_forward(self, forward_prefetch: list["TracedGroup"]) -> None:
-        """Before one of the group's modules runs: gather the group (unless held), then prefetch."""
-        if self.held is not None:
-            return
-        is_root = _trace.root is None
-        if is_root:
-            _trace.root = self  # the first group of this forward keeps its parameters (eager's root)
-        check_traceable(self)
-        in_trace = self.enter_trace()
-        again, in_trace.ran = in_trace.ran, True  # run again in this forward (eager: its forward starts anew)
-        self.hold(self.gather(self.after_forward(is_root)))
-        self.modules_left = len(self.modules)
-        # Module order says what comes next only the first time round.
-        targets = forward_prefetch or ([self.next] if self.next is not None and not again else [])
-        for other in targets:
-            if other.held is None and other.prefetched is None:
-                check_traceable(other)
-                other.enter_trace()
-                other.prefetched = other.gather(other.after_forward(is_root=False))
-
-    def post_forward(self) -> None:
-        """After one of the group's modules: the last one releases the group (the root: all)."""
-        if self.held is None:
-            return
-        self.modules_left -= 1
-        if self.modules_left > 0:
-            return
-        self.release()
-        if _trace.root is self:
-            # Nothing gathered outlives the trace: a prefetch no module used is dropped, a group
-            # some of whose modules never ran is released.
-            for other in _trace.touched:
-                other.prefetched = None
-                other.in_trace = None
-                if other.held is not None:
-                    other.release()
-            _trace.touched.clear()
-            _trace.root = None
-
-    def after_forward(self, is_root: bool) -> schedule.AfterForward:
-        """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
-        if not torch.is_grad_enabled():
-            return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
-        setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
-        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size)
-
 
 def _recording_regather(port, nbytes: int):
     """``port`` at a gather that backward recomputes, in a trace inside ``count_comm``."""
@@ -534,13 +551,13 @@ def _recording_regather(port, nbytes: int):
 
 
 class _TraceScope:
-    """The forward being traced: its first group (the root) and the groups gathered in it."""
+    """The forward being traced: its first call (the root) and the calls gathered in it."""
 
     __slots__ = ("root", "touched")  # see TracedGroup's
 
     def __init__(self) -> None:
-        self.root: TracedGroup | None = None
-        self.touched: list[TracedGroup] = []
+        self.root: TracedCall | None = None
+        self.touched: list[TracedCall] = []
 
 
 _trace = _TraceScope()
@@ -581,12 +598,12 @@ class _ParamRegistrations:
 _registrations = _ParamRegistrations()
 
 
-def link_forward_order(groups: list[TracedGroup]) -> None:
-    """Each group's implicit prefetch target: the next one in module (pre-)order."""
-    for first, second in zip(groups, groups[1:]):
+def link_forward_order(calls: list[TracedCall]) -> None:
+    """Each call's implicit prefetch target: the next one in module (pre-)order."""
+    for first, second in zip(calls, calls[1:]):
         first.next = second
-    if groups:
-        groups[-1].next = None
+    if calls:
+        calls[-1].next = None
 
 
 def check_traceable(traced: TracedGroup) -> None:

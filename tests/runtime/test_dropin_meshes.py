@@ -339,29 +339,46 @@ def test_shard_placement_result_on_a_mesh_without_the_calls_ranks_is_explained(w
         assert unchanged
 
 
-def _compiled_over_two_meshes(rank, ws):
+def _compiled_over_two_meshes(rank, ws, steps=2, microbatches=2):
+    """The compiled whole step (aot_eager) over calls on two meshes against eager fsdp2, from the
+    same weights: losses, gradients and parameters bitwise, with accumulation without sync."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _build_two_mesh_net(seed=0)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    try:
-        compiled(torch.randn(4, 8)).sum().backward()
-    except Exception as error:  # noqa: BLE001 - the test reads the message
-        return f"{type(error).__name__}: {error}"
-    finally:
-        torch._dynamo.reset()
-    return None
+    eager, traced = _build_two_mesh_net(seed=0), _build_two_mesh_net(seed=0)
+    assert len(traced.blocks[0]._fsdp_state.groups) == 2
+    compiled = torch.compile(traced, backend="aot_eager", fullgraph=True)
+    runs = []
+    for model, run in ((eager, eager), (traced, compiled)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses, grads = [], []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(ws, microbatches, 4, 8, generator=g)[rank]
+            for micro in range(microbatches):
+                model.set_requires_gradient_sync(micro == microbatches - 1)
+                loss = run(x[micro]).pow(2).mean()
+                loss.backward()
+                losses.append(loss.detach())
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        runs.append((torch.stack(losses), grads, [p.detach().full_tensor() for p in model.parameters()]))
+    torch._dynamo.reset()
+    (l1, g1, p1), (l2, g2, p2) = runs
+    assert torch.equal(l1, l2), (l1, l2)
+    for step, (a, b) in enumerate(zip(g1, g2)):
+        for (name, _), x, y in zip(eager.named_parameters(), a, b):
+            assert torch.equal(x, y), f"step {step}: compiled gradient of {name} differs from eager"
+    for (name, _), x, y in zip(eager.named_parameters(), p1, p2):
+        assert torch.equal(x, y), name
 
 
 @pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 has no ShardPlacementResult")
-def test_compiled_whole_step_refuses_a_call_over_two_meshes_by_name(worlds):
-    """The traced path keeps one group per fully_shard call: it refuses at trace time, never
-    computing otherwise than eager."""
-    message = worlds.run(4, _compiled_over_two_meshes)[0]
-    assert message is not None
-    for name in ("FSDPUsageError", "fully_shard(_MoEBlock)", "2 meshes", "block.compile()"):
-        assert name in message, message
+def test_compiled_whole_step_over_a_call_on_two_meshes_equals_eager(worlds):
+    """One fully_shard call over two meshes under the compiled whole step: each mesh's group
+    gathers and reduces in the graph as eager's does (the root call keeps all its groups)."""
+    worlds.run(4, _compiled_over_two_meshes)
 
 
 class _RecordingComm:
