@@ -224,3 +224,10 @@ class CopyInViews:
                 rows = full if start == 0 and stop == full.shape[0] else full[start:stop]
                 pieces.append(rows.reshape(shape))
         return pieces
+
+
+def rank_rows_from_subgroups(gathered: torch.Tensor, k: int, world: int) -> torch.Tensor:
+    """``world x n`` rows in shard-rank order from ``gathered``, an all-gather over a k-rank subgroup
+    of what each member kept after forward (``reshard_after_forward=k``): member j kept shard ranks
+    j, j + k, j + 2k, ...; undo that interleave."""
+    return gathered.view(k, world // k, -1).transpose(0, 1).reshape(world, -1)

@@ -117,6 +117,18 @@ class GatherCodec:
     def release(self) -> None:
         """The group reshards: free what the codec holds besides the unsharded storage."""
 
+    # -- the same as functions of tensors (the compiled step traces them) -------------------------
+
+    def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
+        """``(wire, context)``: the tensors this rank's ``shard`` sends (one per column, on the
+        compute device) and what :meth:`decode` needs besides the gathered rows."""
+        raise NotImplementedError
+
+    def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context, blocks) -> torch.Tensor:
+        """The unsharded parameter from the gathered ``blocks`` (``world x numel`` per column, in
+        each column's dtype); ``wire`` and ``context`` are :meth:`encode`'s."""
+        raise NotImplementedError
+
 
 def plain_column(layout: ShardLayout, param_dtype: torch.dtype) -> Column:
     return Column(param_dtype, layout.padded_shard_numel)
@@ -145,6 +157,16 @@ class PlainCodec(GatherCodec):
             self.param.copy_gathered_out(blocks[0])
             return []
         return [(target, blocks[0])]
+
+    def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
+        p = self.param
+        slot = p.layout.padded_slot(shard)
+        if slot.device != p.device:  # CPU offload: the shard lives on the host
+            slot = slot.to(p.device)
+        return (slot.to(p.param_dtype),), None
+
+    def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context, blocks) -> torch.Tensor:
+        return self.param.layout.full_from_rank_rows(blocks[0])
 
 
 class QuantizedCodec(GatherCodec):
@@ -191,6 +213,15 @@ class QuantizedCodec(GatherCodec):
         else:
             quantize.dequantize_from(blocks[0], target, self.policy)
         return []
+
+    def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
+        (column,) = self.columns()
+        slot = torch.empty(column.numel, dtype=column.dtype, device=self.param.device)  # quantized on the device
+        self.quantize(shard, slot)
+        return (slot,), None
+
+    def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context, blocks) -> torch.Tensor:
+        return self.param.layout.full_from_rank_rows(self.dequantized_rows(blocks[0]))
 
     def dequantized_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """Every rank's slot (``gathered``: ``world x wire bytes``) decoded into a new

@@ -111,7 +111,7 @@ class SubclassCodec(GatherCodec):
 
     def pre_all_gather(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
         """``(inputs, metadata)`` of the subclass's pre-all-gather hook on ``shard``, checked. The
-        eager gather (``prepare``) and the traced path (fsdp2.runtime.traced) both call it."""
+        eager gather (``prepare``) and the compiled step (``encode``) both call it."""
         p, layout = self.param, self.param.layout
         if self._mesh_only:
             result = getattr(shard, PRE)(self.shard_mesh)
@@ -131,9 +131,16 @@ class SubclassCodec(GatherCodec):
             )
         return inputs, metadata
 
-    def post_all_gather(self, shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any) -> torch.Tensor:
-        """The unsharded tensor ``shard``'s post-all-gather hook builds from the gathered ``outputs``
-        (each ``world * rows`` along dim 0), without ``out=``: the traced path's form."""
+    def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The pre-all-gather hook's ``(inputs, metadata)`` on ``shard`` (the compiled step's form)."""
+        if shard.device != self.param.device:  # CPU offload: the hook sees the shard on the device (as in PyTorch)
+            shard = shard.to(self.param.device)
+        return self.pre_all_gather(shard)
+
+    def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], metadata: Any, blocks) -> torch.Tensor:
+        """The unsharded tensor ``shard``'s post-all-gather hook builds from the gathered ``blocks``
+        (each input's, ``world x bytes``), without ``out=``: the compiled step's form."""
+        outputs = tuple(block.contiguous().view(t.dtype).view(-1, *t.shape[1:]) for block, t in zip(blocks, wire))
         post = getattr(shard, POST)
         tensor, _ = self._pair(
             post(outputs, metadata, self.param.param_dtype), POST, "(unsharded_tensor, inner_tensors)"

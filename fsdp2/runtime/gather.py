@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageRuntimeError
+from fsdp2.layout.shard_layout import rank_rows_from_subgroups
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import GatherBucket, KeptBuffer
 from fsdp2.runtime.dp_mesh import DataParallelMesh
@@ -87,9 +88,7 @@ class PendingGather:
         n = self.bucket.numel_per_rank
         if self.subgroup_size is None:
             return self.output.view(world, n)
-        k = self.subgroup_size
-        # Subgroup member j kept rows j, j+k, j+2k, ...: undo the interleave.
-        return self.output.view(k, world // k, n).transpose(0, 1).reshape(world, n)
+        return rank_rows_from_subgroups(self.output, self.subgroup_size, world)
 
     def copy_out(self, world: int) -> None:
         """Build every parameter's unsharded form from the gathered rows."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -52,9 +52,12 @@ from torch.utils.checkpoint import checkpoint
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
-from fsdp2.runtime.codecs import QuantizedCodec
+from fsdp2.layout.shard_layout import rank_rows_from_subgroups
+from fsdp2.runtime.buckets import gather_row
+from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.traced_grads import BucketGrads
 from fsdp2.runtime.traced_graph import Mode
 
@@ -65,13 +68,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Bucket:
-    """Parameters gathered in one collective: one per group unless dtypes differ."""
+    """Parameters whose gradients are reduced in one collective: a group's of one reduce dtype
+    (eager's ``FlatBucket``). Its port row (the gradients the modules route to it) is in the
+    parameters' compute dtype, or in the reduce dtype where they have several."""
 
-    key: tuple
+    key: torch.dtype  # the reduce dtype
     params: list["ShardedParam"]
-    param_dtype: torch.dtype
+    row_dtype: torch.dtype
     reduction: graph.Reduction
-    encoded: bool  # travels encoded: a subclass's hooks or the quantized all-gather (_gather_encoded)
 
     @property
     def shard_numel(self) -> int:
@@ -91,38 +95,13 @@ class _InTrace:
     """What one group gathered in the forward being traced (forgotten when the trace ends)."""
 
     # Per bucket: its gradient port (row, marks): every gather of the bucket in this trace routes to it.
-    ports: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    ports: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     # What a call that keeps its parameters after forward gathered: a later call uses it (eager:
     # the group is still unsharded).
     kept: list[torch.Tensor] | None = None
-    # reshard_after_forward=k: per bucket, the rows kept for re-gathering over the subgroup.
-    kept_rows: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-
-def _encoded(p: "ShardedParam") -> bool:
-    """Whether ``p`` travels encoded (see :meth:`TracedGroup._gather_encoded`)."""
-    return isinstance(p.codec, (SubclassCodec, QuantizedCodec))
-
-
-def _encode(p: "ShardedParam", shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """What ``p``'s codec all-gathers for this rank's ``shard``, and what decoding needs of it."""
-    if isinstance(p.codec, QuantizedCodec):
-        (column,) = p.codec.columns()  # its slot in eager's buffer: uint8, the wire bytes
-        slot = torch.empty(column.numel, dtype=column.dtype, device=p.device)  # CPU offload: quantized on the device
-        p.codec.quantize(shard, slot)
-        return (slot,), None
-    # CPU offload: the hooks see the shard on the device, as eager's (and PyTorch's).
-    return p.codec.pre_all_gather(shard.to(p.device) if p.offload else shard)
-
-
-def _decode(
-    p: "ShardedParam", shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context: Any, blocks: list[torch.Tensor]
-) -> torch.Tensor:
-    """``p`` unsharded from the gathered ``blocks`` (``world x bytes``, one per wire tensor)."""
-    if isinstance(p.codec, QuantizedCodec):
-        return p.layout.full_from_rank_rows(p.codec.dequantized_rows(blocks[0]))
-    outputs = tuple(block.contiguous().view(t.dtype).view(-1, *t.shape[1:]) for block, t in zip(blocks, wire))
-    return p.codec.post_all_gather(shard, outputs, context)
+    # reshard_after_forward=k: this rank's rows of the gathered row, kept for re-gathering over
+    # the subgroup, and what encoding the shards gave besides (the hooks' context).
+    kept_rows: tuple[torch.Tensor, list] | None = None
 
 
 class TracedGroup:
@@ -178,8 +157,8 @@ class TracedGroup:
     # -- the gather ---------------------------------------------------------------------------
 
     def gather(self, after_forward: schedule.AfterForward) -> list[torch.Tensor]:
-        """Every parameter of the group unsharded, in ``group.params`` order (one collective per
-        bucket; two with ``reshard_after_forward=k``, see :meth:`_gather_keeping_rows`)."""
+        """Every parameter of the group unsharded, in ``group.params`` order: ONE all-gather of the
+        group's row (two with ``reshard_after_forward=k``, see :meth:`_gather_keeping_rows`)."""
         params = self.group.params
         if not params:
             return []
@@ -189,14 +168,21 @@ class TracedGroup:
         buckets = self._buckets()
         with_grad = torch.is_grad_enabled()
         ports = [self._port(bucket, in_trace) if with_grad and bucket.takes_grad else None for bucket in buckets]
-        # Passed in (not read inside): the checkpoint region's inputs are its arguments.
-        tensors = [t for port in ports if port is not None for t in (port[0], *port[1])]
-        tensors += [p.traced_leaf for p in params]
-        if after_forward is schedule.AfterForward.FREE:
-            gather = functools.partial(self._gather, buckets, ports, after_forward=after_forward)
-            gathered = list(checkpoint(gather, *tensors, use_reentrant=False, context_fn=graph.recompute_in_backward))
+        # Passed in (not read inside): a checkpoint region's inputs are its arguments.
+        port_tensors = [t for port in ports if port is not None for t in (port[0], *port[1])]
+        shards = [p.traced_leaf for p in params]
+        route = functools.partial(self._routed_params, buckets, ports)
+        settings = buckets[0].reduction
+        if after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
+            gathered = self._gather_keeping_rows(shards, route, port_tensors, settings)
+        elif after_forward is schedule.AfterForward.FREE:
+            run = functools.partial(self._gather_and_route, route, settings=settings, regathers=True)
+            region = checkpoint(
+                run, *port_tensors, *shards, use_reentrant=False, context_fn=graph.recompute_in_backward
+            )
+            gathered = list(region)
         else:
-            gathered = self._gather(buckets, ports, *tensors, after_forward=after_forward)
+            gathered = self._gather_and_route(route, *port_tensors, *shards, settings=settings, regathers=False)
         if after_forward is schedule.AfterForward.KEEP and with_grad:
             in_trace.kept = gathered
         return gathered
@@ -214,7 +200,7 @@ class TracedGroup:
         if port is not None:
             return port
         grads = self.grads.get(bucket.key)
-        if grads is None or grads.shard_numel != bucket.shard_numel or grads.grad_dtype != bucket.reduction.grad_dtype:
+        if grads is None or not grads.serves(bucket.params, bucket.reduction):
             # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
             raise FSDPUsageError(
                 f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
@@ -222,152 +208,122 @@ class TracedGroup:
             )
         r = bucket.reduction
         port = graph.port(
-            grads.sink(r.mode),
-            grads.anchor,
-            grads.key,
-            r,
-            bucket.gathered_numel,
-            bucket.param_dtype,
-            len(bucket.params),
+            grads.sink(r.mode), grads.anchor, grads.key, r, bucket.gathered_numel, bucket.row_dtype, len(bucket.params)
         )
         in_trace.ports[bucket.key] = port
         return port
 
-    def _gather(
-        self, buckets: list[_Bucket], ports: list, *tensors: torch.Tensor, after_forward: schedule.AfterForward
-    ) -> list[torch.Tensor]:
-        """``tensors``: each port's row and marks (buckets that take gradients), then every
-        parameter's shard. ``after_forward``: FREE runs in a region backward recomputes;
-        KEEP_SUBGROUP_SHARD see :meth:`_gather_keeping_rows`."""
-        keep_rows = after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD
-        regathers = after_forward is not schedule.AfterForward.KEEP
-        inputs = iter(tensors)
-        # The ports again, as this region's inputs.
-        ports = [None if port is None else (next(inputs), [next(inputs) for _ in port[1]]) for port in ports]
-        shards = list(inputs)
-        by_param: dict[int, torch.Tensor] = {}
-        index = {id(p): i for i, p in enumerate(self.group.params)}
-        for bucket, port in zip(buckets, ports):
-            bucket_shards = [shards[index[id(p)]] for p in bucket.params]
-            r = bucket.reduction
-            if bucket.encoded:  # with reshard_after_forward=k too: what it gathered is kept
-                regathers_encoded = after_forward is schedule.AfterForward.FREE
-                by_param.update(self._gather_encoded(bucket, bucket_shards, port, regathers_encoded))
-                continue
-            if port is not None and regathers and r.counted:
-                port = _recording_regather(port, bucket.gathered_numel * bucket.param_dtype.itemsize)
-            # One op, not torch.cat: see traced_ops.
-            flat = graph.flat([p.layout.padded_slot(shard) for p, shard in zip(bucket.params, bucket_shards)])
-            if bucket.params[0].offload:  # CPU offload: the shards live on the host (the group's all do)
-                flat = flat.to(self.group.dp.device)
-            if keep_rows:
-                unsharded = self._gather_keeping_rows(bucket, flat, port)
-            else:
-                gathered = graph.all_gather(
-                    flat.to(bucket.param_dtype),
-                    r.world,
-                    r.shard_group,
-                    r.out_collectives,
-                    r.counted,
-                    r.custom_all_gather,
-                )
-                unsharded = self._unsharded_params(bucket, gathered, port)
-            by_param.update(zip(map(id, bucket.params), unsharded))
-        return [by_param[id(p)] for p in self.group.params]
+    # -- one all-gather of the group's row ---------------------------------------------------------
 
-    @staticmethod
-    def _unsharded_params(bucket: _Bucket, gathered: torch.Tensor, port) -> list[torch.Tensor]:
-        """The bucket's parameters, unsharded, from its gathered flat row (eager's copy-out), their
-        gradients routed to ``port`` (None: no gradient, e.g. under ``torch.no_grad``)."""
-        world = bucket.reduction.world
-        widths = [p.layout.padded_shard_numel for p in bucket.params]
-        blocks = torch.split_with_sizes(gathered.view(world, -1), widths, dim=1)
-        values = [p.layout.full_from_rank_rows(block) for p, block in zip(bucket.params, blocks)]
-        return TracedGroup._routed(bucket, values, port)
+    def _encoded(self, shards: list[torch.Tensor]):
+        """Each parameter's wire tensors and context (its codec's ``encode``), and the group's row
+        as eager lays it out (``buckets.gather_row``: one dtype, or bytes in aligned columns)."""
+        encoded = [p.codec.encode(shard) for p, shard in zip(self.group.params, shards)]
+        wire = [t for tensors, _ in encoded for t in tensors]
+        row_dtype, widths = gather_row([Column(t.dtype, t.numel()) for t in wire])
+        if all(t.dtype == row_dtype for t in wire):
+            flat = graph.flat(wire)  # one op, not torch.cat (see traced_ops); it flattens them itself
+        else:  # bytes, each column padded to its aligned width (the padding lands only in padding)
+            pieces = []
+            for t, width in zip(wire, widths):
+                piece = t.reshape(-1).view(torch.uint8)
+                pieces.append(piece)
+                if width > piece.numel():
+                    pieces.append(piece.new_empty(width - piece.numel()))
+            flat = graph.flat(pieces)
+        return encoded, wire, widths, flat
 
-    @staticmethod
-    def _routed(bucket: _Bucket, values: list[torch.Tensor], port) -> list[torch.Tensor]:
-        """``values`` (the unsharded parameters) as the modules see them: their gradients to
-        their blocks of the port's row and a mark each; TP parameters as DTensors."""
-        unsharded = values
-        if port is not None:
-            row, marks = port
-            world = bucket.reduction.world
-            widths = [p.layout.padded_shard_numel for p in bucket.params]
-            carriers = torch.split_with_sizes(row.view(world, -1), widths, dim=1)
-            unsharded = [
-                graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), value, mark)
-                for p, value, carried, mark in zip(bucket.params, values, carriers, marks)
-            ]
-        # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
-        # backward turns a pending-sum gradient into these placements, as eager's local_grad.
-        return [
-            full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
-            for p, full in zip(bucket.params, unsharded)
+    def _decoded(self, encoded, wire, widths, rows: torch.Tensor, shards) -> list[torch.Tensor]:
+        """Each parameter unsharded from the gathered ``rows`` (``world x row``): its codec's
+        ``decode`` of its columns, each viewed as its dtype."""
+        blocks = iter(torch.split_with_sizes(rows, widths, dim=1))
+        typed = [
+            block if block.dtype == t.dtype else block[:, : t.numel() * t.element_size()].view(t.dtype)
+            for block, t in zip(blocks, wire)
         ]
+        values, column = [], 0
+        for p, shard, (tensors, context) in zip(self.group.params, shards, encoded):
+            values.append(p.codec.decode(shard, tensors, context, typed[column : column + len(tensors)]))
+            column += len(tensors)
+        return values
 
-    def _gather_keeping_rows(self, bucket: _Bucket, flat: torch.Tensor, port) -> list[torch.Tensor]:
+    @staticmethod
+    def _all_gather(flat: torch.Tensor, world: int, group: str, r: graph.Reduction) -> torch.Tensor:
+        """``r``: any of the group's buckets' reductions (their collectives' settings are the group's)."""
+        return graph.all_gather(flat, world, group, r.out_collectives, r.counted, r.custom_all_gather)
+
+    def _gather_and_route(
+        self, route, *tensors: torch.Tensor, settings: graph.Reduction, regathers: bool
+    ) -> list[torch.Tensor]:
+        """``tensors``: each port's row and marks (see ``gather``), then every parameter's shard:
+        encode, ONE all-gather, decode, route the gradients (in a region backward recomputes when
+        ``regathers``)."""
+        n = len(self.group.params)
+        port_tensors, shards = tensors[: len(tensors) - n], list(tensors[len(tensors) - n :])
+        encoded, wire, widths, flat = self._encoded(shards)
+        dp = self.group.dp
+        gathered = self._all_gather(flat, dp.shard_size, dp.shard_group.group_name, settings)
+        rows = gathered.view(dp.shard_size, -1)
+        values = self._decoded(encoded, wire, widths, rows, shards)
+        regathered = dp.shard_size * flat.numel() * flat.element_size() if regathers else 0
+        return route(values, port_tensors, regathered)
+
+    def _gather_keeping_rows(
+        self, shards: list[torch.Tensor], route, port_tensors: list, settings: graph.Reduction
+    ) -> list[torch.Tensor]:
         """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
         over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
         over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
         the rows eager keeps and is saved for backward; then over the subgroup, in a region that
         backward recomputes from the kept rows. A second call in the same forward re-gathers over
         the subgroup from the same kept rows, as eager does."""
-        r, subgroup = bucket.reduction, self.group.reshard_after_forward.subgroup
-        custom = r.custom_all_gather
-        kept_rows = self.in_trace.kept_rows
-        kept = kept_rows.get(bucket.key)
-        if kept is None:
-            across = subgroup.across.group_name
-            kept = graph.all_gather(
-                flat.to(bucket.param_dtype), r.world // subgroup.size, across, False, r.counted, custom
-            )
-            kept_rows[bucket.key] = kept
+        subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
+        in_trace = self.in_trace
+        if in_trace.kept_rows is None:
+            encoded, wire, widths, flat = self._encoded(shards)
+            kept = self._all_gather(flat, world // subgroup.size, subgroup.across.group_name, settings)
+            in_trace.kept_rows = (kept, (encoded, wire, widths))
+        kept, layout = in_trace.kept_rows
 
         def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
-            gathered = graph.all_gather(kept, subgroup.size, subgroup.group.group_name, False, r.counted, custom)
-            # Member j kept shard ranks j, j + k, ...: back to shard rank order (eager's rank_rows).
-            rows = gathered.view(subgroup.size, r.world // subgroup.size, -1).transpose(0, 1).reshape(-1)
-            region_port = None if port is None else (port_tensors[0], list(port_tensors[1:]))
-            return self._unsharded_params(bucket, rows, region_port)
+            gathered = self._all_gather(kept, subgroup.size, subgroup.group.group_name, settings)
+            rows = rank_rows_from_subgroups(gathered, subgroup.size, world)
+            values = self._decoded(*layout, rows, shards)
+            return route(values, list(port_tensors), subgroup.size * kept.numel() * kept.element_size())
 
-        port_tensors = () if port is None else (port[0], *port[1])
         return list(
             checkpoint(unshard, kept, *port_tensors, use_reentrant=False, context_fn=graph.recompute_in_backward)
         )
 
-    def _gather_encoded(
-        self, bucket: _Bucket, shards: list[torch.Tensor], port, regathers: bool
-    ) -> dict[int, torch.Tensor]:
-        """A bucket whose parameters travel encoded (eager: their codecs): a tensor subclass's own
-        hooks (``SubclassCodec``: the pre-all-gather inputs, then the post-all-gather hook) or
-        fsdp2's quantized all-gather (``QuantizedCodec``: quantized slot, then dequantized rows).
-        Every wire tensor of the bucket, as bytes, side by side in ONE all-gather (gloo has no
-        float8 collectives; eager's buffer is bytes too). The unsharded parameters route their
-        gradients to the port, which reduces them as any bucket's (the gradient passes the
-        encoding straight through, as eager's).
+    # -- routing gradients to the ports ------------------------------------------------------------
 
-        Subclass hooks run on ``traced_leaf``, the shard's ``detach()``: torchao's drops the scale
-        ``precompute_float8_dynamic_scale_for_fsdp`` set (and a subclass input carrying it fails
-        torchao's ``__tensor_flatten__`` under the compiler), so its hook computes the scale in the
-        step, all-reducing the amax over the shard mesh: the same value, for weights that only
-        FSDP shards (``check_traceable`` refuses tensor-parallel ones)."""
-        r = bucket.reduction
-        encoded = [_encode(p, shard) for p, shard in zip(bucket.params, shards)]
-        inputs = [t for wire, _ in encoded for t in wire]
-        if not inputs:
-            return {}
-        flat = graph.flat([t.reshape(-1).view(torch.uint8) for t in inputs])
-        gathered = graph.all_gather(flat, r.world, r.shard_group, r.out_collectives, r.counted, r.custom_all_gather)
-        if port is not None and regathers and r.counted:
-            port = _recording_regather(port, r.world * flat.numel())
-        rows = gathered.view(r.world, -1)
-        blocks = iter(torch.split_with_sizes(rows, [t.numel() * t.element_size() for t in inputs], dim=1))
-        values = [
-            _decode(p, shard, wire, context, [next(blocks) for _ in wire])
-            for p, shard, (wire, context) in zip(bucket.params, shards, encoded)
+    def _routed_params(self, buckets: list[_Bucket], ports: list, values, port_tensors, regathered: int) -> list:
+        """``values`` (the unsharded parameters, ``group.params`` order) as the modules see them:
+        each one's gradient to its block of its bucket's port row and a mark (``ports`` again, from
+        ``port_tensors``: a region's inputs), TP parameters as DTensors. ``regathered``: the bytes
+        backward gathers again (recorded inside ``count_comm``)."""
+        tensors = iter(port_tensors)
+        index = {id(p): i for i, p in enumerate(self.group.params)}
+        routed = list(values)
+        counted = regathered and buckets[0].reduction.counted
+        for bucket, port in zip(buckets, ports):
+            if port is None:
+                continue
+            row, marks = next(tensors), [next(tensors) for _ in port[1]]
+            if counted:  # recorded by the backward of the first port (a recomputed region's own record is not)
+                row, counted = graph.RecordRegather.apply(row, regathered), False
+            world = bucket.reduction.world
+            widths = [p.layout.padded_shard_numel for p in bucket.params]
+            carriers = torch.split_with_sizes(row.view(world, -1), widths, dim=1)
+            for p, carried, mark in zip(bucket.params, carriers, marks):
+                i = index[id(p)]
+                routed[i] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), routed[i], mark)
+        # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
+        # backward turns a pending-sum gradient into these placements, as eager's local_grad.
+        return [
+            full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
+            for p, full in zip(self.group.params, routed)
         ]
-        return dict(zip(map(id, bucket.params), self._routed(bucket, values, port)))
 
     def _buckets(self) -> list[_Bucket]:
         group, dp = self.group, self.group.dp
@@ -382,20 +338,21 @@ class TracedGroup:
             mode = Mode.PARTIAL
         else:
             mode = Mode.SYNCED
-        by_key: dict[tuple, list] = {}
+        by_dtype: dict[torch.dtype, list] = {}
         for p in group.params:
-            by_key.setdefault((_encoded(p), p.param_dtype, p.reduce_dtype, p.orig_dtype), []).append(p)
+            by_dtype.setdefault(p.reduce_dtype, []).append(p)
         buckets = []
-        for key, params in by_key.items():
-            encoded, param_dtype, reduce_dtype, orig_dtype = key
+        for reduce_dtype, params in by_dtype.items():
             plan = reduce.plan(reduce_dtype)
-            grads = self.grads.get(key)  # its kept sums are read in the trace (guarded)
+            grads = self.grads.get(reduce_dtype)  # its kept sums are read in the trace (guarded)
+            param_dtypes = {p.param_dtype for p in params}
+            orig_dtypes = {p.orig_dtype for p in params}
             reduction = graph.Reduction(
                 dp.shard_size,
                 shard_group.group_name,
                 replicate,
                 reduce_dtype,
-                orig_dtype,
+                orig_dtypes.pop() if len(orig_dtypes) == 1 else reduce_dtype,
                 plan.divide_before,
                 plan.divide_after,
                 plan.reduce_scatter_op.functional_name,
@@ -410,7 +367,10 @@ class TracedGroup:
                 takes_partial=mode is Mode.SYNCED and grads is not None and grads.holds_partial,
                 include_unused=reduce.include_unused,
             )
-            buckets.append(_Bucket(key, params, param_dtype, reduction, encoded))
+            # Every use's gradient is summed in the port row before the reduction, in the compute
+            # dtype as eager sums it in the unsharded parameter (several: in the reduce dtype).
+            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else reduce_dtype
+            buckets.append(_Bucket(reduce_dtype, params, row_dtype, reduction))
         return buckets
 
     # -- where gradients go ---------------------------------------------------------------------
@@ -428,8 +388,8 @@ class TracedGroup:
             params = tuple(bucket.params)
             current = self.grads.get(bucket.key)
             r = bucket.reduction
-            if current is None or current.params != params or current.hooked != r.hooked:
-                current = BucketGrads(params, self.group, r.reduce_dtype, r.hooked, self.pending_grads)
+            if current is None or not current.serves(params, r):
+                current = BucketGrads(params, self.group, r, self.pending_grads)
             else:
                 current.take_params()
             grads[bucket.key] = current
@@ -451,7 +411,18 @@ class TracedCall:
     ``ran`` live only within one trace: the root's post-forward clears them before it ends.
     """
 
-    __slots__ = ("modules", "groups", "next", "prefetched", "held", "modules_left", "ran", "_held_dicts", "__weakref__")
+    __slots__ = (
+        "modules",
+        "groups",
+        "next",
+        "prefetched",
+        "held",
+        "modules_left",
+        "ran",
+        "_held_dicts",
+        "_holds",
+        "__weakref__",
+    )
 
     def __init__(self, modules: tuple[nn.Module, ...], groups: list[TracedGroup]):
         self.modules = modules
@@ -462,6 +433,18 @@ class TracedCall:
         self.modules_left = 0
         self.ran = False  # one of its modules ran in this trace (not only prefetched)
         self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
+        # Per module holding the call's parameters, decided once (a trace then reads no DTensor):
+        # (module, {managed name: its index among the gathered parameters}, [(name, that index, or
+        # None for a parameter fsdp2 does not manage)] in the module's order).
+        self._holds: list[tuple[nn.Module, dict[str, int], list[tuple[str, int | None]]]] = []
+        by_module: dict[nn.Module, dict[str, int]] = {}
+        params = [p for traced in groups for p in traced.group.params]
+        for i, p in enumerate(params):
+            for slot in p.slots:
+                by_module.setdefault(slot.module, {})[slot.name] = i
+        for module, managed in by_module.items():
+            names = list(compat.held_parameter_registry(module))
+            self._holds.append((module, managed, [(name, managed.get(name)) for name in names]))
 
     def pre_forward(self, forward_prefetch: list["TracedCall"]) -> None:
         """Before one of the call's modules runs: gather its groups (unless held), then prefetch."""
@@ -523,17 +506,15 @@ class TracedCall:
         so the trace never reads the DTensor parameters, and dynamo installs no guard (a Python
         DTensor spec check) on them."""
         self.held = gathered
-        by_module: dict[nn.Module, dict[str, torch.Tensor]] = {}
-        for traced, unsharded in zip(self.groups, gathered):
-            for p, tensor in zip(traced.group.params, unsharded):
-                for slot in p.slots:
-                    by_module.setdefault(slot.module, {})[slot.name] = tensor
-        for module, tensors in by_module.items():
+        flat = [tensor for unsharded in gathered for tensor in unsharded]
+        for module, managed, entries in self._holds:
             original = compat.held_parameter_registry(module)
-            # Only the parameters fsdp2 does not manage (ignored ones) are read from the original.
-            compat.set_parameter_registry(
-                module, {name: tensors[name] if name in tensors else original[name] for name in original}
-            )
+            if len(original) != len(entries):  # a parameter registered on the module since fully_shard
+                entries = [(name, managed.get(name)) for name in original]
+            registry = {}
+            for name, index in entries:  # in the module's order; None: a parameter fsdp2 does not manage
+                registry[name] = original[name] if index is None else flat[index]
+            compat.set_parameter_registry(module, registry)
             self._held_dicts.append((module, original))
 
     def release(self) -> None:
@@ -566,10 +547,11 @@ _trace = _TraceScope()
 class _ParamRegistrations:
     """Notices a parameter registered (``module.weight = nn.Parameter(...)``,
     ``load_state_dict(assign=True)``) in a slot of a fully_shard'ed parameter, through nn.Module's
-    global registration hook (installed once, on the first fully_shard). The compiled step does
-    not read the DTensor parameters (see ``TracedGroup.hold``), so without this it would keep
-    training the old shard; instead the group's ``param_replaced`` flips, the guard on it fails,
-    and the retrace refuses the replacement by name (``check_traceable``)."""
+    global registration hook (a process hook, fsdp2.runtime.process_hooks: in place while fsdp2
+    modules exist). The compiled step does not read the DTensor parameters (see
+    ``TracedCall.hold``), so without this it would keep training the old shard; instead the
+    group's ``param_replaced`` flips, the guard on it fails, and the retrace refuses the
+    replacement by name (``check_traceable``)."""
 
     def __init__(self) -> None:
         # module -> {slot name: (its ShardedParam, its TracedGroup)}, both weakly: they refer to
@@ -583,8 +565,13 @@ class _ParamRegistrations:
         for p in traced.group.params:
             for slot in p.slots:
                 self._slots.setdefault(slot.module, {})[slot.name] = (weakref.ref(p), weakref.ref(traced))
-        if self._handle is None:
-            self._handle = nn.modules.module.register_module_parameter_registration_hook(self._registered)
+
+    def install(self) -> None:
+        self._handle = nn.modules.module.register_module_parameter_registration_hook(self._registered)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._handle = None
 
     def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         watched = self._slots.get(module)
@@ -596,6 +583,7 @@ class _ParamRegistrations:
 
 
 _registrations = _ParamRegistrations()
+PROCESS_HOOKS.register("parameter registration", _registrations.install, _registrations.remove)
 
 
 def link_forward_order(calls: list[TracedCall]) -> None:

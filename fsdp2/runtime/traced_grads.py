@@ -29,6 +29,7 @@ writing anything.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,8 +37,8 @@ import torch
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import traced_ops
-from fsdp2.runtime.sharded_param import accumulate_sharded_grads
-from fsdp2.runtime.traced_graph import Mode
+from fsdp2.runtime.sharded_param import accumulate_sharded_grads, weak_hook
+from fsdp2.runtime.traced_graph import Mode, Reduction
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -55,35 +56,41 @@ class BucketGrads:
     """One bucket's gradient sinks, kept sums and hand-off (module docstring).
 
     ``params``: the bucket's parameters in its layout; ``group``: their ParamGroup (its settings
-    are read at the hand-off); ``reduce_dtype`` / ``hooked``: the bucket's reduction; ``pending``:
-    the keys of its group's buckets that keep sums (eager code reads it without a call).
+    are read at the hand-off); ``reduction``: the bucket's (its dtypes and hook, as a synced
+    backward reduces it); ``pending``: the keys of its group's buckets that keep sums (eager code
+    reads it without a call).
     """
 
     def __init__(
-        self, params: tuple["ShardedParam", ...], group: "ParamGroup", reduce_dtype, hooked: bool, pending: set[str]
+        self, params: tuple["ShardedParam", ...], group: "ParamGroup", reduction: Reduction, pending: set[str]
     ):
         self.params = params
         self.pending = pending
         self.group = group
-        self.reduce_dtype = reduce_dtype
-        self.hooked = hooked
+        reduce_dtype = self.reduce_dtype = reduction.reduce_dtype
+        self.hooked = reduction.hooked
         device = group.dp.device
         self.widths = [p.layout.padded_shard_numel for p in params]
         self.shard_numel = sum(self.widths)
         self.gathered_numel = group.dp.shard_size * self.shard_numel
-        self.grad_dtype = params[0].orig_dtype
-        # No padding on this rank: the reduced flat shard is the local shards back to back.
-        self.packed = all(p.layout.local_rows == p.layout.chunk and not p.offload for p in params)
+        # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
+        self.grad_dtype = reduction.grad_dtype
+        # What a synced backward that reached every parameter hands over (see Reduction.sink_dtype).
+        self.sink_dtype = dataclasses.replace(reduction, mode=Mode.SYNCED).sink_dtype
+        # No padding on this rank, one dtype: the reduced flat shard is the local shards back to back.
+        self.packed = all(
+            p.layout.local_rows == p.layout.chunk and not p.offload and p.orig_dtype == self.grad_dtype for p in params
+        )
         self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
-        self.reduced = _leaf(self.shard_numel, reduce_dtype if hooked else self.grad_dtype, device)
-        self.reduced.register_post_accumulate_grad_hook(self._hand_off)
+        self.reduced = _leaf(self.shard_numel, self.sink_dtype, device)
+        self.reduced.register_post_accumulate_grad_hook(weak_hook(self._hand_off))
         self.unsynced = _leaf(self.gathered_numel, reduce_dtype, device)
-        self.unsynced.register_post_accumulate_grad_hook(self._kept_unsynced)
+        self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._kept_unsynced))
         self.partial = None
         self.hybrid = group.dp.is_hybrid
         if self.hybrid:
             self.partial = _leaf(self.shard_numel, reduce_dtype, device)
-            self.partial.register_post_accumulate_grad_hook(self._kept_partial)
+            self.partial.register_post_accumulate_grad_hook(weak_hook(self._kept_partial))
         self.anchor = _leaf(0, torch.float32, device)  # takes fsdp2::deliver's results
         # Sums kept by deliveries for some parameters only, and which parameters they reached.
         self._some: dict[Mode, tuple[torch.Tensor, set[int]]] = {}
@@ -95,6 +102,15 @@ class BucketGrads:
         self.holds_partial = False
         self.key = traced_ops.register_route(self)
         self.take_params()
+
+    def serves(self, params, reduction: Reduction) -> bool:
+        """Whether these sinks take the gradients of ``params`` reduced as ``reduction`` says."""
+        return (
+            self.params == tuple(params)
+            and self.grad_dtype == reduction.grad_dtype
+            and self.reduce_dtype == reduction.reduce_dtype
+            and self.hooked == reduction.hooked
+        )
 
     def take_params(self) -> None:
         """Note the parameters' DTensors: at construction and whenever fsdp2 re-reads them (the only
@@ -234,7 +250,7 @@ class BucketGrads:
             return reduced
         reduce = self.group.reduce
         reduce.finish_reduced(reduced, reduce.plan(reduced.dtype))
-        return reduced if reduced.dtype == self.grad_dtype else reduced.to(self.grad_dtype)
+        return reduced if reduced.dtype == self.grad_dtype else reduced.to(self.grad_dtype)  # else per parameter
 
     def _write(self, reduced: torch.Tensor, reached: set[int] | None) -> None:
         """Add the reduced flat shard to the ``.grad`` of the parameters ``reached`` (None: all),
