@@ -3,7 +3,7 @@
 from fsdp2 import torch_switch as _torch_switch
 from fsdp2.errors import FSDPUsageError
 from fsdp2.optim.grad_clip import clip_grad_norm_
-from fsdp2.optim.local_step import step_on_local_shards_by_default as _step_on_local_shards_by_default
+import fsdp2.optim.local_step  # noqa: F401 - registers the default local-shard step's process hook
 from fsdp2.policies import AllGatherPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.runtime.dp_mesh import DataParallelMeshDims
 from fsdp2.runtime.fsdp_module import (
@@ -17,16 +17,10 @@ from fsdp2.runtime.fully_shard import fully_shard, on_fully_shard as _on_fully_s
 from fsdp2.torch_switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 
 
-def _one_implementation_per_module(modules, name: str) -> None:
-    """Refuse modules PyTorch's ``fully_shard`` sharded; from the first fsdp2 module on, PyTorch's
-    ``fully_shard`` refuses modules holding fsdp2's (fsdp2.torch_switch)."""
-    _torch_switch.refuse_mixed_implementations(modules, name)
-    _torch_switch.guard_pytorch_fully_shard()
-
-
-# The runtime imports nothing above it: fully_shard reaches the switch's guards and the optimizer
-# default (the global step pre-hook, registered at the first fully_shard) through this wiring.
-_on_fully_shard(check=_one_implementation_per_module, before_change=_step_on_local_shards_by_default)
+# The runtime imports nothing above it: fully_shard reaches the switch's refusal of modules PyTorch
+# sharded through this wiring. The process-wide hooks of the layers above it (the optimizer default,
+# the guard on PyTorch's fully_shard) register themselves in fsdp2.runtime.process_hooks.
+_on_fully_shard(check=_torch_switch.refuse_mixed_implementations)
 
 __all__ = [
     "AllGatherPolicy",

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch.nn as nn
 
 from fsdp2 import compat
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 
 # PyTorch's public names of FSDP2's functions, and the modules that re-export them.
 SWITCHED_FUNCTIONS = ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx")
@@ -176,8 +177,11 @@ def install_as_torch_fsdp() -> SwitchInstallation:
 
 
 def uninstall_as_torch_fsdp() -> None:
-    """Undo :func:`install_as_torch_fsdp`: PyTorch's FSDP2 functions again."""
+    """Undo :func:`install_as_torch_fsdp`: PyTorch's FSDP2 functions again, and PyTorch's
+    ``fully_shard`` as shipped (without the guard refusing modules that hold fsdp2's, which the
+    next fsdp2 ``fully_shard`` puts back)."""
     _SWITCH.uninstall()
+    PROCESS_HOOKS.remove(GUARD_HOOK)
 
 
 # -- one model, one implementation ------------------------------------------------------------------
@@ -215,30 +219,40 @@ def refuse_mixed_implementations(modules: tuple[nn.Module, ...], name: str) -> N
                 )
 
 
-_guarded_pytorch_fully_shard = False
-
-
-def guard_pytorch_fully_shard() -> None:
-    """Make PyTorch's ``fully_shard`` refuse, naming both modules, a module that holds modules or
+class _PyTorchFullyShardGuard:
+    """PyTorch's ``fully_shard`` refuses, naming both modules, a module that holds modules or
     parameters fsdp2 manages (it would take fsdp2's shards for tensor-parallel parameters and fail
-    inside with ``Invariant encountered``). Called by fsdp2's ``fully_shard``: until then no fsdp2
-    module exists. Rebinds the helper PyTorch's ``fully_shard`` looks its modules up with, in
-    PyTorch's implementation module only; the answer for any other model is unchanged."""
-    global _guarded_pytorch_fully_shard
-    if _guarded_pytorch_fully_shard:
-        return
-    _guarded_pytorch_fully_shard = True
-    original = compat.torch_fully_shard_module_lookup()
-    if original is None:  # another torch layout: PyTorch's own error stands
-        return
+    inside with ``Invariant encountered``): the helper it looks its modules up with is wrapped, in
+    PyTorch's implementation module only; the answer for any other model is unchanged. A process
+    hook (fsdp2.runtime.process_hooks): in place while fsdp2 modules exist; ``uninstall_as_torch_fsdp``
+    removes it."""
 
-    def _get_modules_and_states(module: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(module, *args, **kwargs)
-        _refuse_fsdp2_inside(module, result[2], result[3])
-        return result
+    def __init__(self) -> None:
+        self._original = None
 
-    _get_modules_and_states.__wrapped__ = original  # type: ignore[attr-defined]
-    compat.set_torch_fully_shard_module_lookup(_get_modules_and_states)
+    def install(self) -> None:
+        original = compat.torch_fully_shard_module_lookup()
+        if original is None or getattr(original, "__wrapped__", None) is not None:
+            return  # another torch layout (PyTorch's own error stands), or in place already
+
+        def _get_modules_and_states(module: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(module, *args, **kwargs)
+            _refuse_fsdp2_inside(module, result[2], result[3])
+            return result
+
+        _get_modules_and_states.__wrapped__ = original  # type: ignore[attr-defined]
+        self._original = original
+        compat.set_torch_fully_shard_module_lookup(_get_modules_and_states)
+
+    def remove(self) -> None:
+        if self._original is not None:
+            compat.set_torch_fully_shard_module_lookup(self._original)
+            self._original = None
+
+
+GUARD_HOOK = "PyTorch fully_shard guard"
+_guard = _PyTorchFullyShardGuard()
+PROCESS_HOOKS.register(GUARD_HOOK, _guard.install, _guard.remove)
 
 
 def _refuse_fsdp2_inside(arg: Any, managed_modules: list[nn.Module], params: list[nn.Parameter]) -> None:

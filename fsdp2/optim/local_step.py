@@ -26,7 +26,8 @@ By default (no call needed) it is installed on every optimizer that is exactly o
 classes and holds parameters of ``fsdp2.fully_shard``: at its first ``step()`` (which itself
 still runs on DTensors). What that takes, and all it takes: one global step pre-hook, registered
 through torch.optim's public ``register_optimizer_step_pre_hook`` by the first ``fully_shard``
-call and removed by ``set_local_shard_steps(False)``. No torch.optim class, method or function is
+call, removed when the last fully_shard'ed module is freed (a process hook:
+fsdp2.runtime.process_hooks) or by ``set_local_shard_steps(False)``. No torch.optim class, method or function is
 patched, and nothing is written on an optimizer the default leaves alone (it is remembered by a
 weak reference): such an optimizer, over plain tensors or PyTorch FSDP2's DTensors, steps exactly
 as without fsdp2, at the cost of the hook's one Python call per step. ``step_on_dtensors(optimizer)``
@@ -47,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp2 import compat
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.sharded_param import managed_by
 
 # Every one updates each element from that element's parameter, gradient and state alone.
@@ -105,19 +107,20 @@ def step_on_dtensors(optimizer: torch.optim.Optimizer) -> None:
 
 _default_hook = None  # the global step pre-hook's handle, while registered
 _default_on = True  # set_local_shard_steps
-_default_wanted = False  # fully_shard has run: fsdp2 parameters may exist
+_default_wanted = False  # fsdp2 modules exist (the process hook is installed)
 # Optimizers the default has decided on, by weak reference: an optimizer it leaves alone carries
 # nothing of fsdp2's, and a dead one leaves the set.
 _looked_at: set[weakref.ref] = set()
 
 
-def step_on_local_shards_by_default() -> None:
-    """Register (once per process) the step pre-hook that installs the local-shard step on
-    optimizers for which it is known to give the same result (called by every ``fully_shard``,
-    through the package's wiring in fsdp2/__init__.py), unless the default is switched off."""
+def _wanted(wanted: bool) -> None:
+    """The process hook's install / remove (fsdp2.runtime.process_hooks): fsdp2 modules exist."""
     global _default_wanted
-    _default_wanted = True
+    _default_wanted = wanted
     _sync_default_hook()
+
+
+PROCESS_HOOKS.register("optimizer local-shard step", lambda: _wanted(True), lambda: _wanted(False))
 
 
 def set_local_shard_steps(enabled: bool) -> None:
@@ -139,7 +142,7 @@ def _sync_default_hook() -> None:
     global _default_hook
     if _default_on and _default_wanted and _default_hook is None:
         _default_hook = register_optimizer_step_pre_hook(_install_where_identical)
-    elif not _default_on and _default_hook is not None:
+    elif not (_default_on and _default_wanted) and _default_hook is not None:
         _default_hook.remove()
         _default_hook = None
 

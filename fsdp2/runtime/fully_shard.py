@@ -22,29 +22,23 @@ from fsdp2.runtime.gather import Subgroup
 from fsdp2.runtime.hooks import FSDPState
 from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
 from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.torch_view import TorchStateView
 
 _FSDP_CLASSES: dict[type, type] = {}
 
-# The package's layers above the runtime that every fully_shard calls (PyTorch's fully_shard
-# guards in fsdp2.torch_switch, the optimizer default in fsdp2.optim): fsdp2/__init__.py registers
-# them once through on_fully_shard, so the runtime imports none of them.
+# The package's layers above the runtime whose checks every fully_shard runs (the refusal of
+# modules PyTorch's fully_shard sharded, in fsdp2.torch_switch): fsdp2/__init__.py registers them
+# once through on_fully_shard, so the runtime imports none of them. (Their process-wide hooks are
+# in fsdp2.runtime.process_hooks.)
 _checks: list[Callable[[tuple[nn.Module, ...], str], None]] = []
-_before_change: list[Callable[[], None]] = []
 
 
-def on_fully_shard(
-    *,
-    check: Callable[[tuple[nn.Module, ...], str], None] | None = None,
-    before_change: Callable[[], None] | None = None,
-) -> None:
+def on_fully_shard(*, check: Callable[[tuple[nn.Module, ...], str], None]) -> None:
     """Package wiring: every later ``fully_shard`` calls ``check(modules, name)`` before its own
-    validation (it may refuse: nothing is changed yet) and ``before_change()`` once validation is
-    over, just before the modules change; each in the order registered, a function once."""
-    if check is not None and check not in _checks:
+    validation (it may refuse: nothing is changed yet), in the order registered, a function once."""
+    if check not in _checks:
         _checks.append(check)
-    if before_change is not None and before_change not in _before_change:
-        _before_change.append(before_change)
 
 
 @dataclass
@@ -111,8 +105,6 @@ def fully_shard(
     subgroups = [_subgroup(reshard_after_forward, group_dp) for group_dp in group_meshes]
 
     # Validation is over: from here on we change the module.
-    for prepare in _before_change:
-        prepare()
     sharded = [
         ShardedParam(
             p.managed.fqn,
@@ -143,6 +135,7 @@ def fully_shard(
         m.__dict__["_fsdp_state"] = state
         m.__class__ = _fsdp_class(type(m))
         compat.mark_fully_sharded(m)
+        PROCESS_HOOKS.module_sharded(m)
         # PyTorch's ``fully_shard.state(m)`` (pipelining reads it) sees fsdp2's state through a view.
         compat.set_torch_fully_shard_state(m, TorchStateView.of(state))
     for group in groups:

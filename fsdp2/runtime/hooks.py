@@ -247,6 +247,8 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit (reverse forward order)
         self._modules_to_run: set[nn.Module] = set()  # modules of this group yet to finish this forward
+        # What PyTorch's own code reads of this state, one view of each kind (fsdp2.runtime.torch_view).
+        self.torch_views: dict[type, object] = {}
         # The hooks' path while torch.compile traces them: the call's, and one per group.
         self.traced_groups = [TracedGroup(group) for group in groups]
         self.traced_call = TracedCall(modules, self.traced_groups)

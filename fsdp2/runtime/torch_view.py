@@ -11,7 +11,6 @@ naming the caller and the member, instead of half-working.
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 from fsdp2.errors import FSDPUsageAssertionError, FSDPUsageError
@@ -109,13 +108,12 @@ class TorchCommContextView(_Unsupported):
     gradient reductions' waits); fsdp2's roots never share one."""
 
     _what = "FSDPCommContext"
-    _views: "weakref.WeakKeyDictionary[FSDPState, TorchCommContextView]" = weakref.WeakKeyDictionary()
 
     @classmethod
     def of(cls, root_state: FSDPState) -> "TorchCommContextView":
-        view = cls._views.get(root_state)
+        view = root_state.torch_views.get(cls)
         if view is None:
-            view = cls._views[root_state] = cls()
+            view = root_state.torch_views[cls] = cls()
         return view
 
 
@@ -124,17 +122,17 @@ class TorchStateView(_Unsupported):
 
     _what = "FSDPState"
     _fields = ("_state",)
-    _views: "weakref.WeakKeyDictionary[FSDPState, TorchStateView]" = weakref.WeakKeyDictionary()
 
     def __init__(self, state: FSDPState):
         self._state = state
 
     @classmethod
     def of(cls, state: FSDPState) -> "TorchStateView":
-        """The one view of ``state`` (callers may compare states by identity, as PyTorch's are)."""
-        view = cls._views.get(state)
+        """The one view of ``state`` (callers may compare states by identity, as PyTorch's are),
+        kept by the state: a table of views would keep every state alive."""
+        view = state.torch_views.get(cls)
         if view is None:
-            view = cls._views[state] = cls(state)
+            view = state.torch_views[cls] = cls(state)
         return view
 
     @property

@@ -576,8 +576,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp2, fsdp2.optim
 counts = [len(hooks)]
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+modules = []
 for _ in range(2):
-    fsdp2.fully_shard(torch.nn.Linear(4, 4))
+    modules.append(fsdp2.fully_shard(torch.nn.Linear(4, 4)))
     counts.append(len(hooks))
 fsdp2.optim.set_local_shard_steps(False)
 counts.append(len(hooks))

@@ -1,0 +1,71 @@
+"""fsdp2's process-wide hooks (fsdp2.runtime.process_hooks) exist only while fsdp2 modules do.
+
+Each case runs in a fresh interpreter: importing fsdp2 installs nothing; the first fully_shard
+installs torch.optim's global step pre-hook, nn.Module's parameter-registration hook and the guard
+on PyTorch's fully_shard; freeing the last fully_shard'ed module removes all three (the next
+fully_shard puts them back); uninstall_as_torch_fsdp() removes the guard.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+_PROBE = """
+import gc, json, torch, torch.distributed as dist
+import torch.nn.modules.module as nn_module
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from fsdp2 import compat
+
+def state():
+    lookup = compat.torch_fully_shard_module_lookup()
+    return {
+        "optimizer": len(_global_optimizer_pre_hooks),
+        "registration": len(nn_module._global_parameter_registration_hooks),
+        "guard": getattr(lookup, "__wrapped__", None) is not None,
+    }
+
+seen = {"before import": state()}
+import fsdp2
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
+seen["imported"] = state()
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+model = fsdp2.fully_shard(torch.nn.Linear(4, 4))
+seen["sharded"] = state()
+seen["installed"] = sorted(PROCESS_HOOKS.installed())
+STEP
+print(json.dumps(seen))
+"""
+
+
+def _probe(step: str) -> dict:
+    code = _PROBE.replace("STEP", step)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+NONE = {"optimizer": 0, "registration": 0, "guard": False}
+ALL = {"optimizer": 1, "registration": 1, "guard": True}
+
+
+def test_installed_by_the_first_fully_shard_and_removed_with_the_last_module():
+    seen = _probe(
+        "del model; gc.collect(); seen['freed'] = state()\n"
+        "again = fsdp2.fully_shard(torch.nn.Linear(4, 4)); seen['again'] = state()"
+    )
+    assert seen["before import"] == NONE and seen["imported"] == NONE, seen
+    assert seen["sharded"] == ALL, seen
+    assert seen["installed"] == ["PyTorch fully_shard guard", "optimizer local-shard step", "parameter registration"]
+    assert seen["freed"] == NONE, seen
+    assert seen["again"] == ALL, seen
+
+
+def test_uninstall_as_torch_fsdp_removes_the_guard_on_pytorch_fully_shard():
+    seen = _probe(
+        "fsdp2.install_as_torch_fsdp(); fsdp2.uninstall_as_torch_fsdp(); seen['uninstalled'] = state()\n"
+        "other = fsdp2.fully_shard(torch.nn.Linear(4, 4)); seen['again'] = state()"
+    )
+    assert seen["uninstalled"] == {**ALL, "guard": False}, seen
+    assert seen["again"] == ALL, seen
