@@ -547,6 +547,77 @@ def test_count_comm_counts_a_compiled_step_as_eager(worlds):
     assert counted["graph breaks"] == counted["eager"]
 
 
+class _TwoDtypeBlock(torch.nn.Module):
+    """A block whose parameters have two dtypes (one fully_shard group of fp32 and bf16 weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
+
+
+def _collectives_of_mixed_groups(rank, world_size, kind):
+    """count_comm() of one eager and one compiled (whole) step of groups that are not one plain
+    dtype: fp32 and bf16 weights in one group, or an int8 all-gather policy that quantizes some
+    weights of a group and leaves its norms; and the gradients of both."""
+    import torch._dynamo
+
+    from fsdp2 import AllGatherPolicy, fully_shard
+    from fsdp2.tools import count_comm
+
+    torch._dynamo.reset()
+    runs = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        if kind == "two_dtypes":
+            model = torch.nn.Sequential(*(_TwoDtypeBlock() for _ in range(2)))
+            for block in model:
+                fully_shard(block)
+            fully_shard(model)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+            def loss_of(run):
+                return run(x).pow(2).mean()
+
+        else:
+            model, cfg = _build("gpt")
+            _shard(model)
+            model.set_all_gather_policy(AllGatherPolicy(torch.int8))
+            tokens = _batch(0, rank, world_size, cfg)
+
+            def loss_of(run):
+                return token_loss(run, *tokens)
+
+        run = (
+            torch.compile(model, backend="aot_eager_decomp_partition", fullgraph=True) if name == "compiled" else model
+        )
+        loss_of(run).backward()  # compiled once, outside the counter
+        model.zero_grad()
+        with count_comm() as stats:
+            loss_of(run).backward()
+        runs[name] = (dict(stats.calls), dict(stats.bytes), [p.grad.full_tensor() for p in model.parameters()])
+    torch._dynamo.reset()
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["two_dtypes", "int8_policy"])
+def test_groups_of_several_dtypes_or_codecs_issue_eager_collectives(worlds, kind):
+    """One all-gather per group and direction (the group's parameters as bytes in one row, as eager
+    lays it out), one reduce-scatter per reduce dtype: the compiled step's calls and bytes equal
+    eager's, and so do the gradients (bitwise; the GPT's within the rounding of the partitioner's
+    decompositions of layer norm and attention, which the backward's re-gather needs)."""
+    runs = worlds.run(2, _collectives_of_mixed_groups, kind)[0]
+    (eager_calls, eager_bytes, eager_grads), (calls, nbytes, grads) = runs["eager"], runs["compiled"]
+    assert calls == eager_calls and nbytes == eager_bytes, (runs["eager"][:2], runs["compiled"][:2])
+    for a, b in zip(eager_grads, grads, strict=True):
+        if kind == "two_dtypes":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 # -- between compiled steps: clipping, state_dict, checkpoints; activation checkpointing -------------
 
 

@@ -69,3 +69,19 @@ def test_uninstall_as_torch_fsdp_removes_the_guard_on_pytorch_fully_shard():
     )
     assert seen["uninstalled"] == {**ALL, "guard": False}, seen
     assert seen["again"] == ALL, seen
+
+
+def test_a_trained_module_is_freed_eager_and_compiled():
+    """After training steps (eager, and compiled once dynamo forgets its graphs), deleting the model
+    frees it, and with it the hooks (autograd's hooks on leaves must not keep it alive)."""
+    seen = _probe(
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for run in (model, torch.compile(model, backend='aot_eager', fullgraph=True)):\n"
+        "    for _ in range(2):\n"
+        "        run(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "import weakref; alive = weakref.ref(model); del model, opt, run\n"
+        "torch._dynamo.reset(); gc.collect()\n"
+        "seen['freed'] = alive() is None; seen['after'] = state()"
+    )
+    assert seen["freed"], seen
+    assert seen["after"] == NONE, seen
