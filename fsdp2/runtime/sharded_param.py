@@ -97,6 +97,9 @@ class ShardedParam:
         local = self._to_storage(self.layout.local_slice(spec.fsdp_input).clone())
         dtensor = compat.make_dtensor(local, spec.mesh, spec.placements, param.shape, param.stride())
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        # requires_grad as fsdp2 last read it (here and at refresh): what a compiled step computes
+        # gradients for (eager reads the live flag at every forward).
+        self.trainable = param.requires_grad
         mark_managed(param, owner)
         mark_managed(self.sharded_param, owner)
         self.unsharded_param: nn.Parameter | None = None
@@ -163,6 +166,7 @@ class ShardedParam:
             for slot in self.slots:
                 slot.hold(self.sharded_param)
         mark_managed(self.sharded_param, self.owner)  # a tensor swap replaced its __dict__
+        self.trainable = self.sharded_param.requires_grad
         self._make_traced_leaf()
         param_dtype = self.param_dtype
         self._read_dtypes()

@@ -340,7 +340,8 @@ class TracedGroup:
             mode = Mode.SYNCED
         by_dtype: dict[torch.dtype, list] = {}
         for p in group.params:
-            by_dtype.setdefault(p.reduce_dtype, []).append(p)
+            if p.trainable:  # a frozen parameter's gradient is neither computed nor reduced (read: guarded)
+                by_dtype.setdefault(p.reduce_dtype, []).append(p)
         buckets = []
         for reduce_dtype, params in by_dtype.items():
             plan = reduce.plan(reduce_dtype)
@@ -382,6 +383,7 @@ class TracedGroup:
         (``torch.func.jvp`` over the module), where no new leaf may be made; and the sums it keeps
         for the next synced backward stay."""
         grads = {}
+        frozen = tuple(p for p in self.group.params if not p.trainable)
         for bucket in self._buckets():
             if not bucket.takes_grad:
                 continue
@@ -389,7 +391,7 @@ class TracedGroup:
             current = self.grads.get(bucket.key)
             r = bucket.reduction
             if current is None or not current.serves(params, r):
-                current = BucketGrads(params, self.group, r, self.pending_grads)
+                current = BucketGrads(params, self.group, r, self.pending_grads, frozen)
             else:
                 current.take_params()
             grads[bucket.key] = current

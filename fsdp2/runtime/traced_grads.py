@@ -55,17 +55,26 @@ def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 class BucketGrads:
     """One bucket's gradient sinks, kept sums and hand-off (module docstring).
 
-    ``params``: the bucket's parameters in its layout; ``group``: their ParamGroup (its settings
-    are read at the hand-off); ``reduction``: the bucket's (its dtypes and hook, as a synced
-    backward reduces it); ``pending``: the keys of its group's buckets that keep sums (eager code
-    reads it without a call).
+    ``params``: the bucket's parameters in its layout (the group's trainable ones of one reduce
+    dtype); ``group``: their ParamGroup (its settings are read at the hand-off); ``reduction``: the
+    bucket's (its dtypes and hook, as a synced backward reduces it); ``pending``: the keys of its
+    group's buckets that keep sums (eager code reads it without a call); ``frozen``: the group's
+    parameters that were frozen when fsdp2 last read them.
     """
 
     def __init__(
-        self, params: tuple["ShardedParam", ...], group: "ParamGroup", reduction: Reduction, pending: set[str]
+        self,
+        params: tuple["ShardedParam", ...],
+        group: "ParamGroup",
+        reduction: Reduction,
+        pending: set[str],
+        frozen: tuple["ShardedParam", ...] = (),
     ):
         self.params = params
         self.pending = pending
+        # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
+        # for them, so one that requires a gradient now is refused (see _check_still_frozen).
+        self.frozen = frozen
         self.group = group
         reduce_dtype = self.reduce_dtype = reduction.reduce_dtype
         self.hooked = reduction.hooked
@@ -187,6 +196,9 @@ class BucketGrads:
         group = self.group
         if not group.requires_gradient_sync or (self.hybrid and not group.reduce.requires_all_reduce):
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
+        for p in self.frozen:
+            if p.sharded_param.requires_grad:
+                raise self._unfrozen(p)
         if self.hooked:
             reduced = self._finished(reduced)
         fresh = self.packed and not group.reduce.include_unused
@@ -239,6 +251,24 @@ class BucketGrads:
             "compiled forward and its backward (or between two compiled forwards before one backward). "
             "No gradient was written and the sums kept for this accumulation were dropped; change the "
             "settings before the forward."
+        )
+
+    def _unfrozen(self, p: "ShardedParam") -> FSDPUsageError:
+        """``p`` was frozen when fsdp2 last read the parameters (fully_shard, or a re-read), so the
+        compiled step computed no gradient for it, and it requires one now. The backward is
+        refused rather than train without it; the parameters are read again, so the next compiled
+        step is traced with it."""
+        self.discard()
+        group = self.group
+        for frozen in self.frozen:
+            frozen.trainable = frozen.sharded_param.requires_grad
+        if group.on_params_refreshed is not None:
+            group.on_params_refreshed()  # new buckets; dynamo retraces on the flags read
+        return FSDPUsageError(
+            f"torch.compile over fully_shard({group.name}): parameter {p.fqn} was frozen (requires_grad=False) "
+            "when this compiled step was traced and requires a gradient now; the step computed none for it, so "
+            "this backward is refused rather than train without it. Run the step again: the next compiled step "
+            "is traced with it."
         )
 
     # -- writing .grad ---------------------------------------------------------------------------------

@@ -137,6 +137,41 @@ def test_parameter_frozen_after_fully_shard_stays_frozen(worlds):
     assert torch.equal(results["compiled"][1][frozen_index], base.blocks[0].mlp[0].weight.detach())
 
 
+def _unfrozen_after_fully_shard(rank, world_size):
+    """A parameter frozen at fully_shard gets no gradient computed by the compiled step; unfrozen
+    later, the backward of the step traced without it is refused (nothing is trained without it),
+    and the next compiled step trains it, as eager does."""
+    import torch._dynamo
+
+    from fsdp2 import FSDPUsageError
+
+    torch._dynamo.reset()
+    model, cfg = _build("gpt")
+    frozen = model.blocks[0].mlp[0].weight
+    frozen.requires_grad_(False)
+    _shard(model)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, y = _batch(0, rank, world_size, cfg)
+    token_loss(run, x, y).backward()
+    weight = model.blocks[0].mlp[0].weight
+    assert weight.grad is None and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad()
+    weight.requires_grad_(True)
+    try:
+        token_loss(run, x, y).backward()
+        raise AssertionError("trained without the unfrozen parameter")
+    except FSDPUsageError as error:
+        assert "mlp.0.weight" in str(error) and "Run the step again" in str(error)
+    model.zero_grad()
+    token_loss(run, x, y).backward()
+    torch._dynamo.reset()
+    return weight.grad is not None
+
+
+def test_parameter_unfrozen_after_fully_shard_is_refused_then_trained(worlds):
+    assert worlds.run(2, _unfrozen_after_fully_shard) == [True, True]
+
+
 def test_inductor_matches_eager(worlds):
     """Inductor's C++ kernels fuse and reorder fp32 reductions (layer norm, softmax, the loss):
     equal within 1e-5 relative, not bitwise. SGD: Adam would amplify rounding noise in
