@@ -678,6 +678,20 @@ def _loss(run, x, y):
     return F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten())
 
 
+def _microbatch_loss(setup: Setup, model: nn.Module, run, step: int, micro: int, meshes: _Meshes) -> torch.Tensor:
+    """Microbatch ``micro`` of ``step``: the model's accumulation settings for it, then its loss
+    (``two_forwards``: the mean of two forwards' losses, a row each)."""
+    last = micro == setup.microbatches - 1
+    if setup.nosync:
+        model.set_requires_gradient_sync(last)
+    if setup.last_backward:
+        model.set_is_last_backward(last)
+    x, y = _batch(step, micro, meshes)
+    if setup.two_forwards:
+        return (_loss(run, x[:1], y[:1]) + _loss(run, x[1:], y[1:])) / 2
+    return _loss(run, x, y)
+
+
 class _Stage:
     """Where a run is, for the report of a refusal: 'build', then 'step N'."""
 
@@ -719,18 +733,9 @@ def _train(setup: Setup, engine: str, rank: int, ws: int, ckpt_dir: str | None, 
             ckpt_layout = str(sorted({str(p.placements) for p in model.parameters() if p.ndim == 2}))
         total = torch.zeros(())
         for micro in range(setup.microbatches):
-            last = micro == setup.microbatches - 1
-            if setup.nosync:
-                model.set_requires_gradient_sync(last)
-            if setup.last_backward:
-                model.set_is_last_backward(last)
-            x, y = _batch(step, micro, meshes)
-            # The collectives forward and backward issue, counted as tests/runtime/test_dropin.py counts them.
+            # The collectives forward and backward issue, counted as tests/support/parity.py counts them.
             with contextlib.nullcontext() if setup.compile else CollectiveCounter() as counter:
-                if setup.two_forwards:
-                    loss = (_loss(run, x[:1], y[:1]) + _loss(run, x[1:], y[1:])) / 2 / setup.microbatches
-                else:
-                    loss = _loss(run, x, y) / setup.microbatches
+                loss = _microbatch_loss(setup, model, run, step, micro, meshes) / setup.microbatches
                 loss.backward()
             if counter is not None:
                 for name, n in counter.counts.items():
@@ -982,17 +987,7 @@ def _step_collectives(rank: int, ws: int, features: tuple[str, ...]) -> dict:
 
         def step(step):
             for micro in range(subject.microbatches):
-                last = micro == subject.microbatches - 1
-                if subject.nosync:
-                    model.set_requires_gradient_sync(last)
-                if subject.last_backward:
-                    model.set_is_last_backward(last)
-                x, y = _batch(step, micro, meshes)
-                if subject.two_forwards:
-                    loss = _loss(run, x[:1], y[:1]) + _loss(run, x[1:], y[1:])
-                else:
-                    loss = _loss(run, x, y)
-                loss.backward()
+                _microbatch_loss(subject, model, run, step, micro, meshes).backward()
             model.zero_grad()
 
         step(0)  # compiled once (and retraced inside the counter)
