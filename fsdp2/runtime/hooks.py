@@ -24,7 +24,7 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.runtime.param_group import BackwardEnd, ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
-from fsdp2.runtime.traced import ONE_EXECUTOR_PER_ACCUMULATION, TracedCall, TracedGroup
+from fsdp2.runtime.traced import TracedCall, TracedGroup
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
 # PyTorch's own, under the same event names.
@@ -364,10 +364,6 @@ class FSDPState:
         root = self.root
         if root.backward is BackwardState.REDUCING:
             root.check_no_reduction_pending("the forward")
-        for state in root.states if self.is_root else (self,):
-            for traced in state.traced_groups:
-                if traced.pending_grads and torch.is_grad_enabled():
-                    raise _compiled_accumulation_pending(state)
         if self.is_root:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
@@ -445,14 +441,6 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
-
-
-def _compiled_accumulation_pending(state: "FSDPState") -> FSDPUsageError:
-    return FSDPUsageError(
-        f"fully_shard({state.name}): a compiled backward without gradient sync (or, under HSDP, without the "
-        "all-reduce: set_requires_all_reduce(False)) left gradients that an eager step would not add to its "
-        f"reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
-    )
 
 
 class _EndBackwardAtInputs(torch.autograd.Function):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum, auto
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -92,6 +92,17 @@ class ReshardAfterForward:
         self.resolve(is_root=False)
 
 
+class CompiledSums(Protocol):
+    """Sums the compiled step kept for an accumulation, for one of its reduce buckets
+    (fsdp2.runtime.traced_grads.BucketGrads, which registers itself in the group while it keeps
+    some): an eager synced backward takes them."""
+
+    def hand_out(self) -> tuple[list[tuple[ShardedParam, torch.Tensor]], list[tuple[ShardedParam, torch.Tensor]]]:
+        """The sums, per parameter they reached, taken: (full gradients kept without gradient
+        sync, HSDP reduce-scattered slots kept without the all-reduce), in the reduce dtype."""
+        ...
+
+
 class GradReadiness:
     """Counts which of a group's parameters autograd has finished this backward, and calls
     ``on_all_ready`` once every parameter that needs a gradient has it.
@@ -141,9 +152,10 @@ class ParamGroup:
         self.keep_unsharded_storage = False  # reshard keeps the gathered memory (stable data pointers)
         self.unshard_in_backward = True
         self.requires_gradient_sync = True
-        # Gradients kept by an eager backward without sync, for the next synced one: a compiled
-        # step (fsdp2.runtime.traced) cannot add them, so it refuses while they are held.
-        self.holds_unsynced_grads = False
+        # The compiled step's sums kept for this accumulation (without gradient sync, or HSDP
+        # without the all-reduce), by bucket key: an eager synced backward takes them too (read
+        # without a call on every backward).
+        self.compiled_sums: dict[str, CompiledSums] = {}
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
@@ -258,7 +270,9 @@ class ParamGroup:
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
             grads = take_unreduced_grads(self.params)
-            self.holds_unsynced_grads = False
+            self.reduce.holds_unsynced_grads = False
+            if self.compiled_sums:  # compiled microbatches of this accumulation
+                self._take_compiled_sums(grads)
             reduction = self.reduce.issue(grads)
             if reduction is not None:
                 self.reduce_window.add(reduction)
@@ -266,9 +280,21 @@ class ParamGroup:
             for p in self.params:
                 if p.unsharded_param is not None and p.requires_grad:
                     p.stash_grad_without_sync()
-            self.holds_unsynced_grads = True
+            self.reduce.holds_unsynced_grads = True
         if self.reshard_after_backward:
             self.reshard()
+
+    def _take_compiled_sums(self, grads: dict[int, torch.Tensor | None]) -> None:
+        """Add the sums compiled backwards kept to this backward's: those without gradient sync to
+        ``grads`` (the full gradients to reduce, eager's kept sums in them), the HSDP partial sums
+        to the reduction's own. A parameter they reached is reduced even if this backward did not."""
+        for sums in list(self.compiled_sums.values()):
+            unsynced, partial = sums.hand_out()
+            for p, kept in unsynced:
+                if id(p) in grads:  # it still requires a gradient
+                    grad = grads[id(p)]
+                    grads[id(p)] = kept if grad is None else kept.add_(grad)  # the kept sum first, as eager's
+            self.reduce.keep_partial_sums(partial)
 
     def finalize_backward(self) -> None:
         """End of the whole backward: reduce what never reported ready (unused or frozen
@@ -292,8 +318,9 @@ class ParamGroup:
 
     @property
     def has_unreduced_grads(self) -> bool:
-        """Some parameter holds a gradient not reduced yet (this backward's or kept without sync)."""
-        return any(p.has_unreduced_grad for p in self.params)
+        """Some parameter holds a gradient not reduced yet (this backward's or kept without sync,
+        by eager or compiled backwards)."""
+        return bool(self.compiled_sums) or any(p.has_unreduced_grad for p in self.params)
 
     def reset_iteration(self) -> None:
         """After an aborted forward/backward: nothing in flight, all sharded, IDLE."""
@@ -302,7 +329,7 @@ class ParamGroup:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
             p._accumulated_grad = None
-        self.holds_unsynced_grads = False
+        self.reduce.holds_unsynced_grads = False
         self.reduce.discard_partial()
         self.phase = Phase.IDLE
         self._grads.reset()

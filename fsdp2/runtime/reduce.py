@@ -22,7 +22,7 @@ from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.reduce_plan import ReducePlan
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
-from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads
+from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads, take_unreduced_grads
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
@@ -83,7 +83,9 @@ class PendingReduce:
 def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -> torch.Tensor:
     """A fresh ``world x numel_per_rank`` buffer of ``bucket``'s full gradients, each split into padded rank rows."""
     inp = torch.empty(world, bucket.numel_per_rank, dtype=bucket.dtype, device=device)
-    if bucket.all_dim0_even and all([g is not None for g in grads]):
+    dtype = grads[0].dtype if grads[0] is not None else None
+    # One dtype: kept sums (reduce dtype) beside fresh gradients (param dtype) take the copies below.
+    if bucket.all_dim0_even and all([g is not None and g.dtype is dtype for g in grads]):
         # One fused copy: chunk every grad into ``world`` row blocks, cast, concatenate per
         # rank (ShardLayout's dim-0 layout). Only without padding (see PaddedScatterInput).
         compat.chunk_cat(grads, 0, world, out=inp)
@@ -159,7 +161,11 @@ class GroupReduce:
         self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
         self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
-        # HSDP without all-reduce: reduce-scattered sums kept per parameter until the next all-reduce.
+        # The sums eager backwards keep for the next reduction (a compiled backward takes them too,
+        # fsdp2.runtime.traced_grads): gradients kept in the parameters without gradient sync
+        # (ShardedParam.stash_grad_without_sync; the group sets this flag), and under HSDP without
+        # the all-reduce the reduce-scattered sums, per parameter until the next all-reduce.
+        self.holds_unsynced_grads = False
         self._partial: dict[int, torch.Tensor] = {}
         # By reduce dtype: the settings above it was chosen for, and the plan. Keyed by the dtype
         # alone, a constant to dynamo (the traced path asks too): a key holding the process group
@@ -199,9 +205,12 @@ class GroupReduce:
 
     def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
         # Which parameters are reduced changes with freezing and with unused parameters.
+        # A parameter with a kept partial sum is reduced also when this backward did not reach it.
+        partial = self._partial
         pattern = tuple(
             [
-                p.sharded_param.requires_grad and (grads.get(id(p)) is not None or self.include_unused)
+                p.sharded_param.requires_grad
+                and (grads.get(id(p)) is not None or self.include_unused or id(p) in partial)
                 for p in self.params
             ]
         )
@@ -292,6 +301,25 @@ class GroupReduce:
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
             kept = self._partial.get(id(p))
             self._partial[id(p)] = slot.clone() if kept is None else kept.add_(slot)
+
+    def keep_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Add partial sums kept elsewhere (a compiled step's: each parameter's reduce-scattered
+        padded slot, in the reduce dtype) to the ones kept here; this reduction owns them now."""
+        for p, slot in sums:
+            kept = self._partial.get(id(p))
+            self._partial[id(p)] = slot if kept is None else kept.add_(slot)
+
+    def take_partial_sums(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
+        """The partial sums kept for ``params`` (None where there is none), taken: a compiled
+        backward adds them to its all-reduce."""
+        return [self._partial.pop(id(p), None) for p in params]
+
+    def take_unsynced_grads(self, params: list[ShardedParam]) -> dict[int, torch.Tensor | None]:
+        """The gradients eager backwards without sync kept for ``params`` (see
+        ``take_unreduced_grads``), taken: a compiled backward adds them to its reduction."""
+        grads = take_unreduced_grads(params)
+        self.holds_unsynced_grads = any([p.has_unreduced_grad for p in self.params])
+        return grads
 
     def _add_partial(self, pending: PendingReduce) -> None:
         if not self._partial:

@@ -117,7 +117,6 @@ class TracedGroup:
         "group",
         "in_trace",
         "grads",
-        "pending_grads",
         "param_replaced",
         "custom_comm_keys",
         "__weakref__",
@@ -127,9 +126,6 @@ class TracedGroup:
         self.group = group
         self.in_trace: _InTrace | None = None
         self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
-        # The keys of the buckets keeping sums of compiled backwards without gradient sync (or the
-        # HSDP all-reduce) for the next synced one: an eager step refuses them (read without a call).
-        self.pending_grads: set[str] = set()
         self.custom_comm_keys: dict[str, str] = {}  # see use_custom_comm
         self.prepare_buckets()
         # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
@@ -332,6 +328,8 @@ class TracedGroup:
         replicate = dp.replicate_group.group_name if dp.is_hybrid else None
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
+        # Sums eager backwards kept for this accumulation (guarded too): a synced graph takes them.
+        eager_unsynced, eager_partial = reduce.holds_unsynced_grads, reduce.holds_partial_sums
         if not group.requires_gradient_sync:
             mode = Mode.UNSYNCED
         elif replicate is not None and not reduce.requires_all_reduce:
@@ -364,8 +362,9 @@ class TracedGroup:
                 counted,
                 reduce.all_reduce_hook is not None,
                 mode=mode,
-                takes_unsynced=mode is not Mode.UNSYNCED and grads is not None and grads.holds_unsynced,
-                takes_partial=mode is Mode.SYNCED and grads is not None and grads.holds_partial,
+                takes_unsynced=mode is not Mode.UNSYNCED
+                and (eager_unsynced or (grads is not None and grads.holds_unsynced)),
+                takes_partial=mode is Mode.SYNCED and (eager_partial or (grads is not None and grads.holds_partial)),
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the compute
@@ -391,7 +390,7 @@ class TracedGroup:
             current = self.grads.get(bucket.key)
             r = bucket.reduction
             if current is None or not current.serves(params, r):
-                current = BucketGrads(params, self.group, r, self.pending_grads, frozen)
+                current = BucketGrads(params, self.group, r, frozen)
             else:
                 current.take_params()
             grads[bucket.key] = current
@@ -631,29 +630,13 @@ def check_traceable(traced: TracedGroup) -> None:
     check_no_eager_state(traced)
 
 
-# How to avoid mixing executors within one accumulation (each keeps its own unsynced gradients).
-ONE_EXECUTOR_PER_ACCUMULATION = (
-    "Run every microbatch of one accumulation through the same module: all through the compiled one, or all eager."
-)
-
-
 def check_no_eager_state(traced: TracedGroup) -> None:
     """Refuse a compiled step that would ignore what an eager call left in the group: the traced
-    path gathers from the shards and hands gradients straight to ``.grad``, so eager's gathered
-    parameters and its gradients kept without sync would silently not take part. Each read here
-    is guarded: the eager call that changes it makes the next compiled call retrace into this."""
+    path gathers from the shards, so eager's gathered parameters would silently not take part
+    (sums kept for an accumulation do: see fsdp2.runtime.traced_grads). Each read here is guarded:
+    the eager call that changes it makes the next compiled call retrace into this."""
     group = traced.group
     where = f"torch.compile over fully_shard({group.name})"
-    if group.reduce.holds_partial_sums:
-        raise FSDPUsageError(
-            f"{where}: an eager HSDP backward with set_requires_all_reduce(False) kept partial sums that this "
-            f"compiled step would not add to its all-reduce. {ONE_EXECUTOR_PER_ACCUMULATION}"
-        )
-    if group.holds_unsynced_grads:
-        raise FSDPUsageError(
-            f"{where}: an eager backward without gradient sync (set_requires_gradient_sync(False)) left "
-            f"gradients that this compiled step would not add to its reduction. {ONE_EXECUTOR_PER_ACCUMULATION}"
-        )
     # The setting before the state it leaves behind: an eager step with it leaves the group gathered.
     if not group.reshard_after_backward:
         raise FSDPUsageError(

@@ -22,6 +22,13 @@ The next synced backward's graph adds the kept sums in (``fsdp2::take_pending``,
 backward, whichever of its graphs runs first); a graph includes that op only if sums were kept
 when it was traced (``holds_unsynced``, ``holds_partial``: dynamo guards on them).
 
+Eager and compiled backwards may share an accumulation: each executor's synced backward takes
+the other's kept sums too, and this is the one place that converts between the layouts. A
+synced graph takes eager's (the group's ``GroupReduce`` keeps or knows of them: full gradients
+per parameter, reduce-scattered slots) into its flat layout when it takes its own (eager's flags
+are read at trace time too), and counts their parameters as reached; an eager synced backward
+takes these (:meth:`BucketGrads.hand_out`, called by its group) per parameter.
+
 A backward's mode was fixed when its forward was traced. If the settings changed between the
 forward and its backward (eager would follow the new ones), the hand-off raises instead of
 writing anything.
@@ -56,10 +63,10 @@ class BucketGrads:
     """One bucket's gradient sinks, kept sums and hand-off (module docstring).
 
     ``params``: the bucket's parameters in its layout (the group's trainable ones of one reduce
-    dtype); ``group``: their ParamGroup (its settings are read at the hand-off); ``reduction``: the
-    bucket's (its dtypes and hook, as a synced backward reduces it); ``pending``: the keys of its
-    group's buckets that keep sums (eager code reads it without a call); ``frozen``: the group's
-    parameters that were frozen when fsdp2 last read them.
+    dtype); ``group``: their ParamGroup (its settings are read at the hand-off; while this keeps
+    sums it is in the group's ``compiled_sums``, which eager code reads without a call);
+    ``reduction``: the bucket's (its dtypes and hook, as a synced backward reduces it); ``frozen``:
+    the group's parameters that were frozen when fsdp2 last read them.
     """
 
     def __init__(
@@ -67,11 +74,10 @@ class BucketGrads:
         params: tuple["ShardedParam", ...],
         group: "ParamGroup",
         reduction: Reduction,
-        pending: set[str],
         frozen: tuple["ShardedParam", ...] = (),
     ):
         self.params = params
-        self.pending = pending
+        self.pending = group.compiled_sums
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
         # for them, so one that requires a gradient now is refused (see _check_still_frozen).
         self.frozen = frozen
@@ -139,29 +145,92 @@ class BucketGrads:
         self._some.clear()
         self._taken_reached = set()
         self.holds_unsynced = self.holds_partial = False
-        self.pending.discard(self.key)
+        self.pending.pop(self.key, None)
 
     # -- the graph's run-time calls (traced_ops.take_pending, traced_ops.deliver) ----------------------
 
     def take(self, grad: torch.Tensor, kind: int) -> torch.Tensor:
-        """``grad`` plus the sums of ``kind`` kept for it (eager's order: the kept sum first)."""
+        """``grad`` plus the sums of ``kind`` kept for it, by compiled and by eager backwards
+        (eager's order: the kept sum first)."""
         mode = Mode(kind)
+        kept, reached = self._take_kept(mode)
+        eager, eager_reached = self._take_eager(mode)
+        self._taken_reached |= reached | eager_reached
+        if kept is None:
+            kept = eager
+        elif eager is not None:
+            kept = kept + eager
+        return grad.clone() if kept is None else kept + grad
+
+    def _take_kept(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
+        """The sum of ``mode`` kept here (flat, this bucket's layout of it) and the indices of the
+        parameters it reached, taken."""
         leaf = self.unsynced if mode is Mode.UNSYNCED else self.partial
         kept, leaf.grad = leaf.grad, None
         some, reached = self._some.pop(mode, (None, set()))
-        # Kept through a sink: from backwards that reached every parameter.
-        self._taken_reached |= self._every if kept is not None else reached
+        if kept is not None:
+            reached = self._every  # kept through a sink: from backwards that reached every parameter
         if mode is Mode.UNSYNCED:
             self.holds_unsynced = False
         else:
             self.holds_partial = False
         if not (self.holds_unsynced or self.holds_partial):
-            self.pending.discard(self.key)
+            self.pending.pop(self.key, None)
         if kept is None:
             kept = some
         elif some is not None:
             kept = kept + some
-        return grad.clone() if kept is None else kept + grad
+        return kept, reached
+
+    def _take_eager(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
+        """What eager backwards kept of ``mode`` for these parameters (gradients without sync, in the
+        gathered layout: each parameter's full gradient as its rank rows; HSDP partial sums, its
+        reduce-scattered slot), taken and laid out flat as this bucket keeps its own, with the
+        indices of the parameters that have some."""
+        reduce = self.group.reduce
+        world = self.group.dp.shard_size
+        if mode is Mode.UNSYNCED:
+            if not reduce.holds_unsynced_grads:
+                return None, set()
+            grads = reduce.take_unsynced_grads(self.params)
+            pieces = [grads.get(id(p)) for p in self.params]
+            flat = torch.empty(world, self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
+            blocks = torch.split_with_sizes(flat, self.widths, dim=1)
+        else:
+            if not reduce.holds_partial_sums:
+                return None, set()
+            pieces = reduce.take_partial_sums(self.params)
+            flat = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
+            blocks = torch.split_with_sizes(flat, self.widths)
+        reached = {i for i, piece in enumerate(pieces) if piece is not None}
+        if not reached:
+            return None, reached
+        for p, piece, block in zip(self.params, pieces, blocks):
+            if piece is None:
+                block.zero_()
+            elif mode is Mode.UNSYNCED:
+                p.layout.copy_full_in(piece, block)  # zeroes its padding
+            else:
+                block.copy_(piece)
+        return flat.view(-1), reached
+
+    # -- an eager synced backward's call -----------------------------------------------------------------
+
+    def hand_out(self) -> tuple[list[tuple["ShardedParam", torch.Tensor]], list[tuple["ShardedParam", torch.Tensor]]]:
+        """The sums kept here, per parameter they reached, taken: (without gradient sync, each
+        parameter's full gradient (TP-local) as eager's post-backward holds it; under HSDP without
+        the all-reduce, each parameter's reduce-scattered padded slot, as eager keeps it). Both in
+        ``reduce_dtype``."""
+        unsynced, partial = [], []
+        if self.holds_unsynced:
+            kept, reached = self._take_kept(Mode.UNSYNCED)
+            blocks = torch.split_with_sizes(kept.view(self.group.dp.shard_size, -1), self.widths, dim=1)
+            unsynced = [(self.params[i], self.params[i].layout.full_from_rank_rows(blocks[i])) for i in sorted(reached)]
+        if self.holds_partial:
+            kept, reached = self._take_kept(Mode.PARTIAL)
+            slots = torch.split_with_sizes(kept, self.widths)
+            partial = [(self.params[i], slots[i]) for i in sorted(reached)]
+        return unsynced, partial
 
     def deliver(self, grad: torch.Tensor, mode: int, reached: list[int]) -> torch.Tensor:
         """A graph's gradient from a backward that reached only the parameters ``reached`` (plus
@@ -230,7 +299,7 @@ class BucketGrads:
             self.holds_unsynced = True
         else:
             self.holds_partial = True
-        self.pending.add(self.key)
+        self.pending[self.key] = self
 
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""

@@ -14,9 +14,19 @@ import torch
 import torch._dynamo
 
 from fsdp2.models import GPT
-from tests.support.models import CFG, Activation, DataclassModel, Features, float8_mlp
+from tests.support.models import (
+    CFG,
+    Activation,
+    DataclassModel,
+    Features,
+    OptionalLayers,
+    float8_mlp,
+    shard_optional_layers,
+)
 from tests.support.parity import (
+    accumulated_reference_grads,
     assert_compiled_equals_eager,
+    assert_reference_grads,
     assert_same_params,
     full_tensor,
     shard_blocks_then_root,
@@ -98,35 +108,65 @@ def _compiled_twin(rank, ws):
     return model, torch.compile(model, backend="aot_eager", fullgraph=True), reference
 
 
-def _global_loss(reference, steps, ws):
-    """The unsharded model's loss over every rank's microbatches ``steps``, as the ranks' mean."""
-    total = 0
-    for step in steps:
-        for rank in range(ws):
-            total = total + token_loss(reference, *step_batch(step, rank, ws)) / ws
-    return total
+def _mixed_accumulation(rank, ws, eager_first, precision, keeps):
+    """Two microbatches of one accumulation through different executors (the eager model and its
+    torch.compile(fullgraph=True)), the first keeping its sums (``keeps``: without gradient sync,
+    or HSDP 2x2 without the all-reduce): the gradients are the unsharded model's, within fp32
+    rounding. ``extra``, run only by the eager microbatch, and ``spare``, only by the compiled one,
+    get theirs, ``unused`` none. Nothing of it is left kept: the next accumulation, all through the
+    first executor, is the reference's too."""
+    from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp2 import MixedPrecisionPolicy
 
-def _mixed_accumulation(rank, ws, eager_first):
-    """One microbatch without sync through one executor, the synced one through the other: the
-    second call is refused and changes nothing; the accumulation then finished through the
-    first executor equals the unsharded model."""
-    model, compiled, reference = _compiled_twin(rank, ws)
-    first, second = (model, compiled) if eager_first else (compiled, model)
-    model.set_requires_gradient_sync(False)
-    token_loss(first, *step_batch(0, rank, ws)).backward()
-    model.set_requires_gradient_sync(True)
-    _refused(lambda: token_loss(second, *step_batch(1, rank, ws)).backward(), "same module")
-    token_loss(first, *step_batch(1, rank, ws)).backward()
-    _global_loss(reference, (0, 1), ws).backward()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(full_tensor(p.grad), ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = OptionalLayers()
+    kwargs, dtype = {}, torch.float32
+    if precision == "bf16":
+        dtype = torch.bfloat16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if keeps == "partial":
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = world_mesh()
+    model = shard_optional_layers(copy.deepcopy(reference), mesh, **kwargs)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    def keep_sums(keep: bool) -> None:
+        if keeps == "partial":
+            model.set_requires_all_reduce(not keep)
+        else:
+            model.set_requires_gradient_sync(not keep)
+
+    runs = [(model, ("extra",)), (compiled, ("spare",))]  # (executor, the optional layers it runs)
+    if not eager_first:
+        runs.reverse()
+    for micro, (run, use) in enumerate(runs):
+        keep_sums(micro == 0)
+        OptionalLayers.loss(run, micro, rank, use).backward()
+        if micro == 0:
+            assert all(p.grad is None for p in model.parameters())
+    expected = accumulated_reference_grads(reference, [(micro, use) for micro, (_, use) in enumerate(runs)], ws, dtype)
+    assert None not in (expected["extra.weight"], expected["spare.weight"]) and expected["unused.weight"] is None
+    assert_reference_grads(model, expected)
+    model.zero_grad()
+    run, use = runs[0]
+    for micro in (2, 3):
+        keep_sums(micro == 2)
+        OptionalLayers.loss(run, micro, rank, use).backward()
+    assert_reference_grads(model, accumulated_reference_grads(reference, [(2, use), (3, use)], ws, dtype))
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    "keeps, precision, ws",
+    [("unsynced", "fp32", 2), ("unsynced", "bf16", 2), ("partial", "fp32", 4)],
+    ids=["no-sync", "no-sync-bf16", "hsdp-no-all-reduce"],
+)
 @pytest.mark.parametrize("eager_first", [True, False], ids=["eager-then-compiled", "compiled-then-eager"])
-def test_eager_and_compiled_microbatches_in_one_accumulation_are_refused(worlds, eager_first):
-    worlds.run(2, _mixed_accumulation, eager_first)
+def test_eager_and_compiled_microbatches_share_one_accumulation(worlds, eager_first, keeps, precision, ws):
+    worlds.run(ws, _mixed_accumulation, eager_first, precision, keeps)
 
 
 def _eager_state_before_a_compiled_step(rank, ws, how):
@@ -161,9 +201,13 @@ def test_eager_state_a_compiled_step_would_ignore_is_refused(worlds, how):
 # -- tensor parallel under the compiled whole step ---------------------------------------------------
 
 
-def _tp_compiled_vs_eager(rank, ws, steps):
+def _tp_compiled_vs_eager(rank, ws, steps, mixed=False):
     """FSDP on 'dp' x TP on 'tp' (TP first, then fully_shard on the dp mesh, as torchtitan does):
-    eager and compiled (fullgraph, aot_eager) from the same init, AdamW."""
+    eager and compiled (fullgraph, aot_eager) from the same init, AdamW. ``mixed``: each step two
+    microbatches, the first without gradient sync, through different executors (eager then
+    compiled, then the other way round), against all of them eager: equal within fp32 rounding
+    (eager keeps its sums as TP DTensors and reduces them over TP once, the compiled step per
+    microbatch)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -182,27 +226,37 @@ def _tp_compiled_vs_eager(rank, ws, steps):
             parallelize_module(block, mesh["tp"], tensor_parallel_plan())
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         dp_rank = mesh["dp"].get_local_rank()
         for step in range(steps):
-            tokens = torch.randint(
-                0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step)
-            )
-            rows = tokens[2 * dp_rank : 2 * dp_rank + 2]
-            loss = token_loss(run, rows[:, :-1], rows[:, 1:])
-            loss.backward()
+            microbatches = 2 if mixed else 1
+            for micro in range(microbatches):
+                model.set_requires_gradient_sync(micro == microbatches - 1)
+                run = model if name == "eager" else compiled
+                if mixed and name == "compiled":
+                    run = (model, compiled)[(step + micro) % 2]
+                tokens = torch.randint(
+                    0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(step + 100 * micro)
+                )
+                rows = tokens[2 * dp_rank : 2 * dp_rank + 2]
+                loss = token_loss(run, rows[:, :-1], rows[:, 1:])
+                loss.backward()
+                losses.append(loss.detach())
             opt.step()
             opt.zero_grad()
-            losses.append(loss.detach())
         runs[name] = (losses, [p.detach().full_tensor() for p in model.parameters()])
     torch._dynamo.reset()
-    assert_compiled_equals_eager(runs)
+    assert_compiled_equals_eager(runs, exact=not mixed)
 
 
 def test_tensor_parallel_compiled_whole_step_matches_eager(worlds):
     worlds.run(4, _tp_compiled_vs_eager, 5)
+
+
+def test_tensor_parallel_eager_and_compiled_microbatches_share_one_accumulation(worlds):
+    worlds.run(4, _tp_compiled_vs_eager, 2, True)
 
 
 # -- torchao float8 all-gather under the compiled whole step ------------------------------------------
@@ -594,8 +648,9 @@ def test_quantized_all_gather_under_the_compiled_whole_step_equals_eager(worlds,
 
 def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
     """HSDP 2x2: two microbatches, the first with ``set_requires_all_reduce(False)`` (reduce-scatter
-    only, the sum kept), the second all-reducing both, compiled as eager, bitwise; an eager step
-    after a compiled one that kept sums is refused (and the other way round)."""
+    only, the sum kept), the second all-reducing both, compiled as eager, bitwise; also with the
+    two microbatches of each step through different executors (the kept sums taken over as they
+    are: bitwise too)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2 import MixedPrecisionPolicy, fully_shard
@@ -606,17 +661,19 @@ def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
     torch.manual_seed(0)
     base = GPT(CFG)
     runs = {}
-    for name in ("eager", "compiled"):
+    for name in ("eager", "compiled", "mixed"):
         model = copy.deepcopy(base)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(2):
             for micro in range(2):
                 model.set_requires_all_reduce(micro == 1)
+                # mixed: eager then compiled in step 0, compiled then eager in step 1
+                run = {"eager": model, "compiled": compiled, "mixed": (model, compiled)[(step + micro) % 2]}[name]
                 loss = token_loss(run, *step_batch(2 * step + micro, rank, ws))
                 loss.backward()
                 losses.append(loss.detach())
@@ -625,12 +682,9 @@ def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
             opt.step()
             opt.zero_grad()
         runs[name] = (losses, [full_tensor(p) for p in model.parameters()])
-        model.set_requires_all_reduce(False)
-        token_loss(run, *step_batch(9, rank, ws)).backward()
-        other = model if name == "compiled" else torch.compile(model, backend="aot_eager", fullgraph=True)
-        _refused(lambda other=other: token_loss(other, *step_batch(9, rank, ws)).backward(), "set_requires_all_reduce")
     torch._dynamo.reset()
-    assert_compiled_equals_eager(runs)
+    assert_compiled_equals_eager({"eager": runs["eager"], "compiled": runs["compiled"]})
+    assert_compiled_equals_eager({"eager": runs["eager"], "compiled": runs["mixed"]})
 
 
 def test_hsdp_without_all_reduce_under_the_compiled_whole_step_equals_eager(worlds):

@@ -639,6 +639,42 @@ def test_gradient_accumulation_without_sync(worlds):
     worlds.run(2, _no_sync_microbatches, 3)
 
 
+def _microbatches_reaching_other_parameters(rank, ws, keeps, precision):
+    """An accumulation of two microbatches, the first keeping its sums (``keeps``: without gradient
+    sync, or HSDP 2x2 without the all-reduce), that reach different parameters: ``extra`` only the
+    first, ``spare`` only the second; both get the unsharded model's gradients (``unused`` none).
+    With bf16 parameters and fp32 reductions a bucket then packs kept fp32 sums beside fresh bf16
+    gradients."""
+    from fsdp2 import MixedPrecisionPolicy
+    from tests.support.models import OptionalLayers, shard_optional_layers
+    from tests.support.parity import accumulated_reference_grads, assert_reference_grads
+
+    reference = OptionalLayers()
+    kwargs, dtype = {}, torch.float32
+    if precision == "bf16":
+        dtype = torch.bfloat16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if keeps == "partial" else None
+    model = shard_optional_layers(copy.deepcopy(reference), mesh or init_device_mesh("cpu", (ws,)), **kwargs)
+    microbatches = [(0, ("extra",)), (1, ("spare",))]
+    for micro, use in microbatches:
+        if keeps == "partial":
+            model.set_requires_all_reduce(micro == 1)
+        else:
+            model.set_requires_gradient_sync(micro == 1)
+        OptionalLayers.loss(model, micro, rank, use).backward()
+    assert_reference_grads(model, accumulated_reference_grads(reference, microbatches, ws, dtype))
+
+
+@pytest.mark.parametrize(
+    "keeps, precision, ws",
+    [("unsynced", "fp32", 2), ("unsynced", "bf16", 2), ("partial", "fp32", 4)],
+    ids=["no-sync", "no-sync-bf16", "hsdp-no-all-reduce"],
+)
+def test_microbatches_of_one_accumulation_reaching_other_parameters(worlds, keeps, precision, ws):
+    worlds.run(ws, _microbatches_reaching_other_parameters, keeps, precision)
+
+
 def _synced_microbatches_in_flight(rank, ws, n_micro):
     """Every microbatch reduces, with up to 8 reductions in flight inside a backward, and each
     backward, the last or not, ends with its gradients in ``.grad`` (as PyTorch's FSDP2 writes

@@ -63,6 +63,47 @@ class DataclassModel(nn.Module):
         return (self(x.float() / 67) - y.float().mean(-1, keepdim=True)).square().mean()
 
 
+class OptionalLayers(nn.Module):
+    """Linear layers; ``forward(x, use)`` also runs the optional layers ``use`` names (``extra``,
+    ``spare``), never ``unused``: all three in the root's group, beside ``head``, which every call
+    runs. Sharded by :func:`shard_optional_layers`: ``a`` unevenly on 2 ranks (padding), ``b`` on
+    dim 1, the root's group evenly (on 2 and 4 ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 13)
+        self.b = nn.Linear(13, 12)
+        self.extra = nn.Linear(12, 12)
+        self.spare = nn.Linear(12, 12)
+        self.unused = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor, use: tuple[str, ...] = ()) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        for name in use:
+            h = h + getattr(self, name)(h)
+        return self.head(h)
+
+    @staticmethod
+    def batch(micro: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s input of microbatch ``micro``."""
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * micro + rank))
+
+    @staticmethod
+    def loss(run, micro: int, rank: int, use: tuple[str, ...] = ()) -> torch.Tensor:
+        return run(OptionalLayers.batch(micro, rank), use).float().pow(2).mean()
+
+
+def shard_optional_layers(model: OptionalLayers, mesh, **kwargs) -> OptionalLayers:
+    from torch.distributed.tensor import Shard
+
+    from fsdp2 import fully_shard
+
+    fully_shard(model.a, mesh=mesh, **kwargs)
+    fully_shard(model.b, mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1), **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
 def float8_mlp() -> nn.Module:
     """Linear layers whose dims torchao's float8 training takes (multiples of 16)."""
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))

@@ -195,6 +195,37 @@ def assert_grads_match(model: nn.Module, ref: nn.Module) -> None:
             assert_near(full_tensor(param.grad), ref_grad, f"grad {name}")
 
 
+def accumulated_reference_grads(reference: nn.Module, microbatches, ws: int, dtype=torch.float32) -> dict:
+    """The unsharded ``reference``'s gradients (by name) of its ``loss(model, micro, rank, use)``
+    over ``microbatches`` ((micro, use) pairs), each rank's computed in ``dtype`` (mixed
+    precision's forward and backward), summed in fp32 (the reduce dtype) and averaged over the
+    ``ws`` ranks; None for a parameter no microbatch reached."""
+    model = copy.deepcopy(reference).to(dtype)
+    names, params = zip(*model.named_parameters())
+    sums = dict.fromkeys(names)
+
+    def run(x, use):
+        return model(x.to(dtype), use)  # inputs cast as mixed precision casts them
+
+    for micro, use in microbatches:
+        for rank in range(ws):
+            loss = reference.loss(run, micro, rank, use)
+            for name, grad in zip(names, torch.autograd.grad(loss, params, allow_unused=True)):
+                if grad is not None:
+                    sums[name] = grad.float() if sums[name] is None else sums[name] + grad.float()
+    return {name: None if total is None else total / ws for name, total in sums.items()}
+
+
+def assert_reference_grads(model: nn.Module, expected: dict, *, rtol=1e-5, atol=1e-6) -> None:
+    """``model``'s gradients are ``expected`` (None where it says None), within fp32 rounding."""
+    for name, p in model.named_parameters():
+        if expected[name] is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(full_tensor(p.grad), expected[name], rtol=rtol, atol=atol, msg=name)
+
+
 def assert_all_sharded(model: nn.Module) -> None:
     """Every parameter of every fsdp2 module is a DTensor again (resharded)."""
     from torch.distributed.tensor import DTensor
