@@ -47,6 +47,18 @@ TorchGradientReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", ob
 REDUCE_DTYPE_DEFAULTS_TO_GRAD_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 15)
 
 
+def _torch_fsdp_sets_unsharded_grad_dtype() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
+# PyTorch 2.15's FSDP2 also gives each unsharded parameter ``grad_dtype`` = its reduce dtype, so
+# autograd accumulates its gradient at that precision (across backwards without sync too, and a
+# tensor-parallel pending sum before it is reduced over TP): fsdp2 does the same where it does.
+UNSHARDED_GRAD_IN_REDUCE_DTYPE = _torch_fsdp_sets_unsharded_grad_dtype()
+
+
 def grad_dtype_override(param: torch.Tensor) -> tuple[bool, torch.dtype | None]:
     """``(True, dtype)`` if ``param.grad_dtype`` was set (None: any gradient dtype), else
     ``(False, None)``; torch < 2.15 does not tell (and its FSDP2 ignores ``grad_dtype``)."""

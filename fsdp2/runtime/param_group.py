@@ -27,6 +27,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.policies import AllGatherPolicy
 from fsdp2.runtime import schedule
@@ -36,6 +37,7 @@ from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
 from fsdp2.runtime.sharded_param import (
+    GradDtype,
     ShardedParam,
     free_all_unsharded,
     hold_all_sharded,
@@ -262,6 +264,10 @@ class ParamGroup:
         if self.unshard_in_backward:
             self.unshard(async_op=True)
             self.wait_for_unshard()
+        if compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE:
+            for p in self.params:
+                if p.grad_dtype_rule is GradDtype.PER_BACKWARD and p.unsharded_param is not None and p.requires_grad:
+                    p.choose_grad_dtype(self.requires_gradient_sync)
         return True
 
     def post_backward(self) -> None:

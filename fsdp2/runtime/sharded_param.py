@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
@@ -24,6 +24,17 @@ from fsdp2.runtime.dtensor_spec import ShardedSpec
 class ParamState(Enum):
     SHARDED = auto()  # modules see the DTensor shard; no gathered memory is held
     UNSHARDED = auto()  # modules see the full tensor in param_dtype
+
+
+class GradDtype(Enum):
+    """In which dtype autograd accumulates the unsharded parameter's gradient: where the installed
+    PyTorch's FSDP2 has it do so in a reduce dtype wider than the compute dtype
+    (compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE, torch >= 2.15), fsdp2 follows its rule exactly, since
+    it decides where the uses of a parameter are summed."""
+
+    COMPUTE = auto()  # as autograd computes it (any other case)
+    REDUCE = auto()  # always the reduce dtype: replicated under TP, its pending sum is reduced over TP in it
+    PER_BACKWARD = auto()  # the reduce dtype only in a backward without sync that starts a sum (choose_grad_dtype)
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,18 @@ class ShardedParam:
         self.orig_dtype = shard.dtype
         self.param_dtype = param_dtype_of(shard, self.mp_policy)
         self.reduce_dtype = reduce_dtype_of(shard, self.mp_policy)
+        self.grad_dtype_rule = self._grad_dtype_rule()
+
+    def _grad_dtype_rule(self) -> GradDtype:
+        compute, reduce = self.param_dtype, self.reduce_dtype
+        if not (compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE and compute.is_floating_point and reduce.is_floating_point):
+            return GradDtype.COMPUTE
+        if reduce.itemsize <= compute.itemsize:
+            return GradDtype.COMPUTE
+        tp = self.tensor_parallel
+        if tp is not None and any(isinstance(placement, Replicate) for placement in tp.placements):
+            return GradDtype.REDUCE
+        return GradDtype.PER_BACKWARD
 
     def _to_storage(self, local: torch.Tensor) -> torch.Tensor:
         if local.device.type == "meta":
@@ -272,6 +295,7 @@ class ShardedParam:
             # Created with its final requires_grad: setting it later is an in-place change that
             # functorch transforms (torch.func.jvp) refuse on a tensor from outside the transform.
             self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+            self._set_unsharded_grad_dtype()
             self._grad_hook_registered = False
         elif self._padded_storage.nbytes() == 0:
             self._padded_storage.resize_(self._padded_nbytes)
@@ -303,7 +327,20 @@ class ShardedParam:
         if self.tensor_parallel is not None:
             full = self.tensor_parallel.wrap(full)
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._set_unsharded_grad_dtype()
         self._grad_hook_registered = False
+
+    def _set_unsharded_grad_dtype(self) -> None:
+        if self.grad_dtype_rule is not GradDtype.COMPUTE:  # see GradDtype
+            self.unsharded_param.grad_dtype = self.reduce_dtype
+
+    def choose_grad_dtype(self, synced: bool) -> None:
+        """At a backward's start (GradDtype.PER_BACKWARD): a backward without sync that starts a
+        sum casts each use's gradient to ``reduce_dtype`` before adding; any other adds the uses in
+        the compute dtype (into a sum already kept in ``reduce_dtype``, in place), as PyTorch's FSDP2."""
+        unsharded = self.unsharded_param
+        starts = unsharded.grad is None and self._accumulated_grad is None
+        unsharded.grad_dtype = self.reduce_dtype if starts and not synced else None
 
     def free_unsharded(self) -> None:
         free_all_unsharded((self,))

@@ -5,16 +5,18 @@
 Each step's collectives are functional collectives in the graph (fsdp2.runtime.traced_graph builds
 a bucket's), and autograd builds the backward. How it maps to the eager path:
 
-- gather (eager: ``GroupGather``): the group's padded shards, cast to ``param_dtype``, side by
-  side in one flat row (the layout of ``GatherBucket``: parameter after parameter; one
-  ``traced_ops.flat_cat``), ONE ``all_gather_into_tensor`` per group and dtype (its ``*_out``
-  variant where torch traces it), and the unsharded parameters as the rows of its
-  output (``ShardLayout.full_from_rank_rows``, eager's copy-out). The modules see them in place
-  of the shards between the group's pre- and post-forward hooks.
-- reduce (eager: ``GroupReduce``): each bucket's gradient port (``traced_graph.port``, one per
-  bucket and trace) collects the gradients of every use of its parameters in the trace, and its
-  backward reduces their sum once, as eager reduces the sum autograd accumulated in the unsharded
-  parameters' ``.grad``: cast to ``reduce_dtype``, reduce-scattered, all-reduced across replicas
+- gather (eager: ``GroupGather``): the group's padded shards, encoded by their codecs (cast to
+  ``param_dtype`` by the default one), side by side in one row laid out as eager's
+  ``GatherBucket`` (one dtype, or bytes in aligned columns; one ``traced_ops.flat_cat``), ONE
+  ``all_gather_into_tensor`` per group (its ``*_out`` variant where torch traces it), and the
+  unsharded parameters decoded from the rows of its output (``ShardLayout.full_from_rank_rows``,
+  eager's copy-out). The modules see them in place of the shards between the group's pre- and
+  post-forward hooks.
+- reduce (eager: ``GroupReduce``, on its ``FlatBucket`` per reduce dtype): each bucket's
+  gradient port (``traced_graph.port``, one per bucket and trace) collects the gradients of
+  every use of its parameters in the trace, and its backward reduces their sum once, as eager
+  reduces the sum autograd accumulated in the unsharded parameters' ``.grad``: cast to
+  ``reduce_dtype``, reduce-scattered, all-reduced across replicas
   under HSDP and divided with eager's reduce ops and divisions (``GroupReduce.plan``).
   fsdp2.runtime.traced_grads hands the result to the DTensors' ``.grad`` (or keeps it, without
   gradient sync). The graph's inputs are the shards as plain tensors
@@ -53,11 +55,12 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
 from fsdp2.layout.shard_layout import rank_rows_from_subgroups
-from fsdp2.runtime.buckets import gather_row
+from fsdp2.runtime.buckets import FlatBucket, GatherBucket, buckets_by_dtype
 from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.process_hooks import PROCESS_HOOKS
+from fsdp2.runtime.sharded_param import GradDtype
 from fsdp2.runtime.traced_grads import BucketGrads
 from fsdp2.runtime.traced_graph import Mode
 
@@ -68,22 +71,27 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Bucket:
-    """Parameters whose gradients are reduced in one collective: a group's of one reduce dtype
-    (eager's ``FlatBucket``). Its port row (the gradients the modules route to it) is in the
-    parameters' compute dtype, or in the reduce dtype where they have several."""
+    """Parameters whose gradients are reduced in one collective: eager's ``FlatBucket`` of a
+    group's trainable parameters of one reduce dtype (its layout: a block of ``padded_shard_numel``
+    per parameter), with the reduction a graph emits for it. Its port row (the gradients the
+    modules route to it) is in the parameters' compute dtype, or in the reduce dtype where they
+    have several."""
 
-    key: torch.dtype  # the reduce dtype
-    params: list["ShardedParam"]
+    flat: FlatBucket
     row_dtype: torch.dtype
     reduction: graph.Reduction
 
     @property
-    def shard_numel(self) -> int:
-        return sum(p.layout.padded_shard_numel for p in self.params)
+    def key(self) -> torch.dtype:  # the reduce dtype
+        return self.flat.dtype
+
+    @property
+    def params(self) -> list["ShardedParam"]:
+        return self.flat.params
 
     @property
     def gathered_numel(self) -> int:
-        return self.reduction.world * self.shard_numel
+        return self.reduction.world * self.flat.numel_per_rank
 
     @property
     def takes_grad(self) -> bool:
@@ -212,36 +220,33 @@ class TracedGroup:
     # -- one all-gather of the group's row ---------------------------------------------------------
 
     def _encoded(self, shards: list[torch.Tensor]):
-        """Each parameter's wire tensors and context (its codec's ``encode``), and the group's row
-        as eager lays it out (``buckets.gather_row``: one dtype, or bytes in aligned columns)."""
-        encoded = [p.codec.encode(shard) for p, shard in zip(self.group.params, shards)]
+        """Each parameter's wire tensors and context (its codec's ``encode``), the group's gather
+        bucket for them (eager's ``GatherBucket``: one dtype, or bytes in aligned columns) and this
+        rank's row of it."""
+        params = self.group.params
+        encoded = [p.codec.encode(shard) for p, shard in zip(params, shards)]
+        bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
         wire = [t for tensors, _ in encoded for t in tensors]
-        row_dtype, widths = gather_row([Column(t.dtype, t.numel()) for t in wire])
-        if all(t.dtype == row_dtype for t in wire):
+        if all(t.dtype == bucket.dtype for t in wire):
             flat = graph.flat(wire)  # one op, not torch.cat (see traced_ops); it flattens them itself
         else:  # bytes, each column padded to its aligned width (the padding lands only in padding)
             pieces = []
-            for t, width in zip(wire, widths):
+            for t, width in zip(wire, bucket.widths):
                 piece = t.reshape(-1).view(torch.uint8)
                 pieces.append(piece)
                 if width > piece.numel():
                     pieces.append(piece.new_empty(width - piece.numel()))
             flat = graph.flat(pieces)
-        return encoded, wire, widths, flat
+        return encoded, bucket, flat
 
-    def _decoded(self, encoded, wire, widths, rows: torch.Tensor, shards) -> list[torch.Tensor]:
+    @staticmethod
+    def _decoded(encoded, bucket: GatherBucket, rows: torch.Tensor, shards) -> list[torch.Tensor]:
         """Each parameter unsharded from the gathered ``rows`` (``world x row``): its codec's
-        ``decode`` of its columns, each viewed as its dtype."""
-        blocks = iter(torch.split_with_sizes(rows, widths, dim=1))
-        typed = [
-            block if block.dtype == t.dtype else block[:, : t.numel() * t.element_size()].view(t.dtype)
-            for block, t in zip(blocks, wire)
+        ``decode`` of its columns, viewed as their dtypes (``GatherBucket.pieces``)."""
+        return [
+            p.codec.decode(shard, tensors, context, typed)
+            for (p, typed), shard, (tensors, context) in zip(bucket.pieces(rows), shards, encoded)
         ]
-        values, column = [], 0
-        for p, shard, (tensors, context) in zip(self.group.params, shards, encoded):
-            values.append(p.codec.decode(shard, tensors, context, typed[column : column + len(tensors)]))
-            column += len(tensors)
-        return values
 
     @staticmethod
     def _all_gather(flat: torch.Tensor, world: int, group: str, r: graph.Reduction) -> torch.Tensor:
@@ -256,11 +261,11 @@ class TracedGroup:
         ``regathers``)."""
         n = len(self.group.params)
         port_tensors, shards = tensors[: len(tensors) - n], list(tensors[len(tensors) - n :])
-        encoded, wire, widths, flat = self._encoded(shards)
+        encoded, bucket, flat = self._encoded(shards)
         dp = self.group.dp
         gathered = self._all_gather(flat, dp.shard_size, dp.shard_group.group_name, settings)
         rows = gathered.view(dp.shard_size, -1)
-        values = self._decoded(encoded, wire, widths, rows, shards)
+        values = self._decoded(encoded, bucket, rows, shards)
         regathered = dp.shard_size * flat.numel() * flat.element_size() if regathers else 0
         return route(values, port_tensors, regathered)
 
@@ -276,9 +281,9 @@ class TracedGroup:
         subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
         in_trace = self.in_trace
         if in_trace.kept_rows is None:
-            encoded, wire, widths, flat = self._encoded(shards)
+            encoded, bucket, flat = self._encoded(shards)
             kept = self._all_gather(flat, world // subgroup.size, subgroup.across.group_name, settings)
-            in_trace.kept_rows = (kept, (encoded, wire, widths))
+            in_trace.kept_rows = (kept, (encoded, bucket))
         kept, layout = in_trace.kept_rows
 
         def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -308,10 +313,8 @@ class TracedGroup:
             row, marks = next(tensors), [next(tensors) for _ in port[1]]
             if counted:  # recorded by the backward of the first port (a recomputed region's own record is not)
                 row, counted = graph.RecordRegather.apply(row, regathered), False
-            world = bucket.reduction.world
-            widths = [p.layout.padded_shard_numel for p in bucket.params]
-            carriers = torch.split_with_sizes(row.view(world, -1), widths, dim=1)
-            for p, carried, mark in zip(bucket.params, carriers, marks):
+            carriers = bucket.flat.columns(row.view(bucket.reduction.world, -1))
+            for (p, carried), mark in zip(carriers, marks):
                 i = index[id(p)]
                 routed[i] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), routed[i], mark)
         # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
@@ -336,12 +339,12 @@ class TracedGroup:
             mode = Mode.PARTIAL
         else:
             mode = Mode.SYNCED
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in group.params:
-            if p.trainable:  # a frozen parameter's gradient is neither computed nor reduced (read: guarded)
-                by_dtype.setdefault(p.reduce_dtype, []).append(p)
+        # Eager's buckets of the trainable parameters (a frozen parameter's gradient is neither
+        # computed nor reduced; the flag read is guarded).
+        trainable = [p for p in group.params if p.trainable]
         buckets = []
-        for reduce_dtype, params in by_dtype.items():
+        for flat in buckets_by_dtype(trainable, lambda p: p.reduce_dtype):
+            reduce_dtype, params = flat.dtype, flat.params
             plan = reduce.plan(reduce_dtype)
             grads = self.grads.get(reduce_dtype)  # its kept sums are read in the trace (guarded)
             param_dtypes = {p.param_dtype for p in params}
@@ -367,10 +370,14 @@ class TracedGroup:
                 takes_partial=mode is Mode.SYNCED and (eager_partial or (grads is not None and grads.holds_partial)),
                 include_unused=reduce.include_unused,
             )
-            # Every use's gradient is summed in the port row before the reduction, in the compute
-            # dtype as eager sums it in the unsharded parameter (several: in the reduce dtype).
-            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else reduce_dtype
-            buckets.append(_Bucket(reduce_dtype, params, row_dtype, reduction))
+            # Every use's gradient is summed in the port row before the reduction, in the dtype
+            # eager sums it in the unsharded parameter: the compute dtype, or the reduce dtype where
+            # the parameters have several, or in a backward without sync that starts a sum where
+            # PyTorch accumulates in it (sharded_param.GradDtype).
+            starts_sum = mode is Mode.UNSYNCED and not (eager_unsynced or (grads is not None and grads.holds_unsynced))
+            widens = starts_sum and params[0].grad_dtype_rule is not GradDtype.COMPUTE
+            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else reduce_dtype
+            buckets.append(_Bucket(flat, row_dtype, reduction))
         return buckets
 
     # -- where gradients go ---------------------------------------------------------------------
@@ -386,11 +393,10 @@ class TracedGroup:
         for bucket in self._buckets():
             if not bucket.takes_grad:
                 continue
-            params = tuple(bucket.params)
             current = self.grads.get(bucket.key)
             r = bucket.reduction
-            if current is None or not current.serves(params, r):
-                current = BucketGrads(params, self.group, r, frozen)
+            if current is None or not current.serves(bucket.params, r):
+                current = BucketGrads(bucket.flat, self.group, r, frozen)
             else:
                 current.take_params()
             grads[bucket.key] = current

@@ -50,6 +50,7 @@ from fsdp2.runtime.traced_graph import Mode, Reduction
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+    from fsdp2.runtime.buckets import FlatBucket
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
@@ -62,21 +63,21 @@ def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 class BucketGrads:
     """One bucket's gradient sinks, kept sums and hand-off (module docstring).
 
-    ``params``: the bucket's parameters in its layout (the group's trainable ones of one reduce
-    dtype); ``group``: their ParamGroup (its settings are read at the hand-off; while this keeps
-    sums it is in the group's ``compiled_sums``, which eager code reads without a call);
-    ``reduction``: the bucket's (its dtypes and hook, as a synced backward reduces it); ``frozen``:
-    the group's parameters that were frozen when fsdp2 last read them.
+    ``bucket``: the bucket's parameters and layout (eager's ``FlatBucket`` of the group's
+    trainable parameters of one reduce dtype); ``group``: their ParamGroup (its settings are read
+    at the hand-off; while this keeps sums it is in the group's ``compiled_sums``, which eager code
+    reads without a call); ``reduction``: the bucket's (its dtypes and hook, as a synced backward
+    reduces it); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
     """
 
     def __init__(
         self,
-        params: tuple["ShardedParam", ...],
+        bucket: "FlatBucket",
         group: "ParamGroup",
         reduction: Reduction,
         frozen: tuple["ShardedParam", ...] = (),
     ):
-        self.params = params
+        self.params = params = tuple(bucket.params)
         self.pending = group.compiled_sums
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
         # for them, so one that requires a gradient now is refused (see _check_still_frozen).
@@ -85,8 +86,8 @@ class BucketGrads:
         reduce_dtype = self.reduce_dtype = reduction.reduce_dtype
         self.hooked = reduction.hooked
         device = group.dp.device
-        self.widths = [p.layout.padded_shard_numel for p in params]
-        self.shard_numel = sum(self.widths)
+        self.widths = bucket.sizes
+        self.shard_numel = bucket.numel_per_rank
         self.gathered_numel = group.dp.shard_size * self.shard_numel
         # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
         self.grad_dtype = reduction.grad_dtype

@@ -174,6 +174,32 @@ def test_default_reduce_dtype_follows_the_installed_pytorch(worlds, accumulate):
     worlds.run(2, _default_reduce_dtype, accumulate)
 
 
+def _tied_weights_in_bf16(rank, ws, accumulate):
+    import dataclasses
+
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = dataclasses.replace(CFG, tie_weights=True)  # the embedding is also the output head
+    theirs, ours = twins(lambda: GPT(cfg), lambda m, fs: shard_blocks_then_root(m, fs, mp_policy=mp))
+
+    def loss_fn(model, x, y):  # two backwards without sync before the synced one
+        model.set_requires_gradient_sync(False)
+        for row in range(2):
+            model.loss(x[row : row + 1], y[row : row + 1]).backward()
+        model.set_requires_gradient_sync(True)
+        return model.loss(x, y)
+
+    train_side_by_side(theirs, ours, rank, ws, steps=2, loss_fn=loss_fn if accumulate else None)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["sync", "accumulate"])
+def test_gradients_of_several_uses_add_up_in_the_dtype_pytorch_adds_them(worlds, accumulate):
+    """bf16 parameters, fp32 reduction, a parameter used twice in each backward (the tied embedding
+    and output head): its uses' gradients add up in the dtype the installed PyTorch's FSDP2 adds
+    them in. From torch 2.15 that is fp32 in a backward without sync that starts the sum (it gives
+    the unsharded parameter a ``grad_dtype``), bf16 in the others; before 2.15 bf16 in all."""
+    worlds.run(2, _tied_weights_in_bf16, accumulate)
+
+
 def _last_backward_before_forward(rank, ws):
     theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
     for model in (theirs, ours):

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
-from torch.torch_version import TorchVersion
 
 from fsdp2.models import Llama, LlamaConfig
 from tests.support.models import llama_sequence_parallel
@@ -91,12 +90,6 @@ def test_tensor_parallel_on_meshes_made_by_unflattening_like_pytorch(worlds, kin
 
 
 @pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 cannot join meshes made by unflattening")
-@pytest.mark.xfail(
-    TorchVersion(torch.__version__) >= "2.15",
-    reason="PyTorch 2.15's FSDP2 gives TP-replicated parameters Parameter.grad_dtype = reduce dtype, so autograd "
-    "computes their gradients at that precision; fsdp2 does not set grad_dtype yet",
-    strict=True,
-)
 def test_partial_gradients_summed_over_microbatches_like_pytorch(worlds):
     """Norm weights replicated under sequence parallelism get pending-sum (Partial) gradients in
     bf16; across backwards without sync they add up in the reduce dtype and are reduced once."""
