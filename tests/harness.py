@@ -23,7 +23,6 @@ import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -44,12 +43,6 @@ class RankFailure(AssertionError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _resolve(module_name: str, qualname: str) -> Callable:
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
@@ -66,13 +59,9 @@ def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     conn.send(("ready", None))
     while True:
         task = conn.recv()
@@ -95,8 +84,13 @@ class World:
     size: int
 
     def __post_init__(self) -> None:
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # The world's store lives here, on a port the kernel picks, so no other process can take
+        # the port between choosing it and binding it.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self._conns = []
         self._procs = []
         for rank in range(self.size):

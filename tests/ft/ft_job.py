@@ -1,13 +1,12 @@
 """A fault-tolerant HSDP job on this machine for tests and benchmarks: a torchft lighthouse in
-this process and replica groups of tests/ft/ft_worker.py subprocesses (loopback only, free ports,
-bounded waits, every process killed on exit even when a check failed)."""
+this process and replica groups of tests/ft/ft_worker.py subprocesses (loopback only, stores bound
+here, bounded waits, every process killed on exit even when a check failed)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,6 @@ import torch
 
 WORKER = Path(__file__).resolve().with_name("ft_worker.py")
 ROOT = WORKER.parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FTJob:
@@ -48,9 +41,16 @@ class FTJob:
         # Its address() names the host; the workers reach it on loopback, where it listens.
         self.lighthouse_address = "http://127.0.0.1:" + self.lighthouse.address().rsplit(":", 1)[1]
         self.groups: dict[tuple[int, int], list[subprocess.Popen]] = {}
+        self.stores: list = []
 
     def launch(self, replica: int, incarnation: int = 0, *, ranks: int = 2, worker_args: list[str] = ()) -> None:
-        port = free_port()
+        # The group's store is bound here, on a port the kernel picks, and its ranks connect to it
+        # as clients (as under torchrun's agent): a port picked free and bound later by a worker
+        # can be taken in between by a group launched beside it.
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.stores.append(store)
         procs = []
         for rank in range(ranks):
             env = dict(
@@ -59,7 +59,8 @@ class FTJob:
                 WORLD_SIZE=str(ranks),
                 LOCAL_RANK=str(rank),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                MASTER_PORT=str(store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
                 TORCHFT_LIGHTHOUSE=self.lighthouse_address,
                 OMP_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -161,3 +162,4 @@ class FTJob:
             for p in procs:
                 p.wait()
         self.lighthouse.shutdown()
+        self.stores.clear()

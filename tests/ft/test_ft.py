@@ -223,7 +223,7 @@ def test_example_trains_two_replica_groups_under_torchrun(tmp_path):
     import subprocess
     import sys
 
-    from tests.ft.ft_job import ROOT, free_port
+    from tests.ft.ft_job import ROOT
 
     with FTJob(tmp_path) as job:  # for its lighthouse
         env = dict(
@@ -242,8 +242,7 @@ def test_example_trains_two_replica_groups_under_torchrun(tmp_path):
                     "torch.distributed.run",
                     "--nproc-per-node",
                     "1",
-                    "--master-port",
-                    str(free_port()),
+                    "--standalone",  # its own store on a port the kernel picks
                     "examples/train_ft.py",
                     "--replica-id",
                     str(r),
