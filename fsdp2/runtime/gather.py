@@ -144,12 +144,15 @@ class GroupGather:
         self._kept: list[torch.Tensor | None] = []  # per bucket: gathered rows kept at finish(keep=...)
 
     def rebuild(self) -> None:
-        """Lay the buffer out anew at the next gather: codecs or dtypes (``module.to(dtype)``) changed."""
+        """Lay the buffer out anew: codecs or dtypes (``module.to(dtype)``) changed (at the next
+        gather where a tensor subclass's hook decides its columns)."""
         self._buckets: list[GatherBucket] | None = None
         self._all_plain = all(p.codec.plain for p in self.params)
         # Codecs whose columns are known only after their prepare() (a tensor subclass's hook).
         self._preparing = [p.codec for p in self.params if p.codec.prepares]
         self._prepared_columns: list = []
+        if not self._preparing:
+            self.buckets  # laid out now, outside any trace: the compiled step reads it
 
     @property
     def buckets(self) -> list[GatherBucket]:
@@ -177,6 +180,12 @@ class GroupGather:
             return None  # not servable, or an earlier gather of this bucket is unfinished: a fresh buffer
         kept.allocate()
         return kept
+
+    @property
+    def layout_fixed(self) -> bool:
+        """Every codec's columns are known before a gather (no tensor subclass's hook decides
+        them): ``buckets`` is the layout of every gather, eager and compiled."""
+        return not self._preparing
 
     def _buckets_after_prepare(self) -> list[GatherBucket]:
         if self._preparing and [codec.columns() for codec in self._preparing] != self._prepared_columns:

@@ -214,10 +214,17 @@ class GroupReduce:
                 for p in self.params
             ]
         )
-        if pattern not in self._buckets:
+        return self.buckets_of(pattern)
+
+    def buckets_of(self, pattern: tuple[bool, ...]) -> list[FlatBucket]:
+        """The reduce buckets (one per reduce dtype) of the parameters ``pattern`` picks, in
+        ``params`` order: made once per pattern and layout, for eager reductions and the compiled
+        step's alike."""
+        buckets = self._buckets.get(pattern)
+        if buckets is None:
             chosen = [p for p, keep in zip(self.params, pattern) if keep]
-            self._buckets[pattern] = buckets_by_dtype(chosen, lambda p: p.reduce_dtype)
-        return self._buckets[pattern]
+            buckets = self._buckets[pattern] = buckets_by_dtype(chosen, lambda p: p.reduce_dtype)
+        return buckets
 
     def issue(self, grads: dict[int, torch.Tensor | None]) -> Reduction | None:
         """Pack and reduce-scatter ``grads`` (param id -> full local gradient or None)."""

@@ -55,7 +55,7 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
 from fsdp2.layout.shard_layout import rank_rows_from_subgroups
-from fsdp2.runtime.buckets import FlatBucket, GatherBucket, buckets_by_dtype
+from fsdp2.runtime.buckets import FlatBucket, GatherBucket
 from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.param_group import GroupState
@@ -223,9 +223,12 @@ class TracedGroup:
         """Each parameter's wire tensors and context (its codec's ``encode``), the group's gather
         bucket for them (eager's ``GatherBucket``: one dtype, or bytes in aligned columns) and this
         rank's row of it."""
-        params = self.group.params
+        params, gather = self.group.params, self.group.gather
         encoded = [p.codec.encode(shard) for p, shard in zip(params, shards)]
-        bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
+        if gather.layout_fixed:
+            (bucket,) = gather.buckets
+        else:  # a tensor subclass's hook decides its columns: as this trace's encoding gave them
+            bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
         wire = [t for tensors, _ in encoded for t in tensors]
         if all(t.dtype == bucket.dtype for t in wire):
             flat = graph.flat(wire)  # one op, not torch.cat (see traced_ops); it flattens them itself
@@ -340,10 +343,9 @@ class TracedGroup:
         else:
             mode = Mode.SYNCED
         # Eager's buckets of the trainable parameters (a frozen parameter's gradient is neither
-        # computed nor reduced; the flag read is guarded).
-        trainable = [p for p in group.params if p.trainable]
+        # computed nor reduced; the flag read is guarded): the same objects eager reduces.
         buckets = []
-        for flat in buckets_by_dtype(trainable, lambda p: p.reduce_dtype):
+        for flat in reduce.buckets_of(tuple([p.trainable for p in group.params])):
             reduce_dtype, params = flat.dtype, flat.params
             plan = reduce.plan(reduce_dtype)
             grads = self.grads.get(reduce_dtype)  # its kept sums are read in the trace (guarded)

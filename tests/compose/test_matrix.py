@@ -94,6 +94,7 @@ class Setup:
     twice: bool = False  # the last block applied twice per forward
     two_forwards: bool = False  # two forwards (a row of the microbatch each), one backward of their mean
     chunked: bool = False  # norm and output one group, applied per half of the sequence inside forward
+    layers: int = CFG.n_layers  # transformer blocks (each its own group)
 
     @property
     def microbatches(self) -> int:
@@ -480,7 +481,7 @@ class _MultiCallLlama(Llama):
 
 
 def _model(setup: Setup) -> nn.Module:
-    model = Llama(CFG)
+    model = Llama(dataclasses.replace(CFG, n_layers=setup.layers))
     if setup.twice or setup.chunked:
         model.__class__ = _MultiCallLlama
         model.twice, model.chunks = setup.twice, 2 if setup.chunked else 1
@@ -970,12 +971,13 @@ def _step_collectives(rank: int, ws: int, features: tuple[str, ...]) -> dict:
     """fsdp2's collectives (count_comm: calls and bytes per kind) of one training step's forwards
     and backwards, eager and compiled whole, of ``features``' subject run. The compiled step with
     a partitioner that rematerialises (aot_eager's keeps views of gathered parameters, so its
-    backward would gather less than eager's: docs/compile.md)."""
+    backward would gather less than eager's: docs/compile.md). One block: each block is a group
+    like the other, and tracing a second would only double the compile time."""
     import torch._dynamo
 
     from fsdp2.tools import count_comm
 
-    subject, _ = setups(features)
+    subject = dataclasses.replace(setups(features)[0], layers=1)
     meshes = _meshes(subject, rank, ws)
     counts = {}
     for name in ("eager", "compiled"):
