@@ -85,6 +85,7 @@ def test_consolidate_writes_hf_layout_with_full_tensors(saved, tmp_path):
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in reference.values())
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch
 def test_module_entry_point_runs_as_subprocess(saved, tmp_path):
     path, reference = saved
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(ck.__file__))}

@@ -367,6 +367,7 @@ def _compiled_over_two_meshes(rank, ws, steps=2, microbatches=2):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow  # dynamo traces of whole steps
 @pytest.mark.skipif(not _PYTORCH_2_13, reason="PyTorch < 2.13 has no ShardPlacementResult")
 def test_compiled_whole_step_over_a_call_on_two_meshes_equals_eager(worlds):
     """One fully_shard call over two meshes under the compiled whole step: each mesh's group
