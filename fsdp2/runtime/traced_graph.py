@@ -305,6 +305,10 @@ def takes_grad(dtype: torch.dtype) -> bool:
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # A collective's count is recorded once, in forward (RecordRegather records the recomputed
+    # gather in backward); an effectful op may not be recomputed anyway (torch 2.15 refuses it).
+    if op is traced_ops.record_comm:
+        return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
