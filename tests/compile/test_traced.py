@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 
+from fsdp2 import compat
 from fsdp2.models import GPT, GPTConfig
 from fsdp2.models.llama import Llama, LlamaConfig
 from tests.support.parity import assert_compiled_equals_eager, token_loss
@@ -111,7 +112,19 @@ def _eager_and_compiled(
         (2, "gpt", 20, "fp32", None),
         (2, "llama", 3, "fp32", None),
         (2, "gpt", 3, "bf16", None),
-        (4, "llama", 3, "bf16", (2, 2)),  # HSDP: 2 replicas of 2 shards
+        pytest.param(
+            4,
+            "llama",
+            3,
+            "bf16",
+            (2, 2),  # HSDP: 2 replicas of 2 shards
+            marks=pytest.mark.xfail(
+                compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE,
+                strict=True,
+                reason="torch 2.15: eager keeps RMSNorm's weight gradient in the dtype its backward "
+                "yields (fp32), as PyTorch's FSDP2 does; the compiled step's port row casts it to bf16",
+            ),
+        ),
     ],
 )
 def test_compiled_matches_eager_bitwise(worlds, world_size, kind, steps, precision, mesh_shape):
