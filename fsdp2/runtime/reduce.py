@@ -214,6 +214,8 @@ class GroupReduce:
                 for p in self.params
             ]
         )
+        if pattern in self._buckets:  # no call per step once made
+            return self._buckets[pattern]
         return self.buckets_of(pattern)
 
     def buckets_of(self, pattern: tuple[bool, ...]) -> list[FlatBucket]:
