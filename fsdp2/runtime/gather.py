@@ -151,18 +151,21 @@ class GroupGather:
         # Codecs whose columns are known only after their prepare() (a tensor subclass's hook).
         self._preparing = [p.codec for p in self.params if p.codec.prepares]
         self._prepared_columns: list = []
-        if not self._preparing:
-            self.buckets  # laid out now, outside any trace: the compiled step reads it
+        if self.layout_fixed:
+            self._lay_out()  # now, outside any trace: the compiled step reads it
 
     @property
     def buckets(self) -> list[GatherBucket]:
         """The group's one all-gather buffer layout (none without parameters)."""
         if self._buckets is None:
-            self._buckets = [GatherBucket(self.params, [p.codec.columns() for p in self.params])] if self.params else []
-            self._prepared_columns = [codec.columns() for codec in self._preparing]
-            # Per bucket: its kept output, False where none can serve, None until its first gather.
-            self._kept_outputs: list[KeptGatherOutput | bool | None] = [None] * len(self._buckets)
+            self._lay_out()
         return self._buckets
+
+    def _lay_out(self) -> None:
+        self._buckets = [GatherBucket(self.params, [p.codec.columns() for p in self.params])] if self.params else []
+        self._prepared_columns = [codec.columns() for codec in self._preparing]
+        # Per bucket: its kept output, False where none can serve, None until its first gather.
+        self._kept_outputs: list[KeptGatherOutput | bool | None] = [None] * len(self._buckets)
 
     def _kept_output(self, index: int, bucket: GatherBucket) -> KeptGatherOutput | None:
         """``bucket``'s kept output, allocated, where it can serve (see KeptGatherOutput); else None."""
