@@ -145,7 +145,7 @@ class FSDPModule(compat.TorchFSDPModule):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         for group in self._fsdp_state.groups:
-            group.reduce.divide_factor = float(factor)
+            group.reduce.configure(divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
@@ -166,7 +166,7 @@ class FSDPModule(compat.TorchFSDPModule):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         state = self._fsdp_state
         for group, traced in zip(state.groups, state.traced_groups):
-            group.reduce.all_reduce_hook = hook
+            group.reduce.configure(all_reduce_hook=hook)
             traced.prepare_buckets()  # the compiled step hands the hook undivided shards
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
@@ -199,12 +199,12 @@ class FSDPModule(compat.TorchFSDPModule):
             for group in state.groups:
                 reduce = group.reduce
                 if not enable:
-                    reduce.reduce_scatter_group = None
+                    reduce.configure(reduce_scatter_group=None)
                     continue
                 ranks = tuple(dist.get_process_group_ranks(reduce.dp.shard_group))
                 if ranks not in groups:
                     groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                reduce.reduce_scatter_group = groups[ranks]
+                reduce.configure(reduce_scatter_group=groups[ranks])
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(size, *, dtype, device)`` and ``comm(output, input, group,
@@ -224,7 +224,7 @@ class FSDPModule(compat.TorchFSDPModule):
         _check_comm(comm, "set_custom_reduce_scatter")
         state = self._fsdp_state
         for group, traced in zip(state.groups, state.traced_groups):
-            group.reduce.custom_reduce_scatter = comm
+            group.reduce.configure(custom_reduce_scatter=comm)
             traced.use_custom_comm("reduce_scatter", comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -232,7 +232,7 @@ class FSDPModule(compat.TorchFSDPModule):
         data-parallel size (or the gradient divide factor) runs as separate ops; False (default):
         AVG/PREMUL_SUM where PyTorch's FSDP2 uses them. Not recursive, as in PyTorch."""
         for group in self._fsdp_state.groups:
-            group.reduce.force_sum = bool(enable)
+            group.reduce.configure(force_sum=bool(enable))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's

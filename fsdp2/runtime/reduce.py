@@ -10,8 +10,9 @@ are in flight.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from fsdp2 import compat
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.group_step import BucketStep, Mode, ReduceSettings, backward_mode
 from fsdp2.runtime.reduce_plan import ReducePlan
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
 from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads, take_unreduced_grads
@@ -145,21 +147,24 @@ class ReduceWindow:
 
 
 class GroupReduce:
-    """Reduces one group's gradients: the collectives and the settings that shape them."""
+    """Reduces one group's gradients: runs its :class:`BucketStep`s (fsdp2.runtime.group_step),
+    which it makes once per set of reduced parameters and settings, for eager backwards and the
+    compiled step's alike."""
 
     def __init__(self, params: list[ShardedParam], dp: DataParallelMesh, streams: CommStreams, local_only: bool):
         self.params = params
         self.dp = dp
         self.streams = streams
         self.local_only = local_only  # one-rank shard group: the reduce-scatter is the identity
-        self.divide_factor: float | None = None  # None: average over data-parallel ranks
-        self.force_sum = False  # set_force_sum_reduction_for_comms: SUM collectives, separate divisions
-        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: accumulate)
-        self.include_unused = False  # reduce params without a gradient as zeros
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.custom_reduce_scatter: Any = None
-        self.reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+        self.settings = ReduceSettings()  # what the steps are decided from (configure changes them)
+        # Switches of a backward, not of its steps: set per microbatch, so plain attributes.
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
+        self.include_unused = False  # set_reduce_scatter_unused_params: unreached parameters reduced as zeros
+        # Per pattern of reduced parameters: its buckets (the layout, kept while the parameters
+        # are) and its steps (decided again when a setting changes).
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
+        self._steps: dict[tuple[bool, ...], list[BucketStep]] = {}
+        self._plans: dict[torch.dtype, ReducePlan] = {}  # by reduce dtype, under the current settings
         self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # The sums eager backwards keep for the next reduction (a compiled backward takes them too,
         # fsdp2.runtime.traced_grads): gradients kept in the parameters without gradient sync
@@ -167,76 +172,97 @@ class GroupReduce:
         # the all-reduce the reduce-scattered sums, per parameter until the next all-reduce.
         self.holds_unsynced_grads = False
         self._partial: dict[int, torch.Tensor] = {}
-        # By reduce dtype: the settings above it was chosen for, and the plan. Keyed by the dtype
-        # alone, a constant to dynamo (the traced path asks too): a key holding the process group
-        # would be guarded in Python on every compiled step.
-        self._plans: dict[torch.dtype, tuple[tuple, ReducePlan]] = {}
 
     def rebuild(self) -> None:
+        """The parameters were re-read (their dtypes may have changed): new buckets and steps."""
         self._buckets.clear()
+        self._steps.clear()
         self._kept_inputs.clear()
+
+    def configure(self, **changes: Any) -> None:
+        """Change settings (``ReduceSettings``' fields): every step is decided again, now (the
+        compiled step reads them while dynamo traces, which must find them made)."""
+        self.settings = dataclasses.replace(self.settings, **changes)
+        self._plans.clear()
+        self._steps = {pattern: [self._step(bucket) for bucket in self._buckets[pattern]] for pattern in self._steps}
 
     @property
     def _group(self) -> dist.ProcessGroup:
-        return self.reduce_scatter_group or self.dp.shard_group
+        return self.settings.reduce_scatter_group or self.dp.shard_group
 
-    def plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
-        """The reduce ops and divisions for gradients reduced in ``reduce_dtype`` (PyTorch FSDP2's)."""
-        settings = (self.divide_factor, self.force_sum, self._group, self.custom_reduce_scatter)
-        chosen_for, plan = self._plans.get(reduce_dtype, ((), None))
-        for chosen, current in zip(chosen_for, settings):
-            if chosen is not current:  # identity: a setter stores a new object
-                plan = None
-                break
-        if plan is None:
-            # A custom reduce-scatter takes the op PyTorch would give it, whatever the backend.
-            premul = self.custom_reduce_scatter is not None or collectives.supports_premul_sum(self._group)
-            plan = ReducePlan.choose(
-                shard_size=self.dp.shard_size,
-                replicate_size=self.dp.replicate_size,
-                reduce_dtype=reduce_dtype,
-                divide_factor=self.divide_factor,
-                force_sum=self.force_sum,
-                premul_sum_supported=premul,
-                device_type=self.dp.device.type,
-            )
-            self._plans[reduce_dtype] = (settings, plan)
-        return plan
+    def mode(self, requires_gradient_sync: bool) -> Mode:
+        return backward_mode(requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce)
 
-    def _buckets_for(self, grads: dict[int, torch.Tensor | None]) -> list[FlatBucket]:
-        # Which parameters are reduced changes with freezing and with unused parameters.
-        # A parameter with a kept partial sum is reduced also when this backward did not reach it.
-        partial = self._partial
-        pattern = tuple(
-            [
-                p.sharded_param.requires_grad
-                and (grads.get(id(p)) is not None or self.include_unused or id(p) in partial)
-                for p in self.params
-            ]
-        )
-        if pattern in self._buckets:  # no call per step once made
-            return self._buckets[pattern]
-        return self.buckets_of(pattern)
+    def steps_of(self, pattern: tuple[bool, ...]) -> list[BucketStep]:
+        """The steps (one per reduce dtype) that reduce the parameters ``pattern`` picks, in
+        ``params`` order: made once per pattern and settings."""
+        steps = self._steps.get(pattern)
+        if steps is None:
+            steps = self._steps[pattern] = [self._step(bucket) for bucket in self._buckets_of(pattern)]
+        return steps
 
-    def buckets_of(self, pattern: tuple[bool, ...]) -> list[FlatBucket]:
-        """The reduce buckets (one per reduce dtype) of the parameters ``pattern`` picks, in
-        ``params`` order: made once per pattern and layout, for eager reductions and the compiled
-        step's alike."""
+    def _buckets_of(self, pattern: tuple[bool, ...]) -> list[FlatBucket]:
         buckets = self._buckets.get(pattern)
         if buckets is None:
             chosen = [p for p, keep in zip(self.params, pattern) if keep]
             buckets = self._buckets[pattern] = buckets_by_dtype(chosen, lambda p: p.reduce_dtype)
         return buckets
 
+    def plan(self, reduce_dtype: torch.dtype) -> ReducePlan:
+        """PyTorch FSDP2's reduce ops and divisions for gradients reduced in ``reduce_dtype``,
+        under the current settings (chosen once per dtype and settings)."""
+        plan = self._plans.get(reduce_dtype)
+        if plan is None:
+            settings, dp = self.settings, self.dp
+            # A custom reduce-scatter takes the op PyTorch would give it, whatever the backend.
+            premul = settings.custom_reduce_scatter is not None or collectives.supports_premul_sum(self._group)
+            plan = self._plans[reduce_dtype] = ReducePlan.choose(
+                shard_size=dp.shard_size,
+                replicate_size=dp.replicate_size,
+                reduce_dtype=reduce_dtype,
+                divide_factor=settings.divide_factor,
+                force_sum=settings.force_sum,
+                premul_sum_supported=premul,
+                device_type=dp.device.type,
+            )
+        return plan
+
+    def _step(self, bucket: FlatBucket) -> BucketStep:
+        dp = self.dp
+        shard_dtypes = {p.orig_dtype for p in bucket.params}
+        return BucketStep(
+            bucket,
+            self.plan(bucket.dtype),
+            world=dp.shard_size,
+            shard_group=self._group,
+            replicate_group=dp.replicate_group if dp.is_hybrid else None,
+            grad_dtype=shard_dtypes.pop() if len(shard_dtypes) == 1 else bucket.dtype,
+            hooked=self.settings.all_reduce_hook is not None,
+        )
+
+    def _steps_for(self, grads: dict[int, torch.Tensor | None]) -> list[BucketStep]:
+        # Which parameters are reduced changes with freezing and with unused parameters.
+        # A parameter with a kept partial sum is reduced also when this backward did not reach it.
+        partial, include_unused = self._partial, self.include_unused
+        pattern = tuple(
+            [
+                p.sharded_param.requires_grad and (grads.get(id(p)) is not None or include_unused or id(p) in partial)
+                for p in self.params
+            ]
+        )
+        if pattern in self._steps:  # no call per step once made
+            return self._steps[pattern]
+        return self.steps_of(pattern)
+
     def issue(self, grads: dict[int, torch.Tensor | None]) -> Reduction | None:
         """Pack and reduce-scatter ``grads`` (param id -> full local gradient or None)."""
-        buckets = self._buckets_for(grads)
-        if not buckets:
+        steps = self._steps_for(grads)
+        if not steps:
             return None
         pending = []
-        for bucket in buckets:
+        for step in steps:
+            bucket, plan = step.bucket, step.plan
             inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
-            plan = self.plan(bucket.dtype)
             for divisor in plan.divide_before:
                 inp.div_(divisor)  # fp16 would overflow summing before dividing
             if self.local_only:
@@ -246,7 +272,7 @@ class GroupReduce:
             pending.append(PendingReduce(bucket, plan, inp, out, kept_input))
         grads.clear()  # copied in: the full gradients can go (same stream, so no hazard)
         group = self._group
-        comm = self.custom_reduce_scatter or collectives.reduce_scatter
+        comm = self.settings.custom_reduce_scatter or collectives.reduce_scatter
         with self.streams.reduce_scatter.launch() as completion:
             for p in pending:
                 if not self.local_only:
@@ -277,32 +303,37 @@ class GroupReduce:
         (give it zeros there, as PyTorch's FSDP2 does), or a GPU backend may check collective
         inputs for NaN (NCCL's ``TORCH_NCCL_NAN_CHECK``; uninitialized padding could trip it, and
         zeroing costs a GPU one kernel). Only CPU steps skip it, where it costs bytes per step."""
+        settings = self.settings
         return (
-            self.all_reduce_hook is not None or self.custom_reduce_scatter is not None or self.dp.device.type != "cpu"
+            settings.all_reduce_hook is not None
+            or settings.custom_reduce_scatter is not None
+            or self.dp.device.type != "cpu"
         )
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.custom_reduce_scatter is not None:
-            return self.custom_reduce_scatter.allocate((numel,), dtype=dtype, device=self.dp.device)
+        custom = self.settings.custom_reduce_scatter
+        if custom is not None:
+            return custom.allocate((numel,), dtype=dtype, device=self.dp.device)
         return torch.empty(numel, dtype=dtype, device=self.dp.device)
 
     def _after_reduce_scatter(self, pending: PendingReduce) -> None:
         """Across replicas (HSDP), the user's hook, the division; runs once the reduce-scatter is done."""
-        plan = pending.plan
+        plan, settings = pending.plan, self.settings
         if self.dp.is_hybrid:
             if not self.requires_all_reduce:
                 self._keep_partial(pending)
                 return
             self._add_partial(pending)
             collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
-        if self.all_reduce_hook is not None or plan.divide_after != 1:  # else no call: host work per step
+        if settings.all_reduce_hook is not None or plan.divide_after != 1:  # else no call: host work per step
             self.finish_reduced(pending.output, plan)
 
     def finish_reduced(self, output: torch.Tensor, plan: ReducePlan) -> None:
         """A reduced bucket after its collectives: the user's all-reduce hook on it, then the
         division, in place (PyTorch FSDP2's order). The compiled step's hand-off calls it too."""
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(output)
+        hook = self.settings.all_reduce_hook
+        if hook is not None:
+            hook(output)
         if plan.divide_after != 1:
             output.div_(plan.divide_after)
 

@@ -58,11 +58,11 @@ from fsdp2.layout.shard_layout import rank_rows_from_subgroups
 from fsdp2.runtime.buckets import FlatBucket, GatherBucket
 from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
+from fsdp2.runtime.group_step import BucketStep, Mode
 from fsdp2.runtime.param_group import GroupState
 from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.sharded_param import GradDtype
 from fsdp2.runtime.traced_grads import BucketGrads
-from fsdp2.runtime.traced_graph import Mode
 
 if TYPE_CHECKING:
     from fsdp2.runtime.param_group import ParamGroup
@@ -71,27 +71,30 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Bucket:
-    """Parameters whose gradients are reduced in one collective: eager's ``FlatBucket`` of a
-    group's trainable parameters of one reduce dtype (its layout: a block of ``padded_shard_numel``
-    per parameter), with the reduction a graph emits for it. Its port row (the gradients the
-    modules route to it) is in the parameters' compute dtype, or in the reduce dtype where they
-    have several."""
+    """One reduce bucket in a trace: its step (eager's ``BucketStep``, the same object eager
+    reduces with), the reduction a graph emits for it, and its port row's dtype (the gradients
+    the modules route to it add up there): the parameters' compute dtype, or the reduce dtype
+    where they have several."""
 
-    flat: FlatBucket
+    step: BucketStep
     row_dtype: torch.dtype
     reduction: graph.Reduction
 
     @property
     def key(self) -> torch.dtype:  # the reduce dtype
-        return self.flat.dtype
+        return self.step.reduce_dtype
+
+    @property
+    def flat(self) -> FlatBucket:
+        return self.step.bucket
 
     @property
     def params(self) -> list["ShardedParam"]:
-        return self.flat.params
+        return self.step.bucket.params
 
     @property
     def gathered_numel(self) -> int:
-        return self.reduction.world * self.flat.numel_per_rank
+        return self.step.world * self.step.bucket.numel_per_rank
 
     @property
     def takes_grad(self) -> bool:
@@ -328,47 +331,27 @@ class TracedGroup:
         ]
 
     def _buckets(self) -> list[_Bucket]:
-        group, dp = self.group, self.group.dp
+        """The group's reduce steps (eager's, for its trainable parameters: a frozen parameter's
+        gradient is neither computed nor reduced; the flags read are guarded) as this trace emits
+        them."""
+        group = self.group
         reduce = group.reduce
-        shard_group = reduce.reduce_scatter_group or dp.shard_group
-        replicate = dp.replicate_group.group_name if dp.is_hybrid else None
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
         # Sums eager backwards kept for this accumulation (guarded too): a synced graph takes them.
         eager_unsynced, eager_partial = reduce.holds_unsynced_grads, reduce.holds_partial_sums
-        if not group.requires_gradient_sync:
-            mode = Mode.UNSYNCED
-        elif replicate is not None and not reduce.requires_all_reduce:
-            mode = Mode.PARTIAL
-        else:
-            mode = Mode.SYNCED
-        # Eager's buckets of the trainable parameters (a frozen parameter's gradient is neither
-        # computed nor reduced; the flag read is guarded): the same objects eager reduces.
+        mode = reduce.mode(group.requires_gradient_sync)
         buckets = []
-        for flat in reduce.buckets_of(tuple([p.trainable for p in group.params])):
-            reduce_dtype, params = flat.dtype, flat.params
-            plan = reduce.plan(reduce_dtype)
-            grads = self.grads.get(reduce_dtype)  # its kept sums are read in the trace (guarded)
-            param_dtypes = {p.param_dtype for p in params}
-            orig_dtypes = {p.orig_dtype for p in params}
-            reduction = graph.Reduction(
-                dp.shard_size,
-                shard_group.group_name,
-                replicate,
-                reduce_dtype,
-                orig_dtypes.pop() if len(orig_dtypes) == 1 else reduce_dtype,
-                plan.divide_before,
-                plan.divide_after,
-                plan.reduce_scatter_op.functional_name,
-                plan.all_reduce_op.functional_name,
-                graph.takes_out_collectives(shard_group),
-                self.custom_comm_keys.get("all_gather"),
-                self.custom_comm_keys.get("reduce_scatter"),
-                counted,
-                reduce.all_reduce_hook is not None,
+        for step in reduce.steps_of(tuple([p.trainable for p in group.params])):
+            grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
+            kept_unsynced = eager_unsynced or (grads is not None and grads.holds_unsynced)
+            reduction = graph.Reduction.of(
+                step,
+                custom_all_gather=self.custom_comm_keys.get("all_gather"),
+                custom_reduce_scatter=self.custom_comm_keys.get("reduce_scatter"),
+                counted=counted,
                 mode=mode,
-                takes_unsynced=mode is not Mode.UNSYNCED
-                and (eager_unsynced or (grads is not None and grads.holds_unsynced)),
+                takes_unsynced=mode is not Mode.UNSYNCED and kept_unsynced,
                 takes_partial=mode is Mode.SYNCED and (eager_partial or (grads is not None and grads.holds_partial)),
                 include_unused=reduce.include_unused,
             )
@@ -376,10 +359,12 @@ class TracedGroup:
             # eager sums it in the unsharded parameter: the compute dtype, or the reduce dtype where
             # the parameters have several, or in a backward without sync that starts a sum where
             # PyTorch accumulates in it (sharded_param.GradDtype).
-            starts_sum = mode is Mode.UNSYNCED and not (eager_unsynced or (grads is not None and grads.holds_unsynced))
+            params = step.bucket.params
+            param_dtypes = {p.param_dtype for p in params}
+            starts_sum = mode is Mode.UNSYNCED and not kept_unsynced
             widens = starts_sum and params[0].grad_dtype_rule is not GradDtype.COMPUTE
-            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else reduce_dtype
-            buckets.append(_Bucket(flat, row_dtype, reduction))
+            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else step.reduce_dtype
+            buckets.append(_Bucket(step, row_dtype, reduction))
         return buckets
 
     # -- where gradients go ---------------------------------------------------------------------
@@ -616,7 +601,10 @@ def check_traceable(traced: TracedGroup) -> None:
         # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
         # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
         problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
-    elif any(group.reduce.plan(p.reduce_dtype).reduce_scatter_op.functional_name is None for p in group.params):
+    elif any(
+        step.plan.reduce_scatter_op.functional_name is None
+        for step in group.reduce.steps_of(tuple([p.trainable for p in group.params]))
+    ):
         problem = (
             "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
             "set_force_sum_reduction_for_comms(True) divides in a separate op)"

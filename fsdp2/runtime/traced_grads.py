@@ -45,7 +45,8 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads, weak_hook
-from fsdp2.runtime.traced_graph import Mode, Reduction
+from fsdp2.runtime.group_step import Mode
+from fsdp2.runtime.traced_graph import Reduction
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -305,12 +306,7 @@ class BucketGrads:
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""
         group = self.group
-        if not group.requires_gradient_sync:
-            now = Mode.UNSYNCED
-        elif self.hybrid and not group.reduce.requires_all_reduce:
-            now = Mode.PARTIAL
-        else:
-            now = Mode.SYNCED
+        now = group.reduce.mode(group.requires_gradient_sync)
         if now is mode:
             return
         self.discard()

@@ -22,7 +22,6 @@ Nothing here holds state between steps: the traced path passes in what a step ne
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +30,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fsdp2 import compat
 from fsdp2.runtime import traced_ops
+from fsdp2.runtime.group_step import BucketStep, Mode
 
 _c10d = compat.functional_collectives
-
-
-class Mode(enum.IntEnum):
-    """What one backward does with a bucket's gradient, from the group's settings at trace time."""
-
-    SYNCED = 0  # reduce-scatter (HSDP: and all-reduce) and divide: to the parameters' .grad
-    PARTIAL = 1  # HSDP with set_requires_all_reduce(False): reduce-scatter, kept for the next all-reduce
-    UNSYNCED = 2  # set_requires_gradient_sync(False): kept unreduced for the next synced backward
 
 
 @dataclass(frozen=True)
@@ -70,6 +62,27 @@ class Reduction:
     takes_unsynced: bool = False
     takes_partial: bool = False
     include_unused: bool = False  # set_reduce_scatter_unused_params(True): unreached parameters get zeros
+
+    @classmethod
+    def of(cls, step: BucketStep, **trace_time) -> "Reduction":
+        """``step`` (the bucket's reduction, as eager runs it) in a graph: the process groups by
+        name, the reduce ops by their functional collectives' names; ``trace_time``: what the
+        trace adds (counted, custom collectives' keys, mode, the kept sums it takes)."""
+        plan = step.plan
+        return cls(
+            world=step.world,
+            shard_group=step.shard_group.group_name,
+            replicate_group=None if step.replicate_group is None else step.replicate_group.group_name,
+            reduce_dtype=step.reduce_dtype,
+            grad_dtype=step.grad_dtype,
+            divide_before=plan.divide_before,
+            divide_after=plan.divide_after,
+            reduce_scatter_op=plan.reduce_scatter_op.functional_name,
+            all_reduce_op=plan.all_reduce_op.functional_name,
+            out_collectives=takes_out_collectives(step.shard_group),
+            hooked=step.hooked,
+            **trace_time,
+        )
 
     @property
     def sink_dtype(self) -> torch.dtype:

@@ -467,10 +467,10 @@ def test_a_second_fault_tolerant_hsdp_on_the_same_model_is_refused(fake_world, m
     ):
         _ft(model)
     assert len(managers) == 1
-    assert model._fsdp_state.group.reduce.all_reduce_hook == first._all_reduce_across_replicas  # untouched
+    assert model._fsdp_state.group.reduce.settings.all_reduce_hook == first._all_reduce_across_replicas  # untouched
     first.close()
     second = _ft(model)  # the first let go of the hooks
-    assert model[0]._fsdp_state.group.reduce.all_reduce_hook == second._all_reduce_across_replicas
+    assert model[0]._fsdp_state.group.reduce.settings.all_reduce_hook == second._all_reduce_across_replicas
     second.close()
 
 

@@ -768,11 +768,11 @@ def test_reduce_scatter_padding_is_zeroed_where_something_reads_it(device, hook,
     could trip it), so there it is zeroed (one kernel)."""
     from types import SimpleNamespace
 
+    from fsdp2.runtime.group_step import ReduceSettings
     from fsdp2.runtime.reduce import GroupReduce
 
     reduce = SimpleNamespace(
-        all_reduce_hook=(lambda t: None) if hook else None,
-        custom_reduce_scatter=None,
+        settings=ReduceSettings(all_reduce_hook=(lambda t: None) if hook else None),
         dp=SimpleNamespace(device=torch.device(device)),
     )
     assert GroupReduce._output_seen_whole.fget(reduce) is zeroed

@@ -11,6 +11,7 @@ configuration the logs must be equal, and the parameters bitwise equal.
 from __future__ import annotations
 
 import collections
+from unittest import mock
 import contextlib
 import copy
 
@@ -93,7 +94,13 @@ def _mesh(hsdp: bool):
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _side_by_side(rank, ws, reduce_dtype=None, hsdp=False, factor=None, force_sum=False, hook=False):
+def _side_by_side(rank, ws, **settings):
+    # The recorder is NCCL from the start: fsdp2 decides its reduce ops when a setting changes.
+    with mock.patch.object(collectives, "supports_premul_sum", lambda group: True):
+        return _side_by_side_on_nccl(rank, ws, **settings)
+
+
+def _side_by_side_on_nccl(rank, ws, reduce_dtype=None, hsdp=False, factor=None, force_sum=False, hook=False):
     import torch.distributed.fsdp as torch_fsdp
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 

@@ -1,0 +1,74 @@
+"""What a group's backward does with its gradients, decided once and run by both executors.
+
+A group's reduction is described here, per reduce bucket, as a frozen :class:`BucketStep`: the
+bucket (its parameters and padded layout, fsdp2.runtime.buckets), the reduce ops and divisions
+(fsdp2.runtime.reduce_plan), the process groups, and the user's settings it was decided under
+(:class:`ReduceSettings`). ``GroupReduce`` (fsdp2.runtime.reduce) makes the steps, once per set of
+reduced parameters and settings, and runs them eagerly with c10d calls and persistent buffers;
+the compiled step (fsdp2.runtime.traced) emits the very same steps as graph ops. Neither decides
+anything the other could decide differently: a setting reaches both through a new step.
+
+:func:`backward_mode` is the one place that says what a backward does with the reduced
+gradient (reduce it into ``.grad``, or keep a sum for a later backward).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp2.runtime.buckets import FlatBucket
+from fsdp2.runtime.reduce_plan import ReducePlan
+
+
+class Mode(enum.IntEnum):
+    """What one backward does with a bucket's gradient."""
+
+    SYNCED = 0  # reduce-scatter (HSDP: and all-reduce) and divide: to the parameters' .grad
+    PARTIAL = 1  # HSDP with set_requires_all_reduce(False): reduce-scatter, kept for the next all-reduce
+    UNSYNCED = 2  # set_requires_gradient_sync(False): kept unreduced for the next synced backward
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """The user's settings a group's reduce steps are decided from (``GroupReduce.configure``)."""
+
+    divide_factor: float | None = None  # set_gradient_divide_factor; None: average over data-parallel ranks
+    force_sum: bool = False  # set_force_sum_reduction_for_comms: SUM collectives, separate divisions
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    custom_reduce_scatter: Any = None
+    reduce_scatter_group: dist.ProcessGroup | None = None  # set_separate_reduce_scatter_group; None: the shard group
+
+
+def backward_mode(requires_gradient_sync: bool, hybrid: bool, requires_all_reduce: bool) -> Mode:
+    """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP) as a backward's mode."""
+    if not requires_gradient_sync:
+        return Mode.UNSYNCED
+    if hybrid and not requires_all_reduce:
+        return Mode.PARTIAL
+    return Mode.SYNCED
+
+
+@dataclass(frozen=True)
+class BucketStep:
+    """One reduce bucket's reduction: what to reduce, with which ops and divisions, over which
+    ranks. ``world``: the shard group's size (the reduce-scatter input is ``world`` rows);
+    ``grad_dtype``: the dtype of the bucket's shards, or its reduce dtype where they have several
+    (each is cast as it is written); ``hooked``: a user's all-reduce hook sees the reduced bucket
+    before the division that follows the sum."""
+
+    bucket: FlatBucket
+    plan: ReducePlan
+    world: int
+    shard_group: dist.ProcessGroup  # where the reduce-scatter runs
+    replicate_group: dist.ProcessGroup | None  # HSDP: the all-reduce across replicas
+    grad_dtype: torch.dtype
+    hooked: bool
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.bucket.dtype
