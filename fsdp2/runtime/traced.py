@@ -178,8 +178,13 @@ class TracedGroup:
         # Passed in (not read inside): a checkpoint region's inputs are its arguments.
         port_tensors = [t for port in ports if port is not None for t in (port[0], *port[1])]
         shards = [p.traced_leaf for p in params]
-        route = functools.partial(self._routed_params, buckets, ports)
-        settings = buckets[0].reduction
+        route = functools.partial(self._routed_params, buckets, ports, counted=bool(collectives.active_counters))
+        # The group's all-gather settings, whatever it reduces (a group of frozen parameters reduces nothing).
+        settings = graph.GatherSettings(
+            graph.takes_out_collectives(self.group.dp.shard_group),
+            bool(collectives.active_counters),
+            self.custom_comm_keys.get("all_gather"),
+        )
         if after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
             gathered = self._gather_keeping_rows(shards, route, port_tensors, settings)
         elif after_forward is schedule.AfterForward.FREE:
@@ -207,7 +212,7 @@ class TracedGroup:
         if port is not None:
             return port
         grads = self.grads.get(bucket.key)
-        if grads is None or not grads.serves(bucket.params, bucket.reduction):
+        if grads is None or not grads.serves(bucket.step):
             # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
             raise FSDPUsageError(
                 f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
@@ -255,12 +260,11 @@ class TracedGroup:
         ]
 
     @staticmethod
-    def _all_gather(flat: torch.Tensor, world: int, group: str, r: graph.Reduction) -> torch.Tensor:
-        """``r``: any of the group's buckets' reductions (their collectives' settings are the group's)."""
-        return graph.all_gather(flat, world, group, r.out_collectives, r.counted, r.custom_all_gather)
+    def _all_gather(flat: torch.Tensor, world: int, group: str, settings: graph.GatherSettings) -> torch.Tensor:
+        return graph.all_gather(flat, world, group, settings)
 
     def _gather_and_route(
-        self, route, *tensors: torch.Tensor, settings: graph.Reduction, regathers: bool
+        self, route, *tensors: torch.Tensor, settings: graph.GatherSettings, regathers: bool
     ) -> list[torch.Tensor]:
         """``tensors``: each port's row and marks (see ``gather``), then every parameter's shard:
         encode, ONE all-gather, decode, route the gradients (in a region backward recomputes when
@@ -276,7 +280,7 @@ class TracedGroup:
         return route(values, port_tensors, regathered)
 
     def _gather_keeping_rows(
-        self, shards: list[torch.Tensor], route, port_tensors: list, settings: graph.Reduction
+        self, shards: list[torch.Tensor], route, port_tensors: list, settings: graph.GatherSettings
     ) -> list[torch.Tensor]:
         """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
         over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
@@ -304,7 +308,9 @@ class TracedGroup:
 
     # -- routing gradients to the ports ------------------------------------------------------------
 
-    def _routed_params(self, buckets: list[_Bucket], ports: list, values, port_tensors, regathered: int) -> list:
+    def _routed_params(
+        self, buckets: list[_Bucket], ports: list, values, port_tensors, regathered: int, counted: bool
+    ) -> list:
         """``values`` (the unsharded parameters, ``group.params`` order) as the modules see them:
         each one's gradient to its block of its bucket's port row and a mark (``ports`` again, from
         ``port_tensors``: a region's inputs), TP parameters as DTensors. ``regathered``: the bytes
@@ -312,7 +318,7 @@ class TracedGroup:
         tensors = iter(port_tensors)
         index = {id(p): i for i, p in enumerate(self.group.params)}
         routed = list(values)
-        counted = regathered and buckets[0].reduction.counted
+        counted = regathered and counted
         for bucket, port in zip(buckets, ports):
             if port is None:
                 continue
@@ -347,7 +353,6 @@ class TracedGroup:
             kept_unsynced = eager_unsynced or (grads is not None and grads.holds_unsynced)
             reduction = graph.Reduction.of(
                 step,
-                custom_all_gather=self.custom_comm_keys.get("all_gather"),
                 custom_reduce_scatter=self.custom_comm_keys.get("reduce_scatter"),
                 counted=counted,
                 mode=mode,
@@ -376,17 +381,19 @@ class TracedGroup:
         (``torch.func.jvp`` over the module), where no new leaf may be made; and the sums it keeps
         for the next synced backward stay."""
         grads = {}
-        frozen = tuple(p for p in self.group.params if not p.trainable)
-        for bucket in self._buckets():
-            if not bucket.takes_grad:
+        group = self.group
+        frozen = tuple(p for p in group.params if not p.trainable)
+        graph.takes_out_collectives(group.dp.shard_group)  # noted now: a trace cannot ask the group
+        for step in group.reduce.steps_of(tuple([p.trainable for p in group.params])):
+            graph.takes_out_collectives(step.shard_group)
+            if not graph.takes_grad(step.grad_dtype):
                 continue
-            current = self.grads.get(bucket.key)
-            r = bucket.reduction
-            if current is None or not current.serves(bucket.params, r):
-                current = BucketGrads(bucket.flat, self.group, r, frozen)
+            current = self.grads.get(step.reduce_dtype)
+            if current is None or not current.serves(step):
+                current = BucketGrads(step, group, frozen)
             else:
                 current.take_params()
-            grads[bucket.key] = current
+            grads[step.reduce_dtype] = current
         self.grads = grads
 
     def after_forward(self, is_root: bool) -> schedule.AfterForward:

@@ -36,7 +36,6 @@ writing anything.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,12 +45,11 @@ from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import traced_ops
 from fsdp2.runtime.sharded_param import accumulate_sharded_grads, weak_hook
 from fsdp2.runtime.group_step import Mode
-from fsdp2.runtime.traced_graph import Reduction
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from fsdp2.runtime.buckets import FlatBucket
+    from fsdp2.runtime.group_step import BucketStep
     from fsdp2.runtime.param_group import ParamGroup
     from fsdp2.runtime.sharded_param import ShardedParam
 
@@ -64,36 +62,30 @@ def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 class BucketGrads:
     """One bucket's gradient sinks, kept sums and hand-off (module docstring).
 
-    ``bucket``: the bucket's parameters and layout (eager's ``FlatBucket`` of the group's
-    trainable parameters of one reduce dtype); ``group``: their ParamGroup (its settings are read
-    at the hand-off; while this keeps sums it is in the group's ``compiled_sums``, which eager code
-    reads without a call); ``reduction``: the bucket's (its dtypes and hook, as a synced backward
-    reduces it); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
+    ``step``: the bucket's reduction (its ``BucketStep``, as eager reduces it: its parameters and
+    layout, dtypes and hook); ``group``: their ParamGroup (its settings are read at the hand-off;
+    while this keeps sums it is in the group's ``compiled_sums``, which eager code reads without a
+    call); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
     """
 
-    def __init__(
-        self,
-        bucket: "FlatBucket",
-        group: "ParamGroup",
-        reduction: Reduction,
-        frozen: tuple["ShardedParam", ...] = (),
-    ):
+    def __init__(self, step: "BucketStep", group: "ParamGroup", frozen: tuple["ShardedParam", ...] = ()):
+        bucket = step.bucket
         self.params = params = tuple(bucket.params)
         self.pending = group.compiled_sums
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
         # for them, so one that requires a gradient now is refused (see _check_still_frozen).
         self.frozen = frozen
         self.group = group
-        reduce_dtype = self.reduce_dtype = reduction.reduce_dtype
-        self.hooked = reduction.hooked
+        reduce_dtype = self.reduce_dtype = step.reduce_dtype
+        self.hooked = step.hooked
         device = group.dp.device
         self.widths = bucket.sizes
         self.shard_numel = bucket.numel_per_rank
-        self.gathered_numel = group.dp.shard_size * self.shard_numel
+        self.gathered_numel = step.world * self.shard_numel
         # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
-        self.grad_dtype = reduction.grad_dtype
+        self.grad_dtype = step.grad_dtype
         # What a synced backward that reached every parameter hands over (see Reduction.sink_dtype).
-        self.sink_dtype = dataclasses.replace(reduction, mode=Mode.SYNCED).sink_dtype
+        self.sink_dtype = reduce_dtype if step.hooked else step.grad_dtype
         # No padding on this rank, one dtype: the reduced flat shard is the local shards back to back.
         self.packed = all(
             p.layout.local_rows == p.layout.chunk and not p.offload and p.orig_dtype == self.grad_dtype for p in params
@@ -120,13 +112,14 @@ class BucketGrads:
         self.key = traced_ops.register_route(self)
         self.take_params()
 
-    def serves(self, params, reduction: Reduction) -> bool:
-        """Whether these sinks take the gradients of ``params`` reduced as ``reduction`` says."""
+    def serves(self, step: "BucketStep") -> bool:
+        """Whether these sinks take the gradients ``step`` reduces (its parameters, dtypes and
+        hook: a step decided again under another divide factor is served by the same sinks)."""
         return (
-            self.params == tuple(params)
-            and self.grad_dtype == reduction.grad_dtype
-            and self.reduce_dtype == reduction.reduce_dtype
-            and self.hooked == reduction.hooked
+            self.params == tuple(step.bucket.params)
+            and self.grad_dtype == step.grad_dtype
+            and self.reduce_dtype == step.reduce_dtype
+            and self.hooked == step.hooked
         )
 
     def take_params(self) -> None:

@@ -49,8 +49,7 @@ class Reduction:
     reduce_scatter_op: str  # functional collectives' names: "sum", "avg"
     all_reduce_op: str
     out_collectives: bool  # see _OUT_COLLECTIVES
-    # set_custom_all_gather / set_custom_reduce_scatter: the user's objects' keys (traced_ops.register_comm)
-    custom_all_gather: str | None
+    # set_custom_reduce_scatter: the user's object's key (traced_ops.register_comm)
     custom_reduce_scatter: str | None
     counted: bool  # traced inside count_comm: the graph records its collectives (traced_ops.record_comm)
     # set_all_reduce_hook: the graph hands the reduced shard over undivided, in reduce_dtype; the
@@ -116,14 +115,22 @@ def takes_out_collectives(group: dist.ProcessGroup) -> bool:
     return takes
 
 
-def all_gather(
-    send: torch.Tensor, world: int, group: str, out_op: bool, counted: bool, custom: str | None
-) -> torch.Tensor:
-    if counted:  # count_comm's record of it, as eager's: the output buffer
+@dataclass(frozen=True)
+class GatherSettings:
+    """How a group's all-gathers appear in a graph: ``out_collective`` (see takes_out_collectives),
+    ``counted`` (traced inside count_comm), ``custom`` (set_custom_all_gather's key)."""
+
+    out_collective: bool
+    counted: bool
+    custom: str | None
+
+
+def all_gather(send: torch.Tensor, world: int, group: str, settings: GatherSettings) -> torch.Tensor:
+    if settings.counted:  # count_comm's record of it, as eager's: the output buffer
         traced_ops.record_comm("all_gather", world * send.numel() * send.element_size())
-    if custom is not None:  # set_custom_all_gather
-        return traced_ops.custom_all_gather(send, world, group, custom)
-    if not out_op:
+    if settings.custom is not None:  # set_custom_all_gather
+        return traced_ops.custom_all_gather(send, world, group, settings.custom)
+    if not settings.out_collective:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
     gathered = send.new_empty(world * send.numel())
     _c10d.all_gather_into_tensor_out(send, world, group, out=gathered)
@@ -189,7 +196,6 @@ _REDUCTION_SCHEMA = {
     "reduce_scatter_op": "str",
     "all_reduce_op": "str",
     "out_collectives": "bool",
-    "custom_all_gather": "str?",
     "custom_reduce_scatter": "str?",
     "counted": "bool",
     "hooked": "bool",
@@ -236,7 +242,6 @@ def port(
         r.reduce_scatter_op,
         r.all_reduce_op,
         r.out_collectives,
-        r.custom_all_gather,
         r.custom_reduce_scatter,
         r.counted,
         r.hooked,

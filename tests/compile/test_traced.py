@@ -61,6 +61,7 @@ def _eager_and_compiled(
     mesh_shape=None,
     optimizer="adamw",
     freeze=False,
+    freeze_block=False,
     microbatches=1,
     sync_every_microbatch=False,
 ):
@@ -78,6 +79,8 @@ def _eager_and_compiled(
     if precision == "bf16":
         shard_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     base, cfg = _build(kind)
+    if freeze_block:  # before fully_shard: the first block's call holds only frozen parameters
+        base.blocks[0].requires_grad_(False)
     eager = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
     traced = _shard(copy.deepcopy(base), mesh, **shard_kwargs)
     if freeze:  # frozen after fully_shard, on the sharded parameter: the compiled graph does not see it
@@ -148,6 +151,18 @@ def test_parameter_frozen_after_fully_shard_stays_frozen(worlds):
     base, _ = _build("gpt")
     frozen_index = [name for name, _ in base.named_parameters()].index("blocks.0.mlp.0.weight")
     assert torch.equal(results["compiled"][1][frozen_index], base.blocks[0].mlp[0].weight.detach())
+
+
+def test_a_call_of_only_frozen_parameters(worlds):
+    """A fully_shard call whose parameters are all frozen (a frozen block, as in fine-tuning) is
+    gathered and computes its inputs' gradients, reducing nothing: as eager (it raised an
+    IndexError while tracing)."""
+    results = worlds.run(2, _eager_and_compiled, kind="gpt", steps=2, freeze_block=True)[0]
+    assert_compiled_equals_eager(results)
+    base, _ = _build("gpt")
+    names = [name for name, _ in base.named_parameters()]
+    for name, initial in base.blocks[0].named_parameters(prefix="blocks.0"):
+        assert torch.equal(results["compiled"][1][names.index(name)], initial.detach()), name
 
 
 def _unfrozen_after_fully_shard(rank, world_size):
