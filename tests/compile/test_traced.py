@@ -474,6 +474,18 @@ def test_no_reshard_after_forward_saves_the_gathered_parameters(worlds):
 
 def _compile_with(rank, world_size, setup):
     """The message of the error a compiled step raises after ``setup(model)`` (None: no error)."""
+    from unittest import mock
+
+    from fsdp2.runtime import collectives
+
+    if setup != "premul_sum":
+        return _compiled_step_error(rank, world_size, setup)
+    # As NCCL from the start: fsdp2 decides its reduce ops when a setting changes.
+    with mock.patch.object(collectives, "supports_premul_sum", lambda group: True):
+        return _compiled_step_error(rank, world_size, setup)
+
+
+def _compiled_step_error(rank, world_size, setup):
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -487,17 +499,11 @@ def _compile_with(rank, world_size, setup):
         model.blocks[0].__dict__["_fsdp_state"].traced.grads.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, y = _batch(0, rank, world_size, cfg)
-    from fsdp2.runtime import collectives
-
-    supports_premul_sum = collectives.supports_premul_sum
-    if setup == "premul_sum":
-        collectives.supports_premul_sum = lambda group: True  # as NCCL
     try:
         token_loss(compiled, x, y).backward()
     except Exception as error:  # noqa: BLE001 - the test reads the message
         return f"{type(error).__name__}: {error}"
     finally:
-        collectives.supports_premul_sum = supports_premul_sum
         torch._dynamo.reset()
     return None
 
