@@ -165,6 +165,55 @@ def test_a_call_of_only_frozen_parameters(worlds):
         assert torch.equal(results["compiled"][1][names.index(name)], initial.detach()), name
 
 
+def _reduce_settings_changed_between_steps(rank, world_size):
+    """Per step, eager and compiled: every parameter's gradient, after changing one reduce setting
+    on every fully_shard'ed module before the step (none, a divide factor, forced sums, an
+    all-reduce hook that doubles the reduced gradients)."""
+    import torch._dynamo
+
+    from fsdp2 import FSDPModule
+
+    changes = [
+        lambda m: None,
+        lambda m: m.set_gradient_divide_factor(3.0),
+        lambda m: m.set_force_sum_reduction_for_comms(True),
+        lambda m: m.set_all_reduce_hook(lambda reduced: reduced.mul_(2)),
+    ]
+    base, cfg = _build("gpt")
+    grads = {}
+    for name in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model = _shard(copy.deepcopy(base))
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        grads[name] = []
+        for change in changes:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    change(module)
+            x, y = _batch(0, rank, world_size, cfg)  # one batch: only the settings change the gradients
+            token_loss(run, x, y).backward()
+            grads[name].append([p.grad.full_tensor() for p in model.parameters()])
+            model.zero_grad()
+    torch._dynamo.reset()
+    return grads
+
+
+def test_reduce_settings_changed_between_compiled_steps_reach_the_graph(worlds):
+    """The compiled step emits the reduce steps eager runs, decided again by each setter: after each
+    change it computes eager's gradients bitwise (a graph kept from before the change would not)."""
+    grads = worlds.run(2, _reduce_settings_changed_between_steps)[0]
+    for step, (eager, compiled) in enumerate(zip(grads["eager"], grads["compiled"])):
+        for e, c in zip(eager, compiled):
+            assert torch.equal(e, c), f"step {step}"
+    # What each setting does (same batch every step), so a step decided before the change is caught
+    # in eager too: a factor of 3 instead of the average over 2 ranks, then the hook doubling.
+    averaged, factored, summed, doubled = grads["compiled"]
+    for a, f, s, d in zip(averaged, factored, summed, doubled):
+        torch.testing.assert_close(f, a * 2 / 3)
+        torch.testing.assert_close(s, f)
+        torch.testing.assert_close(d, 2 * s)
+
+
 def _unfrozen_after_fully_shard(rank, world_size):
     """A parameter frozen at fully_shard gets no gradient computed by the compiled step; unfrozen
     later, the backward of the step traced without it is refused (nothing is trained without it),
