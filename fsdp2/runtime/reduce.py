@@ -3,7 +3,9 @@
 A group's gradients are packed into a ``world x numel_per_rank`` buffer per reduce dtype, summed
 across shard ranks with one reduce-scatter, all-reduced across replicas (HSDP) and divided by
 the number of data-parallel ranks with the reduce ops and divisions PyTorch's FSDP2 would use
-(fsdp2.runtime.reduce_plan); this rank's rows are then added to the sharded ``.grad``s.
+(fsdp2.runtime.reduce_plan); this rank's rows are then added to the sharded ``.grad``s. What
+each buffer's reduction does is its :class:`BucketStep` (fsdp2.runtime.group_step), made here
+and emitted unchanged by the compiled step.
 Each issued reduction is a :class:`Reduction`; the root's :class:`ReduceWindow` bounds how many
 are in flight.
 """
