@@ -8,8 +8,9 @@ reduced parameters and settings, and runs them eagerly with c10d calls and persi
 the compiled step (fsdp2.runtime.traced) emits the very same steps as graph ops. Neither decides
 anything the other could decide differently: a setting reaches both through a new step.
 
-:func:`backward_mode` is the one place that says what a backward does with the reduced
-gradient (reduce it into ``.grad``, or keep a sum for a later backward).
+:func:`backward_mode` says what a backward does with the reduced gradient (reduce it into
+``.grad``, or keep a sum for a later backward); the compiled step reads it. Eager's backward and
+the compiled step's hand-off test the same two flags inline, on their per-step paths.
 """
 
 from __future__ import annotations

@@ -336,10 +336,14 @@ class TracedGroup:
             for p, full in zip(self.group.params, routed)
         ]
 
+    def reduce_steps(self) -> list[BucketStep]:
+        """Eager's reduce steps of the group's trainable parameters (a frozen parameter's gradient
+        is neither computed nor reduced; the flags read are guarded)."""
+        group = self.group
+        return group.reduce.steps_of(tuple([p.trainable for p in group.params]))
+
     def _buckets(self) -> list[_Bucket]:
-        """The group's reduce steps (eager's, for its trainable parameters: a frozen parameter's
-        gradient is neither computed nor reduced; the flags read are guarded) as this trace emits
-        them."""
+        """The group's reduce steps as this trace emits them."""
         group = self.group
         reduce = group.reduce
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
@@ -348,7 +352,7 @@ class TracedGroup:
         eager_unsynced, eager_partial = reduce.holds_unsynced_grads, reduce.holds_partial_sums
         mode = reduce.mode(group.requires_gradient_sync)
         buckets = []
-        for step in reduce.steps_of(tuple([p.trainable for p in group.params])):
+        for step in self.reduce_steps():
             grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
             kept_unsynced = eager_unsynced or (grads is not None and grads.holds_unsynced)
             reduction = graph.Reduction.of(
@@ -384,7 +388,7 @@ class TracedGroup:
         group = self.group
         frozen = tuple(p for p in group.params if not p.trainable)
         graph.takes_out_collectives(group.dp.shard_group)  # noted now: a trace cannot ask the group
-        for step in group.reduce.steps_of(tuple([p.trainable for p in group.params])):
+        for step in self.reduce_steps():
             graph.takes_out_collectives(step.shard_group)
             if not graph.takes_grad(step.grad_dtype):
                 continue
@@ -608,10 +612,7 @@ def check_traceable(traced: TracedGroup) -> None:
         # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
         # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
         problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
-    elif any(
-        step.plan.reduce_scatter_op.functional_name is None
-        for step in group.reduce.steps_of(tuple([p.trainable for p in group.params]))
-    ):
+    elif any(step.plan.reduce_scatter_op.functional_name is None for step in traced.reduce_steps()):
         problem = (
             "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
             "set_force_sum_reduction_for_comms(True) divides in a separate op)"

@@ -66,7 +66,7 @@ class Reduction:
     def of(cls, step: BucketStep, **trace_time) -> "Reduction":
         """``step`` (the bucket's reduction, as eager runs it) in a graph: the process groups by
         name, the reduce ops by their functional collectives' names; ``trace_time``: what the
-        trace adds (counted, custom collectives' keys, mode, the kept sums it takes)."""
+        trace adds (counted, the custom reduce-scatter's key, mode, the kept sums it takes)."""
         plan = step.plan
         return cls(
             world=step.world,
