@@ -146,7 +146,11 @@ class Root:
             # its next forward afresh, gathering again what this backward freed.
             state.forget_forward()
         if manual:
-            self.backward = BackwardState.AWAITING_FINALIZE  # reductions issued so far stay in flight
+            # The reductions this backward issued complete now: their gradients are in ``.grad``, as
+            # PyTorch's FSDP2 writes them in its post-backward (a later zero_grad() clears them). What
+            # no group reduced yet waits for finalize_backward().
+            self.reduce_window.drain()
+            self.backward = BackwardState.AWAITING_FINALIZE
             return
         # Every backward ends with its gradients in ``.grad``, as PyTorch's FSDP2 writes them in its
         # post-backward, whether or not it is the last backward before the optimizer step.
@@ -368,9 +372,10 @@ class FSDPState:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
         run_ahead = root.gathers_may_run_ahead
+        manual = root.settings.finalization is Finalization.MANUAL
         for group in self.groups:
             logger.debug("%s", group.event("FSDP::pre_forward"))
-            group.pre_forward(gathers_run_ahead=run_ahead)
+            group.pre_forward(gathers_run_ahead=run_ahead, manual_finalization=manual)
         for other in self.forward_prefetch:
             for group in other.groups:
                 group.unshard(async_op=True, wait_for_compute=not run_ahead)

@@ -228,12 +228,15 @@ class ParamGroup:
 
     # -- lifecycle verbs --------------------------------------------------------------------------
 
-    def pre_forward(self, *, gathers_run_ahead: bool) -> None:
-        """Gather before the module's forward."""
+    def pre_forward(self, *, gathers_run_ahead: bool, manual_finalization: bool = False) -> None:
+        """Gather before the module's forward. ``manual_finalization``: the root's backward ends
+        at ``finalize_backward()`` (see schedule.backward_ends_at_inputs)."""
         self.phase = Phase.FORWARD
         # requires_grad may change between steps (freezing a base model after fully_shard). The rule
-        # is schedule.backward_ends_at_inputs (any frozen parameter), as a loop without a Python call.
-        self.backward_end = BackwardEnd.GRADS_READY
+        # is schedule.backward_ends_at_inputs (any frozen parameter, unused ones reduced, manual
+        # finalization), as a loop without a Python call.
+        ends_at_inputs = manual_finalization or self.reduce.include_unused
+        self.backward_end = BackwardEnd.INPUT_GRADS if ends_at_inputs else BackwardEnd.GRADS_READY
         for p in self.params:
             if not p.sharded_param.requires_grad:
                 self.backward_end = BackwardEnd.INPUT_GRADS
@@ -304,8 +307,9 @@ class ParamGroup:
 
     def finalize_backward(self) -> None:
         """End of the whole backward: reduce what never reported ready (unused or frozen
-        parameters), free what backward gathered, and return to IDLE."""
-        if self.phase != Phase.POST_BACKWARD and self.has_unreduced_grads:
+        parameters; under ``set_reduce_scatter_unused_params(True)`` also a group no gradient
+        reached), free what backward gathered, and return to IDLE."""
+        if self.phase != Phase.POST_BACKWARD and (self.has_unreduced_grads or self.reduces_unused_params):
             self.post_backward()
         elif self.reshard_after_backward:
             self.reshard()
@@ -321,6 +325,18 @@ class ParamGroup:
             return
         self.phase = Phase.IDLE
         self._grads.reset()
+
+    @property
+    def reduces_unused_params(self) -> bool:
+        """``set_reduce_scatter_unused_params(True)`` and a synced backward: the group reduces
+        every trainable parameter it ever gathered, zeros where no gradient reached it, whether or
+        not this rank's backward reached the group (every rank then issues the same collective)."""
+        if not (self.reduce.include_unused and self.requires_gradient_sync):
+            return False
+        for p in self.params:
+            if p.unsharded_param is not None and p.requires_grad:
+                return True
+        return False
 
     @property
     def has_unreduced_grads(self) -> bool:

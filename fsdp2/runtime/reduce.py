@@ -244,11 +244,18 @@ class GroupReduce:
 
     def _steps_for(self, grads: dict[int, torch.Tensor | None]) -> list[BucketStep]:
         # Which parameters are reduced changes with freezing and with unused parameters.
-        # A parameter with a kept partial sum is reduced also when this backward did not reach it.
+        # A parameter with a kept partial sum is reduced also when this backward did not reach it;
+        # with include_unused, so is one gathered before (PyTorch's FSDP2 reduces zeros for every
+        # parameter that has its unsharded form, which the first all-gather makes).
         partial, include_unused = self._partial, self.include_unused
         pattern = tuple(
             [
-                p.sharded_param.requires_grad and (grads.get(id(p)) is not None or include_unused or id(p) in partial)
+                p.sharded_param.requires_grad
+                and (
+                    grads.get(id(p)) is not None
+                    or (include_unused and p.unsharded_param is not None)
+                    or id(p) in partial
+                )
                 for p in self.params
             ]
         )
