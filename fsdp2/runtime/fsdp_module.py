@@ -211,10 +211,8 @@ class FSDPModule(compat.TorchFSDPModule):
         async_op)``) for this module's all-gathers instead of c10d's. Parameters sharded on
         several meshes: every mesh's all-gather calls it, with that mesh's process group."""
         _check_comm(comm, "set_custom_all_gather")
-        state = self._fsdp_state
-        for group, traced in zip(state.groups, state.traced_groups):
-            group.gather.custom_all_gather = comm
-            traced.use_custom_comm("all_gather", comm)
+        for group in self._fsdp_state.groups:
+            group.gather.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
@@ -222,10 +220,8 @@ class FSDPModule(compat.TorchFSDPModule):
         instead of c10d's. Parameters sharded on several meshes: every mesh's reduce-scatter calls
         it, with that mesh's process group."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        state = self._fsdp_state
-        for group, traced in zip(state.groups, state.traced_groups):
+        for group in self._fsdp_state.groups:
             group.reduce.configure(custom_reduce_scatter=comm)
-            traced.use_custom_comm("reduce_scatter", comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: this module's gradient collectives reduce with SUM only, and the division by the
@@ -319,6 +315,11 @@ class FSDPModule(compat.TorchFSDPModule):
         first forward it does nothing."""
         state = self._fsdp_state
         root = state.root
+        if root is None and _holds_compiled_sums(self):
+            # Only compiled steps ran (they make no root): their kept sums need the eager
+            # reduction, which the root runs.
+            state.lazy_init()
+            root = state.root
         if root is None:
             return GradientReductionHandle(None) if async_op else None
         if not state.is_root:
@@ -471,3 +472,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward_hook(module, args, kwargs, output)
 
     object.__setattr__(module, method_name, wrapped)
+
+
+def _holds_compiled_sums(module: nn.Module) -> bool:
+    """Some fully_shard'ed module under ``module`` keeps sums of compiled backwards."""
+    for sub in module.modules():
+        state = sub.__dict__.get("_fsdp_state")
+        if state is not None and any(group.compiled_sums for group in state.groups):
+            return True
+    return False

@@ -138,10 +138,17 @@ class GroupGather:
         self.dp = dp
         self.streams = streams
         self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather
+        self.custom_all_gather_key: str | None = None  # its name in a compiled graph
+        self.out_collectives = collectives.out_variants_usable(dp.shard_group)  # in a compiled graph
         self.rebuild()
         self._pending: list[PendingGather] = []
         self._completion: Completion | None = None
         self._kept: list[torch.Tensor | None] = []  # per bucket: gathered rows kept at finish(keep=...)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """``FSDPModule.set_custom_all_gather``: eager gathers call ``comm``, compiled ones by its key."""
+        self.custom_all_gather = comm
+        self.custom_all_gather_key = None if comm is None else collectives.register_user_comm(comm)
 
     def rebuild(self) -> None:
         """Lay the buffer out anew: codecs or dtypes (``module.to(dtype)``) changed (at the next

@@ -16,7 +16,9 @@ the compiled step's hand-off test the same two flags inline, on their per-step p
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import hashlib
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -60,7 +62,12 @@ class BucketStep:
     ranks. ``world``: the shard group's size (the reduce-scatter input is ``world`` rows);
     ``grad_dtype``: the dtype of the bucket's shards, or its reduce dtype where they have several
     (each is cast as it is written); ``hooked``: a user's all-reduce hook sees the reduced bucket
-    before the division that follows the sum."""
+    before the division that follows the sum; ``custom_reduce_scatter``: the user's collective's
+    key (``collectives.register_user_comm``); ``out_collectives``: a compiled graph may use the
+    ``*_out`` collectives on ``shard_group`` (``collectives.out_variants_usable``).
+
+    ``key`` names the step in a compiled graph (:meth:`named` finds it): a digest of everything
+    the step does, so two graphs whose texts are equal reduce alike."""
 
     bucket: FlatBucket
     plan: ReducePlan
@@ -69,7 +76,40 @@ class BucketStep:
     replicate_group: dist.ProcessGroup | None  # HSDP: the all-reduce across replicas
     grad_dtype: torch.dtype
     hooked: bool
+    custom_reduce_scatter: str | None = None
+    out_collectives: bool = False
+    key: str = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        bucket, plan = self.bucket, self.plan
+        what = (
+            bucket.dtype,
+            bucket.numel_per_rank,
+            tuple(bucket.sizes),
+            plan.reduce_scatter_op,
+            plan.all_reduce_op,
+            plan.divide_before,
+            plan.divide_after,
+            self.world,
+            self.shard_group.group_name,
+            None if self.replicate_group is None else self.replicate_group.group_name,
+            self.grad_dtype,
+            self.hooked,
+            self.custom_reduce_scatter,
+            self.out_collectives,
+        )
+        key = "step-" + hashlib.sha256(repr(what).encode()).hexdigest()[:24]
+        object.__setattr__(self, "key", key)
+        _STEPS[key] = self
+
+    @staticmethod
+    def named(key: str) -> "BucketStep":
+        return _STEPS[key]
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         return self.bucket.dtype
+
+
+# Every live step by its key (weakly: a group's GroupReduce owns its steps).
+_STEPS: weakref.WeakValueDictionary[str, BucketStep] = weakref.WeakValueDictionary()

@@ -35,7 +35,7 @@ from fsdp2.runtime.codecs import GatherCodec, PlainCodec, QuantizedCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
-from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
+from fsdp2.runtime.reduce import GroupReduce, Reduction, ReduceWindow
 from fsdp2.runtime.sharded_param import (
     GradDtype,
     ShardedParam,
@@ -278,11 +278,7 @@ class ParamGroup:
         logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
         if self.requires_gradient_sync:
-            grads = take_unreduced_grads(self.params)
-            self.reduce.holds_unsynced_grads = False
-            if self.compiled_sums:  # compiled microbatches of this accumulation
-                self._take_compiled_sums(grads)
-            reduction = self.reduce.issue(grads)
+            reduction = self._issue_reduction()
             if reduction is not None:
                 self.reduce_window.add(reduction)
         else:
@@ -292,6 +288,24 @@ class ParamGroup:
             self.reduce.holds_unsynced_grads = True
         if self.reshard_after_backward:
             self.reshard()
+
+    def _issue_reduction(self) -> Reduction | None:
+        """Reduce this backward's gradients with every sum kept for them (eager's and compiled
+        microbatches' of this accumulation)."""
+        grads = take_unreduced_grads(self.params)
+        self.reduce.holds_unsynced_grads = False
+        if self.compiled_sums:
+            self._take_compiled_sums(grads)
+        return self.reduce.issue(grads)
+
+    def reduce_after_compiled_backward(self) -> None:
+        """End of a compiled backward, with gradient sync: reduce what it left, as the end of an
+        eager backward does (sums kept for this group by microbatches whose forward ran it when
+        the compiled forward did not; zeros for unused parameters), now."""
+        if self.requires_gradient_sync and (self.has_unreduced_grads or self.reduces_unused_params):
+            reduction = self._issue_reduction()
+            if reduction is not None:
+                reduction.finish()
 
     def _take_compiled_sums(self, grads: dict[int, torch.Tensor | None]) -> None:
         """Add the sums compiled backwards kept to this backward's: those without gradient sync to
@@ -328,13 +342,14 @@ class ParamGroup:
 
     @property
     def reduces_unused_params(self) -> bool:
-        """``set_reduce_scatter_unused_params(True)`` and a synced backward: the group reduces
-        every trainable parameter it ever gathered, zeros where no gradient reached it, whether or
-        not this rank's backward reached the group (every rank then issues the same collective)."""
-        if not (self.reduce.include_unused and self.requires_gradient_sync):
+        """``set_reduce_scatter_unused_params(True)`` and a synced backward: a group gathered before
+        (eager or compiled) reduces every trainable parameter, zeros where no gradient reached it,
+        whether or not this rank's backward reached the group (every rank then issues the same
+        collective), as PyTorch's FSDP2 does once a parameter has its unsharded form."""
+        if not (self.reduce.include_unused and self.requires_gradient_sync and self.reduce.gathered_before):
             return False
         for p in self.params:
-            if p.unsharded_param is not None and p.requires_grad:
+            if p.requires_grad:
                 return True
         return False
 
@@ -409,6 +424,7 @@ class ParamGroup:
     def _hold_unsharded(self) -> None:
         hold_all_unsharded(self.params)
         self.state = GroupState.UNSHARDED
+        self.reduce.gathered_before = True
 
     def reshard(self) -> None:
         """Free the full parameters (and any kept subgroup rows); only the shards remain."""

@@ -162,6 +162,9 @@ class GroupReduce:
         # Switches of a backward, not of its steps: set per microbatch, so plain attributes.
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
         self.include_unused = False  # set_reduce_scatter_unused_params: unreached parameters reduced as zeros
+        # The group was gathered (eager or compiled): with include_unused its parameters are reduced
+        # from then on, as PyTorch's FSDP2 reduces those that have their unsharded form.
+        self.gathered_before = False
         # Per pattern of reduced parameters: its buckets (the layout, kept while the parameters
         # are) and its steps (decided again when a setting changes).
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
@@ -173,7 +176,7 @@ class GroupReduce:
         # (ShardedParam.stash_grad_without_sync; the group sets this flag), and under HSDP without
         # the all-reduce the reduce-scattered sums, per parameter until the next all-reduce.
         self.holds_unsynced_grads = False
-        self._partial: dict[int, torch.Tensor] = {}
+        self.partial_sums: dict[int, torch.Tensor] = {}  # HSDP without the all-reduce, by id(param)
 
     def rebuild(self) -> None:
         """The parameters were re-read (their dtypes may have changed): new buckets and steps."""
@@ -230,8 +233,9 @@ class GroupReduce:
         return plan
 
     def _step(self, bucket: FlatBucket) -> BucketStep:
-        dp = self.dp
+        dp, settings = self.dp, self.settings
         shard_dtypes = {p.orig_dtype for p in bucket.params}
+        custom = settings.custom_reduce_scatter
         return BucketStep(
             bucket,
             self.plan(bucket.dtype),
@@ -239,23 +243,19 @@ class GroupReduce:
             shard_group=self._group,
             replicate_group=dp.replicate_group if dp.is_hybrid else None,
             grad_dtype=shard_dtypes.pop() if len(shard_dtypes) == 1 else bucket.dtype,
-            hooked=self.settings.all_reduce_hook is not None,
+            hooked=settings.all_reduce_hook is not None,
+            custom_reduce_scatter=None if custom is None else collectives.register_user_comm(custom),
+            out_collectives=collectives.out_variants_usable(self._group),
         )
 
     def _steps_for(self, grads: dict[int, torch.Tensor | None]) -> list[BucketStep]:
         # Which parameters are reduced changes with freezing and with unused parameters.
         # A parameter with a kept partial sum is reduced also when this backward did not reach it;
-        # with include_unused, so is one gathered before (PyTorch's FSDP2 reduces zeros for every
-        # parameter that has its unsharded form, which the first all-gather makes).
-        partial, include_unused = self._partial, self.include_unused
+        # with include_unused, so is every one of a group gathered before.
+        partial, include_unused = self.partial_sums, self.include_unused and self.gathered_before
         pattern = tuple(
             [
-                p.sharded_param.requires_grad
-                and (
-                    grads.get(id(p)) is not None
-                    or (include_unused and p.unsharded_param is not None)
-                    or id(p) in partial
-                )
+                p.sharded_param.requires_grad and (grads.get(id(p)) is not None or include_unused or id(p) in partial)
                 for p in self.params
             ]
         )
@@ -348,20 +348,20 @@ class GroupReduce:
 
     def _keep_partial(self, pending: PendingReduce) -> None:
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-            kept = self._partial.get(id(p))
-            self._partial[id(p)] = slot.clone() if kept is None else kept.add_(slot)
+            kept = self.partial_sums.get(id(p))
+            self.partial_sums[id(p)] = slot.clone() if kept is None else kept.add_(slot)
 
     def keep_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
         """Add partial sums kept elsewhere (a compiled step's: each parameter's reduce-scattered
         padded slot, in the reduce dtype) to the ones kept here; this reduction owns them now."""
         for p, slot in sums:
-            kept = self._partial.get(id(p))
-            self._partial[id(p)] = slot if kept is None else kept.add_(slot)
+            kept = self.partial_sums.get(id(p))
+            self.partial_sums[id(p)] = slot if kept is None else kept.add_(slot)
 
     def take_partial_sums(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
         """The partial sums kept for ``params`` (None where there is none), taken: a compiled
         backward adds them to its all-reduce."""
-        return [self._partial.pop(id(p), None) for p in params]
+        return [self.partial_sums.pop(id(p), None) for p in params]
 
     def take_unsynced_grads(self, params: list[ShardedParam]) -> dict[int, torch.Tensor | None]:
         """The gradients eager backwards without sync kept for ``params`` (see
@@ -371,17 +371,17 @@ class GroupReduce:
         return grads
 
     def _add_partial(self, pending: PendingReduce) -> None:
-        if not self._partial:
+        if not self.partial_sums:
             return
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-            kept = self._partial.pop(id(p), None)
+            kept = self.partial_sums.pop(id(p), None)
             if kept is not None:
                 slot.add_(kept)
 
     @property
     def holds_partial_sums(self) -> bool:
         """HSDP backwards with ``requires_all_reduce`` False kept sums for the next all-reduce."""
-        return bool(self._partial)
+        return bool(self.partial_sums)
 
     def discard_partial(self) -> None:
-        self._partial.clear()
+        self.partial_sums.clear()

@@ -84,7 +84,7 @@ class BucketGrads:
         self.gathered_numel = step.world * self.shard_numel
         # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
         self.grad_dtype = step.grad_dtype
-        # What a synced backward that reached every parameter hands over (see Reduction.sink_dtype).
+        # What a synced backward that reached every parameter hands over (see BucketReduction.sink_dtype).
         self.sink_dtype = reduce_dtype if step.hooked else step.grad_dtype
         # No padding on this rank, one dtype: the reduced flat shard is the local shards back to back.
         self.packed = all(
@@ -232,6 +232,7 @@ class BucketGrads:
         those the sums it took in reached)."""
         mode = Mode(mode)
         self._check_mode(mode)
+        self.group.reduce.gathered_before = True
         reached_set = set(reached) | self._taken_reached
         self._taken_reached = set()
         if mode is Mode.SYNCED:
@@ -258,6 +259,7 @@ class BucketGrads:
             return
         self._taken_reached = set()
         group = self.group
+        group.reduce.gathered_before = True
         if not group.requires_gradient_sync or (self.hybrid and not group.reduce.requires_all_reduce):
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
         for p in self.frozen:
@@ -290,6 +292,7 @@ class BucketGrads:
         self._note_kept(Mode.PARTIAL)
 
     def _note_kept(self, mode: Mode) -> None:
+        self.group.reduce.gathered_before = True
         if mode is Mode.UNSYNCED:
             self.holds_unsynced = True
         else:
@@ -333,7 +336,7 @@ class BucketGrads:
     # -- writing .grad ---------------------------------------------------------------------------------
 
     def _finished(self, reduced: torch.Tensor) -> torch.Tensor:
-        """What the graph left undivided in ``reduce_dtype`` (``Reduction.hooked``): eager's finish
+        """What the graph left undivided in ``reduce_dtype`` (``BucketReduction.hooked``): eager's finish
         (the all-reduce hook, then the division), then the shards' dtype (one for the bucket)."""
         if not self.hooked:
             return reduced
