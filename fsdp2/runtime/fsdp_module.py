@@ -130,14 +130,14 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.requires_gradient_sync = requires_gradient_sync
+                group.set_sync(gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across
         replicas (accumulation); the next all-reduce includes them."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reduce.requires_all_reduce = requires_all_reduce
+                group.set_sync(all_reduce=requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size.

@@ -9,8 +9,8 @@ the compiled step (fsdp2.runtime.traced) emits the very same steps as graph ops.
 anything the other could decide differently: a setting reaches both through a new step.
 
 :func:`backward_mode` says what a backward does with the reduced gradient (reduce it into
-``.grad``, or keep a sum for a later backward); the compiled step reads it. Eager's backward and
-the compiled step's hand-off test the same two flags inline, on their per-step paths.
+``.grad``, or keep a sum for a later backward): the group keeps it as ``ParamGroup.mode``, set with
+the flags it comes from, and both executors read that.
 """
 
 from __future__ import annotations

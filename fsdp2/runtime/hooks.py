@@ -211,7 +211,7 @@ class Root:
             for group in state.groups:
                 reduce = group.reduce
                 if reduce.holds_partial_sums or (
-                    group.dp.is_hybrid and not reduce.requires_all_reduce and group.has_unreduced_grads
+                    group.dp.is_hybrid and not group.requires_all_reduce and group.has_unreduced_grads
                 ):
                     raise FSDPUsageRuntimeError(
                         f"{name}.finalize_backward: fully_shard({state.name}) keeps HSDP sums for a later all-reduce "
@@ -423,7 +423,7 @@ class FSDPState:
             for group in reversed(state.groups):
                 # Attribute reads only on the common path (nothing left): no call per group and step.
                 reduce = group.reduce
-                if group.compiled_sums or reduce.holds_unsynced_grads or reduce.partial_sums or reduce.include_unused:
+                if group.compiled_sums or reduce.holds_unsynced_sums or reduce.partial_sums or reduce.include_unused:
                     group.reduce_after_compiled_backward()
 
     def _cast_output(self, output: Any) -> Any:

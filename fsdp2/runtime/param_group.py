@@ -35,6 +35,7 @@ from fsdp2.runtime.codecs import GatherCodec, PlainCodec, QuantizedCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
+from fsdp2.runtime.group_step import Mode, backward_mode
 from fsdp2.runtime.reduce import GroupReduce, Reduction, ReduceWindow
 from fsdp2.runtime.sharded_param import (
     GradDtype,
@@ -153,7 +154,11 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.keep_unsharded_storage = False  # reshard keeps the gathered memory (stable data pointers)
         self.unshard_in_backward = True
+        # set_requires_gradient_sync, and what it makes of a backward with the HSDP all-reduce setting
+        # (``set_sync``): the one mode eager backwards and the compiled step both read.
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
+        self.mode = Mode.SYNCED
         # The compiled step's sums kept for this accumulation (without gradient sync, or HSDP
         # without the all-reduce), by bucket key: an eager synced backward takes them too (read
         # without a call on every backward).
@@ -167,10 +172,19 @@ class ParamGroup:
         self.gather = GroupGather(params, dp, self.streams)
         self.reduce = GroupReduce(params, dp, self.streams, self.local_only)
         self.reduce_window: ReduceWindow | None = None  # the root's, handed over at lazy init
-        self._kept_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
+        self._subgroup_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
         self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
             p.bind_grad_ready(self._grads.note)
+
+    def set_sync(self, *, gradient_sync: bool | None = None, all_reduce: bool | None = None) -> None:
+        """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP): the flags, and the
+        backward mode they make (group_step.backward_mode)."""
+        if gradient_sync is not None:
+            self.requires_gradient_sync = gradient_sync
+        if all_reduce is not None:
+            self.requires_all_reduce = all_reduce
+        self.mode = backward_mode(self.requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce)
 
     def event(self, label: str) -> str:
         """A hook event's log line for this group: ``FSDP::pre_forward (layers.0)``."""
@@ -277,15 +291,15 @@ class ParamGroup:
         """Reduce-scatter (or keep, without gradient sync) the gradients, then maybe reshard."""
         logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
-        if self.requires_gradient_sync:
+        if self.mode is not Mode.UNSYNCED:
             reduction = self._issue_reduction()
             if reduction is not None:
                 self.reduce_window.add(reduction)
         else:
             for p in self.params:
                 if p.unsharded_param is not None and p.requires_grad:
-                    p.stash_grad_without_sync()
-            self.reduce.holds_unsynced_grads = True
+                    p.add_to_unsynced_sum()
+            self.reduce.holds_unsynced_sums = True
         if self.reshard_after_backward:
             self.reshard()
 
@@ -293,16 +307,16 @@ class ParamGroup:
         """Reduce this backward's gradients with every sum kept for them (eager's and compiled
         microbatches' of this accumulation)."""
         grads = take_unreduced_grads(self.params)
-        self.reduce.holds_unsynced_grads = False
+        self.reduce.holds_unsynced_sums = False
         if self.compiled_sums:
             self._take_compiled_sums(grads)
-        return self.reduce.issue(grads)
+        return self.reduce.issue(grads, self.mode)
 
     def reduce_after_compiled_backward(self) -> None:
         """End of a compiled backward, with gradient sync: reduce what it left, as the end of an
         eager backward does (sums kept for this group by microbatches whose forward ran it when
         the compiled forward did not; zeros for unused parameters), now."""
-        if self.requires_gradient_sync and (self.has_unreduced_grads or self.reduces_unused_params):
+        if self.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or self.reduces_unused_params):
             reduction = self._issue_reduction()
             if reduction is not None:
                 reduction.finish()
@@ -334,7 +348,7 @@ class ParamGroup:
         """End of one backward under manual finalization: gradients that did not report ready stay
         where they are (kept gathered) until ``finalize_backward`` reduces them, unless gradient sync
         is off (then they are kept without sync, as every such backward keeps them). IDLE again."""
-        if self.phase != Phase.POST_BACKWARD and not self.requires_gradient_sync:
+        if self.phase != Phase.POST_BACKWARD and self.mode is Mode.UNSYNCED:
             self.finalize_backward()  # as any backward without sync ends
             return
         self.phase = Phase.IDLE
@@ -346,7 +360,7 @@ class ParamGroup:
         (eager or compiled) reduces every trainable parameter, zeros where no gradient reached it,
         whether or not this rank's backward reached the group (every rank then issues the same
         collective), as PyTorch's FSDP2 does once a parameter has its unsharded form."""
-        if not (self.reduce.include_unused and self.requires_gradient_sync and self.reduce.gathered_before):
+        if not (self.reduce.include_unused and self.mode is not Mode.UNSYNCED and self.reduce.gathered_before):
             return False
         for p in self.params:
             if p.requires_grad:
@@ -365,8 +379,8 @@ class ParamGroup:
         for p in self.params:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
-            p._accumulated_grad = None
-        self.reduce.holds_unsynced_grads = False
+            p.unsynced_sum = None
+        self.reduce.holds_unsynced_sums = False
         self.reduce.discard_partial()
         self.phase = Phase.IDLE
         self._grads.reset()
@@ -399,8 +413,8 @@ class ParamGroup:
             self._hold_unsharded()
             return
         if self.state == GroupState.PARTIALLY_SHARDED:
-            self.gather.issue_from_kept(self._kept_rows, self.reshard_after_forward.subgroup)
-            self._kept_rows = []
+            self.gather.issue_from_subgroup_rows(self._subgroup_rows, self.reshard_after_forward.subgroup)
+            self._subgroup_rows = []
         else:
             self.gather.issue_from_shards(wait_for_compute)
         self.state = GroupState.UNSHARDING
@@ -411,7 +425,7 @@ class ParamGroup:
         """Complete an issued all-gather and register the full parameters on the modules."""
         if self.state != GroupState.UNSHARDING:
             return
-        self.gather.finish(keep=self._subgroup_to_keep())
+        self.gather.finish(for_subgroup=self._subgroup_to_keep())
         self._hold_unsharded()
 
     def _subgroup_to_keep(self) -> Subgroup | None:
@@ -431,7 +445,7 @@ class ParamGroup:
         if self.state == GroupState.UNSHARDING:
             self.wait_for_unshard()  # never leave a collective writing into freed memory
         if self.state == GroupState.PARTIALLY_SHARDED:
-            self._kept_rows = []
+            self._subgroup_rows = []
             self.state = GroupState.SHARDED
         if self.state == GroupState.UNSHARDED:
             self._free_unsharded()
@@ -443,13 +457,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state != GroupState.UNSHARDED:
             return
-        kept_rows = self.gather.keep_rows(self.reshard_after_forward.subgroup)
-        if kept_rows is None:
+        subgroup_rows = self.gather.rows_for_subgroup(self.reshard_after_forward.subgroup)
+        if subgroup_rows is None:
             # Gathered outside this forward (e.g. a manual unshard()), with rows that cannot be
             # rebuilt from the parameters: free all; backward gathers from the shards again.
             self.reshard()
             return
-        self._kept_rows = kept_rows
+        self._subgroup_rows = subgroup_rows
         self._free_unsharded()
         self.state = GroupState.PARTIALLY_SHARDED
 

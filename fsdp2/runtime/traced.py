@@ -109,10 +109,10 @@ class _InTrace:
     ports: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     # What a call that keeps its parameters after forward gathered: a later call uses it (eager:
     # the group is still unsharded).
-    kept: list[torch.Tensor] | None = None
+    held_after_forward: list[torch.Tensor] | None = None
     # reshard_after_forward=k: this rank's rows of the gathered row, kept for re-gathering over
     # the subgroup, and what encoding the shards gave besides (the hooks' context).
-    kept_rows: tuple[torch.Tensor, list] | None = None
+    subgroup_rows: tuple[torch.Tensor, list] | None = None
 
 
 class TracedGroup:
@@ -162,8 +162,8 @@ class TracedGroup:
         if not params:
             return []
         in_trace = self.enter_trace()
-        if in_trace.kept is not None:  # gathered earlier in this forward, and kept
-            return in_trace.kept
+        if in_trace.held_after_forward is not None:  # gathered earlier in this forward, and held
+            return in_trace.held_after_forward
         buckets = self._buckets()
         with_grad = torch.is_grad_enabled()
         ports = [self._port(bucket, in_trace) if with_grad and bucket.takes_grad else None for bucket in buckets]
@@ -187,7 +187,7 @@ class TracedGroup:
         else:
             gathered = self._gather_and_route(route, *port_tensors, *shards, settings=settings, regathers=False)
         if after_forward is schedule.AfterForward.KEEP and with_grad:
-            in_trace.kept = gathered
+            in_trace.held_after_forward = gathered
         return gathered
 
     def enter_trace(self) -> _InTrace:
@@ -281,11 +281,11 @@ class TracedGroup:
         the subgroup from the same kept rows, as eager does."""
         subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
         in_trace = self.in_trace
-        if in_trace.kept_rows is None:
+        if in_trace.subgroup_rows is None:
             encoded, bucket, flat = self._encoded(shards)
             kept = self._all_gather(flat, world // subgroup.size, subgroup.across.group_name, settings)
-            in_trace.kept_rows = (kept, (encoded, bucket))
-        kept, layout = in_trace.kept_rows
+            in_trace.subgroup_rows = (kept, (encoded, bucket))
+        kept, layout = in_trace.subgroup_rows
 
         def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
             gathered = self._all_gather(kept, subgroup.size, subgroup.group.group_name, settings)
@@ -340,18 +340,19 @@ class TracedGroup:
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
         # Sums eager backwards kept for this accumulation (guarded too): a synced graph takes them.
-        eager_unsynced, eager_partial = reduce.holds_unsynced_grads, reduce.holds_partial_sums
-        mode = reduce.mode(group.requires_gradient_sync)
+        eager_unsynced, eager_partial = reduce.holds_unsynced_sums, reduce.holds_partial_sums
+        mode = group.mode
         buckets = []
         for step in self.reduce_steps():
             grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
-            kept_unsynced = eager_unsynced or (grads is not None and grads.holds_unsynced)
+            unsynced_sums = eager_unsynced or (grads is not None and grads.holds_unsynced_sum)
             reduction = graph.BucketReduction(
                 step,
                 counted=counted,
                 mode=mode,
-                takes_unsynced=mode is not Mode.UNSYNCED and kept_unsynced,
-                takes_partial=mode is Mode.SYNCED and (eager_partial or (grads is not None and grads.holds_partial)),
+                takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,
+                takes_partial=mode is Mode.SYNCED
+                and (eager_partial or (grads is not None and grads.holds_partial_sum)),
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the dtype
@@ -360,7 +361,7 @@ class TracedGroup:
             # PyTorch accumulates in it (sharded_param.GradDtype).
             params = step.bucket.params
             param_dtypes = {p.param_dtype for p in params}
-            starts_sum = mode is Mode.UNSYNCED and not kept_unsynced
+            starts_sum = mode is Mode.UNSYNCED and not unsynced_sums
             widens = starts_sum and params[0].grad_dtype_rule is not GradDtype.COMPUTE
             row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else step.reduce_dtype
             buckets.append(_Bucket(step, row_dtype, reduction))

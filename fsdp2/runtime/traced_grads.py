@@ -20,7 +20,7 @@ keep the sum and the indices. Every delivery adds, so two compiled forwards befo
 
 The next synced backward's graph adds the kept sums in (``fsdp2::take_pending``, once per
 backward, whichever of its graphs runs first); a graph includes that op only if sums were kept
-when it was traced (``holds_unsynced``, ``holds_partial``: dynamo guards on them).
+when it was traced (``holds_unsynced_sum``, ``holds_partial_sum``: dynamo guards on them).
 
 Eager and compiled backwards may share an accumulation: each executor's synced backward takes
 the other's kept sums too, and this is the one place that converts between the layouts. A
@@ -94,12 +94,12 @@ class BucketGrads:
         self.reduced = _leaf(self.shard_numel, self.sink_dtype, device)
         self.reduced.register_post_accumulate_grad_hook(weak_hook(self._hand_off))
         self.unsynced = _leaf(self.gathered_numel, reduce_dtype, device)
-        self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._kept_unsynced))
+        self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._summed_unsynced))
         self.partial = None
         self.hybrid = group.dp.is_hybrid
         if self.hybrid:
             self.partial = _leaf(self.shard_numel, reduce_dtype, device)
-            self.partial.register_post_accumulate_grad_hook(weak_hook(self._kept_partial))
+            self.partial.register_post_accumulate_grad_hook(weak_hook(self._summed_partial))
         self.anchor = _leaf(0, torch.float32, device)  # takes fsdp2::deliver's results
         # Sums kept by deliveries for some parameters only, and which parameters they reached.
         self._some: dict[Mode, tuple[torch.Tensor, set[int]]] = {}
@@ -107,8 +107,8 @@ class BucketGrads:
         self._every = set(range(len(params)))
         self._taken_reached: set[int] = set()
         # Read at trace time (guarded): a synced graph adds the kept sums in (fsdp2::take_pending).
-        self.holds_unsynced = False
-        self.holds_partial = False
+        self.holds_unsynced_sum = False
+        self.holds_partial_sum = False
         self.key = traced_ops.register_route(self)
         self.take_params()
 
@@ -139,7 +139,7 @@ class BucketGrads:
                 leaf.grad = None
         self._some.clear()
         self._taken_reached = set()
-        self.holds_unsynced = self.holds_partial = False
+        self.holds_unsynced_sum = self.holds_partial_sum = False
         self.pending.pop(self.key, None)
 
     # -- the graph's run-time calls (traced_ops.take_pending, traced_ops.deliver) ----------------------
@@ -148,7 +148,7 @@ class BucketGrads:
         """``grad`` plus the sums of ``kind`` kept for it, by compiled and by eager backwards
         (eager's order: the kept sum first)."""
         mode = Mode(kind)
-        kept, reached = self._take_kept(mode)
+        kept, reached = self._take_sum(mode)
         eager, eager_reached = self._take_eager(mode)
         self._taken_reached |= reached | eager_reached
         if kept is None:
@@ -157,7 +157,7 @@ class BucketGrads:
             kept = kept + eager
         return grad.clone() if kept is None else kept + grad
 
-    def _take_kept(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
+    def _take_sum(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
         """The sum of ``mode`` kept here (flat, this bucket's layout of it) and the indices of the
         parameters it reached, taken."""
         leaf = self.unsynced if mode is Mode.UNSYNCED else self.partial
@@ -166,10 +166,10 @@ class BucketGrads:
         if kept is not None:
             reached = self._every  # kept through a sink: from backwards that reached every parameter
         if mode is Mode.UNSYNCED:
-            self.holds_unsynced = False
+            self.holds_unsynced_sum = False
         else:
-            self.holds_partial = False
-        if not (self.holds_unsynced or self.holds_partial):
+            self.holds_partial_sum = False
+        if not (self.holds_unsynced_sum or self.holds_partial_sum):
             self.pending.pop(self.key, None)
         if kept is None:
             kept = some
@@ -185,9 +185,9 @@ class BucketGrads:
         reduce = self.group.reduce
         world = self.group.dp.shard_size
         if mode is Mode.UNSYNCED:
-            if not reduce.holds_unsynced_grads:
+            if not reduce.holds_unsynced_sums:
                 return None, set()
-            grads = reduce.take_unsynced_grads(self.params)
+            grads = reduce.take_unsynced_sums(self.params)
             pieces = [grads.get(id(p)) for p in self.params]
             flat = torch.empty(world, self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
             blocks = torch.split_with_sizes(flat, self.widths, dim=1)
@@ -217,12 +217,12 @@ class BucketGrads:
         the all-reduce, each parameter's reduce-scattered padded slot, as eager keeps it). Both in
         ``reduce_dtype``."""
         unsynced, partial = [], []
-        if self.holds_unsynced:
-            kept, reached = self._take_kept(Mode.UNSYNCED)
+        if self.holds_unsynced_sum:
+            kept, reached = self._take_sum(Mode.UNSYNCED)
             blocks = torch.split_with_sizes(kept.view(self.group.dp.shard_size, -1), self.widths, dim=1)
             unsynced = [(self.params[i], self.params[i].layout.full_from_rank_rows(blocks[i])) for i in sorted(reached)]
-        if self.holds_partial:
-            kept, reached = self._take_kept(Mode.PARTIAL)
+        if self.holds_partial_sum:
+            kept, reached = self._take_sum(Mode.PARTIAL)
             slots = torch.split_with_sizes(kept, self.widths)
             partial = [(self.params[i], slots[i]) for i in sorted(reached)]
         return unsynced, partial
@@ -245,7 +245,7 @@ class BucketGrads:
             else:
                 kept[0].add_(grad)
                 kept[1].update(reached_set)
-            self._note_kept(mode)
+            self._note_sum(mode)
         return grad.new_empty(0, dtype=torch.float32)
 
     # -- autograd's hooks on the sinks ---------------------------------------------------------------
@@ -260,7 +260,7 @@ class BucketGrads:
         self._taken_reached = set()
         group = self.group
         group.reduce.gathered_before = True
-        if not group.requires_gradient_sync or (self.hybrid and not group.reduce.requires_all_reduce):
+        if group.mode is not Mode.SYNCED:
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
         for p in self.frozen:
             if p.sharded_param.requires_grad:
@@ -278,31 +278,31 @@ class BucketGrads:
         else:
             self._write(reduced, None)
 
-    def _kept_unsynced(self, sink: torch.Tensor) -> None:
+    def _summed_unsynced(self, sink: torch.Tensor) -> None:
         if sink.grad is None:
             return
         self._check_mode(Mode.UNSYNCED)
-        self._note_kept(Mode.UNSYNCED)
+        self._note_sum(Mode.UNSYNCED)
 
-    def _kept_partial(self, sink: torch.Tensor) -> None:
+    def _summed_partial(self, sink: torch.Tensor) -> None:
         if sink.grad is None:
             return
         self._taken_reached = set()  # taken into this sum (an unsynced sum, before the reduce-scatter)
         self._check_mode(Mode.PARTIAL)
-        self._note_kept(Mode.PARTIAL)
+        self._note_sum(Mode.PARTIAL)
 
-    def _note_kept(self, mode: Mode) -> None:
+    def _note_sum(self, mode: Mode) -> None:
         self.group.reduce.gathered_before = True
         if mode is Mode.UNSYNCED:
-            self.holds_unsynced = True
+            self.holds_unsynced_sum = True
         else:
-            self.holds_partial = True
+            self.holds_partial_sum = True
         self.pending[self.key] = self
 
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""
         group = self.group
-        now = group.reduce.mode(group.requires_gradient_sync)
+        now = group.mode
         if now is mode:
             return
         self.discard()
