@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,6 +56,36 @@ def backward_mode(requires_gradient_sync: bool, hybrid: bool, requires_all_reduc
 
 
 @dataclass(frozen=True)
+class ReduceSpec:
+    """What a compiled graph needs to know of a :class:`BucketStep` to reduce its bucket: plain
+    values (process groups by name, the user's collective by its key), so the registry of specs
+    (:func:`spec_named`) holds nothing alive. ``key`` is a digest of all of it: two graphs whose
+    texts are equal reduce alike, in this process or another."""
+
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    plan: ReducePlan
+    world: int
+    shard_group: str
+    replicate_group: str | None
+    hooked: bool
+    custom_reduce_scatter: str | None
+    out_collectives: bool
+    key: str = field(init=False, repr=False, compare=False)  # made eagerly: a trace only reads it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", "step-" + hashlib.sha256(repr(self).encode()).hexdigest()[:24])
+
+
+# Every spec a graph may name, by its key (small plain records: kept).
+_SPECS: dict[str, ReduceSpec] = {}
+
+
+def spec_named(key: str) -> ReduceSpec:
+    return _SPECS[key]
+
+
+@dataclass(frozen=True)
 class BucketStep:
     """One reduce bucket's reduction: what to reduce, with which ops and divisions, over which
     ranks. ``world``: the shard group's size (the reduce-scatter input is ``world`` rows);
@@ -66,8 +95,8 @@ class BucketStep:
     key (``collectives.register_user_comm``); ``out_collectives``: a compiled graph may use the
     ``*_out`` collectives on ``shard_group`` (``collectives.out_variants_usable``).
 
-    ``key`` names the step in a compiled graph (:meth:`named` finds it): a digest of everything
-    the step does, so two graphs whose texts are equal reduce alike."""
+    ``spec`` is what a compiled graph emits of it (registered as the step is made, eagerly: a
+    trace names it by ``spec.key``)."""
 
     bucket: FlatBucket
     plan: ReducePlan
@@ -78,38 +107,22 @@ class BucketStep:
     hooked: bool
     custom_reduce_scatter: str | None = None
     out_collectives: bool = False
-    key: str = field(init=False, compare=False)
+    spec: ReduceSpec = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        bucket, plan = self.bucket, self.plan
-        what = (
-            bucket.dtype,
-            bucket.numel_per_rank,
-            tuple(bucket.sizes),
-            plan.reduce_scatter_op,
-            plan.all_reduce_op,
-            plan.divide_before,
-            plan.divide_after,
+        spec = ReduceSpec(
+            self.bucket.dtype,
+            self.grad_dtype,
+            self.plan,
             self.world,
             self.shard_group.group_name,
             None if self.replicate_group is None else self.replicate_group.group_name,
-            self.grad_dtype,
             self.hooked,
             self.custom_reduce_scatter,
             self.out_collectives,
         )
-        key = "step-" + hashlib.sha256(repr(what).encode()).hexdigest()[:24]
-        object.__setattr__(self, "key", key)
-        _STEPS[key] = self
-
-    @staticmethod
-    def named(key: str) -> "BucketStep":
-        return _STEPS[key]
+        object.__setattr__(self, "spec", _SPECS.setdefault(spec.key, spec))
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         return self.bucket.dtype
-
-
-# Every live step by its key (weakly: a group's GroupReduce owns its steps).
-_STEPS: weakref.WeakValueDictionary[str, BucketStep] = weakref.WeakValueDictionary()

@@ -262,7 +262,7 @@ class FSDPState:
         self.end_anchor = torch.empty(0, device=groups[0].dp.device).requires_grad_()
         self.end_key = traced_ops.register_route(self)
         self._compiled_backward_end_queued = False
-        self._states_below: list[FSDPState] | None = None  # every state under this call, as a root
+        self.states_below: list[FSDPState] = [self]  # every state at or under this call (fully_shard sets it)
         for module in modules:
             module.register_forward_pre_hook(_registered_pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(_registered_post_forward, with_kwargs=True)
@@ -384,12 +384,27 @@ class FSDPState:
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            # Backward is autograd's: no pre-backward hook. The root's output tells this state when
-            # a compiled backward runs (EndOfBackward), to end it as eager's end of backward does.
-            if self.traced_call.post_forward() and torch.is_grad_enabled():
+            # Backward is autograd's: no pre-backward hook. Where the end of a backward has work a
+            # graph does not do, the root's output tells this state when a compiled backward runs
+            # (EndOfBackward), to end it as eager's end of backward does.
+            if self.traced_call.post_forward() and torch.is_grad_enabled() and self._backward_end_has_work():
                 output = self._marked_for_compiled_backward(output)
             return self._cast_output(output)
         return self._eager_post_forward(module, args, kwargs, output)
+
+    def _backward_end_has_work(self) -> bool:
+        """Read while a root call's forward is traced (dynamo guards on every flag read, so a change
+        retraces): some group under it keeps sums for the next synced backward, which the graph
+        may not take (its forward does not run the group, or reaches none of its parameters), or
+        reduces unused parameters, whose zeros a group the graph does not reduce still gets."""
+        for state in self.states_below:
+            for group in state.groups:
+                reduce = group.reduce
+                if group.compiled_sums or reduce.holds_unsynced_sums or reduce.partial_sums:
+                    return True
+                if reduce.include_unused and reduce.gathered_before:
+                    return True
+        return False
 
     def _marked_for_compiled_backward(self, output: Any) -> Any:
         marked = False
@@ -417,9 +432,7 @@ class FSDPState:
         self.end_anchor.grad = None
         if self.settings.finalization is Finalization.MANUAL:
             return
-        if self._states_below is None:  # as lazy init fixes them, at the first compiled backward
-            self._states_below = _states_under(self.modules)
-        for state in reversed(self._states_below):
+        for state in reversed(self.states_below):
             for group in reversed(state.groups):
                 # Attribute reads only on the common path (nothing left): no call per group and step.
                 reduce = group.reduce

@@ -347,7 +347,7 @@ class TracedGroup:
             grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
             unsynced_sums = eager_unsynced or (grads is not None and grads.holds_unsynced_sum)
             reduction = graph.BucketReduction(
-                step,
+                step.spec,
                 counted=counted,
                 mode=mode,
                 takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,

@@ -28,24 +28,24 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fsdp2 import compat
 from fsdp2.runtime import collectives, traced_ops
-from fsdp2.runtime.group_step import BucketStep, Mode
+from fsdp2.runtime.group_step import Mode, ReduceSpec, spec_named
 
 _c10d = compat.functional_collectives
 
 
 @dataclass(frozen=True)
 class BucketReduction:
-    """How a bucket's gradient is reduced in one graph: its ``BucketStep`` (eager's, as
-    ``GroupReduce`` runs it) and what the trace adds: ``mode``; ``counted`` (traced inside
+    """How a bucket's gradient is reduced in one graph: its ``BucketStep``'s spec (eager's step,
+    as ``GroupReduce`` runs it) and what the trace adds: ``mode``; ``counted`` (traced inside
     count_comm: the graph records its collectives, traced_ops.record_comm); ``takes_unsynced`` /
     ``takes_partial`` (sums kept by earlier backwards, without sync or without the HSDP all-reduce,
     are added in, once per backward, traced_ops.take_pending, as eager adds them in its next
     reduction); ``include_unused`` (set_reduce_scatter_unused_params(True): unreached parameters
-    get zeros). With ``step.hooked`` (set_all_reduce_hook) the graph hands the reduced shard over
+    get zeros). With ``spec.hooked`` (set_all_reduce_hook) the graph hands the reduced shard over
     undivided, in the reduce dtype; the hand-off (eager, outside the graph) calls the hook on it,
     then divides and casts, as eager."""
 
-    step: BucketStep
+    spec: ReduceSpec
     mode: Mode = Mode.SYNCED
     counted: bool = False
     takes_unsynced: bool = False
@@ -56,9 +56,9 @@ class BucketReduction:
     def sink_dtype(self) -> torch.dtype:
         """The dtype the bucket's reduced flat shard reaches its sink in: the reduce dtype where the
         hand-off finishes it (the all-reduce hook) or keeps it (partial and unsynced sums)."""
-        if self.mode is Mode.SYNCED and not self.step.hooked:
-            return self.step.grad_dtype
-        return self.step.reduce_dtype
+        if self.mode is Mode.SYNCED and not self.spec.hooked:
+            return self.spec.grad_dtype
+        return self.spec.reduce_dtype
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,13 @@ def all_gather(send: torch.Tensor, world: int, group: str, settings: GatherSetti
     return gathered if wire is dtype else gathered.view(dtype)
 
 
-def _reduce_scatter(grad: torch.Tensor, step: BucketStep, counted: bool) -> torch.Tensor:
+def _reduce_scatter(grad: torch.Tensor, spec: ReduceSpec, counted: bool) -> torch.Tensor:
     if counted:  # the input buffer, as eager's
         traced_ops.record_comm("reduce_scatter", grad.numel() * grad.element_size())
-    op, world, group = step.plan.reduce_scatter_op.functional_name, step.world, step.shard_group.group_name
-    if step.custom_reduce_scatter is not None:  # set_custom_reduce_scatter
-        return traced_ops.custom_reduce_scatter(grad, world, op, group, step.custom_reduce_scatter)
-    if not step.out_collectives:
+    op, world, group = spec.plan.reduce_scatter_op.functional_name, spec.world, spec.shard_group
+    if spec.custom_reduce_scatter is not None:  # set_custom_reduce_scatter
+        return traced_ops.custom_reduce_scatter(grad, world, op, group, spec.custom_reduce_scatter)
+    if not spec.out_collectives:
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, op, world, group))
     reduced = grad.new_empty(grad.numel() // world)
     _c10d.reduce_scatter_tensor_out(grad, op, world, group, out=reduced)
@@ -106,25 +106,25 @@ def reduce(grad: torch.Tensor, r: BucketReduction, bucket: str) -> torch.Tensor:
     """The gradient of a bucket's gathered row (eager's reduce-scatter input: same layout,
     padding zeroed) as ``r.mode`` keeps it: unreduced (UNSYNCED), reduce-scattered (PARTIAL), or
     reduced for ``.grad`` (SYNCED), with eager's casts, reduce ops, divisions and kept sums."""
-    step, plan = r.step, r.step.plan
-    grad = grad.to(step.reduce_dtype).contiguous()
+    spec, plan = r.spec, r.spec.plan
+    grad = grad.to(spec.reduce_dtype).contiguous()
     if r.mode is Mode.UNSYNCED:
         return grad
     if r.takes_unsynced:  # eager: the microbatches' sum, then this backward's gradient
         grad = traced_ops.take_pending(grad, bucket, Mode.UNSYNCED)
     for divisor in plan.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
-    reduced = _reduce_scatter(grad, step, r.counted)
+    reduced = _reduce_scatter(grad, spec, r.counted)
     if r.mode is Mode.PARTIAL:
         return reduced
-    if step.replicate_group is not None:
+    if spec.replicate_group is not None:
         if r.takes_partial:  # eager: the kept partial sums join this all-reduce
             reduced = traced_ops.take_pending(reduced, bucket, Mode.PARTIAL)
         if r.counted:
             traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
         op = plan.all_reduce_op.functional_name
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, op, step.replicate_group.group_name))
-    if not step.hooked:  # else the hand-off divides and casts after the hook (see BucketReduction)
+        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, op, spec.replicate_group))
+    if not spec.hooked:  # else the hand-off divides and casts after the hook (see BucketReduction)
         if plan.divide_after != 1:
             reduced = reduced / plan.divide_after
         reduced = reduced.to(r.sink_dtype)
@@ -150,7 +150,7 @@ def port(
     """The bucket's gradient port for one trace: ``(row, marks)`` (see the module docstring).
     ``sink`` takes the reduced gradient when backward reaches every parameter; ``anchor`` takes
     ``fsdp2::deliver``'s (empty) result otherwise, which keeps that op in the graph. The reduction
-    travels as its step's key (a digest of what the step does, ``BucketStep.key``) and the trace's
+    travels as its step's key (a digest of what the step does, ``ReduceSpec.key``) and the trace's
     flags: a graph's text says everything its backward does, and a compiler's cache keyed by it
     never confuses two reductions."""
     return torch.ops.fsdp2.grad_port.default(
@@ -160,7 +160,7 @@ def port(
         numel,
         dtype,
         params,
-        r.step.key,
+        r.spec.key,
         int(r.mode),
         r.counted,
         r.takes_unsynced,
@@ -174,7 +174,7 @@ def _setup_port(ctx, inputs, output) -> None:
     ctx.bucket = inputs[2]
     step, mode, counted, takes_unsynced, takes_partial, include_unused = inputs[6:]
     ctx.reduction = BucketReduction(
-        BucketStep.named(step), Mode(mode), counted, takes_unsynced, takes_partial, include_unused
+        spec_named(step), Mode(mode), counted, takes_unsynced, takes_partial, include_unused
     )
     ctx.no_grads = (None,) * len(inputs)  # a gradient only for the sink or the anchor
 
