@@ -371,6 +371,7 @@ class FaultTolerantHSDP:
 
         device_type = next(model.parameters()).device.type
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._pg = pg  # released by close()
         self.manager = Manager(
             pg=pg,
             load_state_dict=self.load_state_dict,
@@ -434,14 +435,18 @@ class FaultTolerantHSDP:
         return self.manager.num_participants()
 
     def close(self) -> None:
-        """Leave the job. The model's all-reduce hooks are released: another FaultTolerantHSDP may take them."""
+        """Leave the job. The model's all-reduce hooks are removed: it trains as plain FSDP on its
+        shard mesh again (no averaging across the groups), and another FaultTolerantHSDP may
+        take it."""
         if self._phase is not _Phase.CLOSED:
             self._phase = _Phase.CLOSED
             for m in self._hooked:
                 owner = _HOOK_OWNERS.get(m)
                 if owner is not None and owner() is self:
                     del _HOOK_OWNERS[m]
+                    m.set_all_reduce_hook(None)
             self.manager.shutdown(wait=False)
+            self._pg.shutdown()
 
     def __enter__(self) -> "FaultTolerantHSDP":
         return self

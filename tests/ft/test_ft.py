@@ -26,7 +26,7 @@ DIE_IN_ALL_REDUCE, FIRST_REJOIN, SECOND_REJOIN = 2, 4, 6
 def _run_schedule(impl: str, workdir) -> dict:
     """Group 1 dies inside step 2's all-reduce; its replacement dies while healing at step 4;
     the next one heals at step 6. Group 0 never stops. Returns each rank's final state."""
-    common = ["--impl", impl, "--steps", str(STEPS)]
+    common = ["--impl", impl, "--steps", str(STEPS), "--after-close"]
     with FTJob(workdir) as job:
         job.launch(0, worker_args=common + ["--gate-at", "0", str(FIRST_REJOIN), str(SECOND_REJOIN)])
         job.launch(1, worker_args=common + ["--gate-at", "0", "--die-in-all-reduce", str(DIE_IN_ALL_REDUCE)])
@@ -107,15 +107,20 @@ def _run_two_groups(workdir, extra: list[str], steps: int = 3) -> dict:
         return {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
 
 
-def test_the_compiled_whole_step_equals_eager_under_torchft(tmp_path):
-    """``torch.compile(model, fullgraph=True)`` under FaultTolerantHSDP: the graph hands each
-    reduced bucket to torchft's all-reduce (the all-reduce hook) before its division, as eager."""
+@pytest.fixture(scope="module")
+def two_group_runs(tmp_path_factory):
     with ThreadPoolExecutor(2) as pool:
         runs = {
-            name: pool.submit(_run_two_groups, tmp_path / name, extra)
+            name: pool.submit(_run_two_groups, tmp_path_factory.mktemp(name), ["--after-close", *extra])
             for name, extra in (("eager", []), ("compiled", ["--compile"]))
         }
-        eager, compiled = (runs[name].result() for name in ("eager", "compiled"))
+        return {name: f.result() for name, f in runs.items()}
+
+
+def test_the_compiled_whole_step_equals_eager_under_torchft(two_group_runs):
+    """``torch.compile(model, fullgraph=True)`` under FaultTolerantHSDP: the graph hands each
+    reduced bucket to torchft's all-reduce (the all-reduce hook) before its division, as eager."""
+    eager, compiled = two_group_runs["eager"], two_group_runs["compiled"]
     for who, theirs in eager.items():
         ours = compiled[who]
         assert _commits(ours["log"]) == _commits(theirs["log"]) == [(0, True, 2), (1, True, 2), (2, True, 2)]
@@ -124,6 +129,21 @@ def test_the_compiled_whole_step_equals_eager_under_torchft(tmp_path):
     replicas = [compiled[0, s]["params"] for s in range(2)], [compiled[1, s]["params"] for s in range(2)]
     for a, b in zip(*replicas):
         assert all(torch.equal(a[name], b[name]) for name in a)  # the groups stayed replicas
+
+
+def test_a_closed_model_trains_as_the_same_model_without_ft_bitwise(schedule_runs, two_group_runs):
+    """After ``close()`` the model's all-reduce hooks are gone: its next backward (eager or
+    compiled, fsdp2 or PyTorch's FSDP2) gives the gradients of the same model that never had
+    FaultTolerantHSDP, bitwise, and nothing is averaged across the replica groups any more."""
+    runs = {**{f"schedule {impl}": schedule_runs[impl] for impl in schedule_runs}, **two_group_runs}
+    checked = 0
+    for name, results in runs.items():
+        for who, result in results.items():
+            assert result["after_close"], (name, who)
+            for param, (equal, largest_difference) in result["after_close"].items():
+                assert equal, (name, who, param, largest_difference)
+                checked += 1
+    assert checked == 2 * 4 * 4 + 2 * 4 * 4  # runs x ranks x parameters
 
 
 BAD_JOINERS = {
