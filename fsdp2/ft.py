@@ -553,6 +553,14 @@ class FaultTolerantHSDP:
             )
 
     def _all_reduce_across_replicas(self, reduced: torch.Tensor) -> None:
+        if self._phase is not _Phase.IN_STEP:
+            # Outside a step no quorum holds the other groups to this all-reduce: it would stall
+            # for `timeout` and leave garbage, or average with whatever they reduce.
+            raise FSDPUsageError(
+                f"FaultTolerantHSDP: a backward with gradient sync ran {self._phase.value}, outside begin_step() ... "
+                "commit_step(); its gradients would be averaged across the replica groups outside any quorum. "
+                "Call begin_step() before the forward pass"
+            )
         # Averages over the quorum's groups in place; on failure the manager records the error
         # (the tensor is then garbage, and commit_step will not step on it).
         self.manager.allreduce(reduced).wait()

@@ -330,6 +330,10 @@ def _misuse(rank: int, world_size: int) -> list[str]:
             refused(ft.begin_step)  # twice
             model(torch.ones(2, 4)).sum().backward()
             errors.append(f"committed={ft.commit_step()} step={ft.step}")
+            refused(lambda: model(torch.ones(2, 4)).sum().backward())  # between steps
+            ft.begin_step()
+            model(torch.ones(2, 4)).sum().backward()
+            errors.append(f"committed={ft.commit_step()} step={ft.step}")
         hsdp = fully_shard(
             torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
         )
@@ -339,11 +343,13 @@ def _misuse(rank: int, world_size: int) -> list[str]:
     return errors
 
 
-def test_steps_out_of_order_and_a_replicate_mesh_are_refused(worlds):
-    before, twice, step, hsdp = worlds.run(1, _misuse)[0]
+def test_steps_out_of_order_a_backward_between_steps_and_a_replicate_mesh_are_refused(worlds):
+    before, twice, step, between, next_step, hsdp = worlds.run(1, _misuse)[0]
     assert "commit_step: called between steps" in before and "begin_step()" in before
     assert "begin_step: called in a step" in twice
     assert step == "committed=True step=1"  # the refusals changed nothing: the step went on
+    assert "a backward with gradient sync ran between steps" in between and "Call begin_step()" in between
+    assert next_step == "committed=True step=2"
     assert "replicate dim" in hsdp and "1-D shard mesh" in hsdp
 
 
