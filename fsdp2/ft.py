@@ -389,7 +389,7 @@ class FaultTolerantHSDP:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         device_type = next(model.parameters()).device.type
-        self._device = _agreement_device(device_type)
+        self._device = _agreement_device(self._mesh, device_type)
 
         def make_manager() -> Manager:
             pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -675,9 +675,11 @@ def _check_group_environment(manager_kwargs: dict) -> int:
     return int(rank) if rank is not None else int(os.environ["RANK"])
 
 
-def _agreement_device(device_type: str) -> torch.device:
-    """Where the group's agreement flag lives: on the device its collectives run on."""
-    if device_type == "cpu":
+def _agreement_device(mesh: DeviceMesh, device_type: str) -> torch.device:
+    """Where the group's agreement flag lives: on the host where the mesh's process groups take
+    host tensors (gloo; no device sync per step), else on this rank's device."""
+    backend = str(dist.get_backend(mesh.get_group(0)))
+    if device_type == "cpu" or backend == "gloo" or "cpu:" in backend:
         return torch.device("cpu")
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
