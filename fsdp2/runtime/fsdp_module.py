@@ -161,8 +161,9 @@ class FSDPModule(compat.TorchFSDPModule):
         HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``.
         ``stream`` is accepted for compatibility: the hook runs where the reduction runs. A module
         whose parameters are sharded on several meshes (``ShardPlacementResult``) calls it for
-        each mesh's buckets (PyTorch's FSDP2 refuses such a module)."""
-        if not callable(hook):
+        each mesh's buckets (PyTorch's FSDP2 refuses such a module). ``None`` removes the hook,
+        as in PyTorch's FSDP2."""
+        if hook is not None and not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         state = self._fsdp_state
         for group, traced in zip(state.groups, state.traced_groups):
