@@ -362,7 +362,7 @@ class TracedGroup:
             params = step.bucket.params
             param_dtypes = {p.param_dtype for p in params}
             starts_sum = mode is Mode.UNSYNCED and not unsynced_sums
-            widens = starts_sum and params[0].grad_dtype_rule is not GradDtype.COMPUTE
+            widens = starts_sum and any([p.grad_dtype_rule is not GradDtype.COMPUTE for p in params])
             row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else step.reduce_dtype
             buckets.append(_Bucket(step, row_dtype, reduction))
         return buckets
