@@ -316,7 +316,7 @@ class FSDPModule(compat.TorchFSDPModule):
         first forward it does nothing."""
         state = self._fsdp_state
         root = state.root
-        if root is None and _holds_compiled_sums(self):
+        if root is None and _holds_sums(self):
             # Only compiled steps ran (they make no root): their kept sums need the eager
             # reduction, which the root runs.
             state.lazy_init()
@@ -475,10 +475,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     object.__setattr__(module, method_name, wrapped)
 
 
-def _holds_compiled_sums(module: nn.Module) -> bool:
-    """Some fully_shard'ed module under ``module`` keeps sums of compiled backwards."""
+def _holds_sums(module: nn.Module) -> bool:
+    """Some fully_shard'ed module under ``module`` keeps sums for the next synced backward."""
     for sub in module.modules():
         state = sub.__dict__.get("_fsdp_state")
-        if state is not None and any(group.compiled_sums for group in state.groups):
-            return True
+        if state is not None:
+            for group in state.groups:
+                if group.reduce.holds_unsynced_sums or group.reduce.partial_sums:
+                    return True
     return False

@@ -400,7 +400,7 @@ class FSDPState:
         for state in self.states_below:
             for group in state.groups:
                 reduce = group.reduce
-                if group.compiled_sums or reduce.holds_unsynced_sums or reduce.partial_sums:
+                if reduce.holds_unsynced_sums or reduce.partial_sums:
                     return True
                 if reduce.include_unused and reduce.gathered_before:
                     return True
@@ -436,7 +436,7 @@ class FSDPState:
             for group in reversed(state.groups):
                 # Attribute reads only on the common path (nothing left): no call per group and step.
                 reduce = group.reduce
-                if group.compiled_sums or reduce.holds_unsynced_sums or reduce.partial_sums or reduce.include_unused:
+                if reduce.holds_unsynced_sums or reduce.partial_sums or reduce.include_unused:
                     group.reduce_after_compiled_backward()
 
     def _cast_output(self, output: Any) -> Any:

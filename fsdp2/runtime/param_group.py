@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum, auto
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -95,17 +95,6 @@ class ReshardAfterForward:
         self.resolve(is_root=False)
 
 
-class CompiledSums(Protocol):
-    """Sums the compiled step kept for an accumulation, for one of its reduce buckets
-    (fsdp2.runtime.traced_grads.BucketGrads, which registers itself in the group while it keeps
-    some): an eager synced backward takes them."""
-
-    def hand_out(self) -> tuple[list[tuple[ShardedParam, torch.Tensor]], list[tuple[ShardedParam, torch.Tensor]]]:
-        """The sums, per parameter they reached, taken: (full gradients kept without gradient
-        sync, HSDP reduce-scattered slots kept without the all-reduce), in the reduce dtype."""
-        ...
-
-
 class GradReadiness:
     """Counts which of a group's parameters autograd has finished this backward, and calls
     ``on_all_ready`` once every parameter that needs a gradient has it.
@@ -159,10 +148,6 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
         self.mode = Mode.SYNCED
-        # The compiled step's sums kept for this accumulation (without gradient sync, or HSDP
-        # without the all-reduce), by bucket key: an eager synced backward takes them too (read
-        # without a call on every backward).
-        self.compiled_sums: dict[str, CompiledSums] = {}
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
@@ -304,12 +289,10 @@ class ParamGroup:
             self.reshard()
 
     def _issue_reduction(self) -> Reduction | None:
-        """Reduce this backward's gradients with every sum kept for them (eager's and compiled
-        microbatches' of this accumulation)."""
+        """Reduce this backward's gradients with every sum kept for them (by the eager and compiled
+        microbatches of this accumulation)."""
         grads = take_unreduced_grads(self.params)
         self.reduce.holds_unsynced_sums = False
-        if self.compiled_sums:
-            self._take_compiled_sums(grads)
         return self.reduce.issue(grads, self.mode)
 
     def reduce_after_compiled_backward(self) -> None:
@@ -320,18 +303,6 @@ class ParamGroup:
             reduction = self._issue_reduction()
             if reduction is not None:
                 reduction.finish()
-
-    def _take_compiled_sums(self, grads: dict[int, torch.Tensor | None]) -> None:
-        """Add the sums compiled backwards kept to this backward's: those without gradient sync to
-        ``grads`` (the full gradients to reduce, eager's kept sums in them), the HSDP partial sums
-        to the reduction's own. A parameter they reached is reduced even if this backward did not."""
-        for sums in list(self.compiled_sums.values()):
-            unsynced, partial = sums.hand_out()
-            for p, kept in unsynced:
-                if id(p) in grads:  # it still requires a gradient
-                    grad = grads[id(p)]
-                    grads[id(p)] = kept if grad is None else kept.add_(grad)  # the kept sum first, as eager's
-            self.reduce.keep_partial_sums(partial)
 
     def finalize_backward(self) -> None:
         """End of the whole backward: reduce what never reported ready (unused or frozen
@@ -371,19 +342,24 @@ class ParamGroup:
     def has_unreduced_grads(self) -> bool:
         """Some parameter holds a gradient not reduced yet (this backward's or kept without sync,
         by eager or compiled backwards)."""
-        return bool(self.compiled_sums) or any(p.has_unreduced_grad for p in self.params)
+        return any(p.has_unreduced_grad for p in self.params)
 
     def reset_iteration(self) -> None:
         """After an aborted forward/backward: nothing in flight, all sharded, IDLE."""
         self.reshard()
+        self.discard_sums()
+        self.phase = Phase.IDLE
+        self._grads.reset()
+
+    def discard_sums(self) -> None:
+        """Drop every gradient not reduced yet: this backward's, and the sums kept for the next
+        synced backward (without sync; HSDP without the all-reduce)."""
         for p in self.params:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
             p.unsynced_sum = None
         self.reduce.holds_unsynced_sums = False
         self.reduce.discard_partial()
-        self.phase = Phase.IDLE
-        self._grads.reset()
 
     def inputs_grads_ready(self) -> None:
         """Autograd computed the gradients of this group's forward inputs: its backward is over."""

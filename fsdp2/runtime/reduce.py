@@ -348,9 +348,9 @@ class GroupReduce:
             kept = self.partial_sums.get(id(p))
             self.partial_sums[id(p)] = slot.clone() if kept is None else kept.add_(slot)
 
-    def keep_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Add partial sums kept elsewhere (a compiled step's: each parameter's reduce-scattered
-        padded slot, in the reduce dtype) to the ones kept here; this reduction owns them now."""
+    def add_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Add a compiled backward's partial sums (each parameter's reduce-scattered padded slot, in
+        the reduce dtype, owned) to the ones kept here."""
         for p, slot in sums:
             kept = self.partial_sums.get(id(p))
             self.partial_sums[id(p)] = slot if kept is None else kept.add_(slot)

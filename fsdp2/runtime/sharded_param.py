@@ -365,7 +365,27 @@ class ShardedParam:
         if self.unsynced_sum is None:
             self.unsynced_sum = grad.to(self.reduce_dtype)
         else:
+            self.unsynced_sum, grad = _alike(self.unsynced_sum, grad, self.tensor_parallel)
             self.unsynced_sum.add_(grad)
+
+    def add_compiled_unsynced(self, full: torch.Tensor) -> None:
+        """Add a compiled backward's gradient without sync (``full``: this parameter's full, TP-local
+        gradient in ``reduce_dtype``, owned) to its unsynced sum: the one store both executors'
+        microbatches keep their sums in."""
+        if self.unsynced_sum is None:
+            self.unsynced_sum = full
+        else:
+            self.unsynced_sum, full = _alike(self.unsynced_sum, full, self.tensor_parallel)
+            self.unsynced_sum.add_(full)
+
+
+def _alike(kept: torch.Tensor, new: torch.Tensor, tensor_parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kept`` and ``new`` as tensors of one kind: under tensor parallelism an eager microbatch's
+    gradient is a DTensor (a pending sum, redistributed once at the synced backward) and a compiled
+    one's TP-local; where both meet, the DTensor is made TP-local first."""
+    if tensor_parallel is None or isinstance(kept, DTensor) == isinstance(new, DTensor):
+        return kept, new
+    return tensor_parallel.local_grad(kept), tensor_parallel.local_grad(new)
 
 
 def weak_hook(method: Callable, *args) -> Callable:
@@ -487,7 +507,11 @@ def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tens
         accumulated = p.unsynced_sum
         if accumulated is not None:
             p.unsynced_sum = None
-            grad = accumulated if grad is None else accumulated.add_(grad)
+            if grad is not None:
+                accumulated, grad = _alike(accumulated, grad, p.tensor_parallel)
+                grad = accumulated.add_(grad)  # the kept sum first
+            else:
+                grad = accumulated
         if p.tensor_parallel is not None and grad is not None:
             grad = p.tensor_parallel.local_grad(grad)  # once, on the sum over microbatches
         grads[id(p)] = grad

@@ -339,20 +339,17 @@ class TracedGroup:
         reduce = group.reduce
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
-        # Sums eager backwards kept for this accumulation (guarded too): a synced graph takes them.
-        eager_unsynced, eager_partial = reduce.holds_unsynced_sums, reduce.holds_partial_sums
+        # Sums kept for this accumulation, by eager or compiled microbatches (guarded too): a synced graph takes them.
+        unsynced_sums, partial_sums = reduce.holds_unsynced_sums, reduce.holds_partial_sums
         mode = group.mode
         buckets = []
         for step in self.reduce_steps():
-            grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
-            unsynced_sums = eager_unsynced or (grads is not None and grads.holds_unsynced_sum)
             reduction = graph.BucketReduction(
                 step.spec,
                 counted=counted,
                 mode=mode,
                 takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,
-                takes_partial=mode is Mode.SYNCED
-                and (eager_partial or (grads is not None and grads.holds_partial_sum)),
+                takes_partial=mode is Mode.SYNCED and partial_sums,
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the dtype
