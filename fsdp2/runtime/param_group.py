@@ -277,7 +277,10 @@ class ParamGroup:
         logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
         if self.mode is not Mode.UNSYNCED:
-            reduction = self._issue_reduction()
+            # _issue_reduction, inlined: no call more per group and backward.
+            grads = take_unreduced_grads(self.params)
+            self.reduce.holds_unsynced_sums = False
+            reduction = self.reduce.issue(grads, self.mode)
             if reduction is not None:
                 self.reduce_window.add(reduction)
         else:
