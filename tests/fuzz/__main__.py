@@ -19,7 +19,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shrink-seconds", type=float, default=300.0)
     parser.add_argument("--all", action="store_true", help="after a finding, search on for others")
     parser.add_argument("--skip-known", action="store_true", help="leave out programs with a known unfixed defect")
-    parser.add_argument("--minutes", type=float, default=None, help="stop starting searches after this long")
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="search seed after seed for this long (the last one finishes)"
+    )
     parser.add_argument("--verbose", action="store_true", help="one line per program run")
     args = parser.parse_args(argv)
 
@@ -40,19 +42,22 @@ def main(argv=None) -> int:
     try:
         while True:
             finding = fuzzer.search(strategy, args.programs, seed, known_signatures=signatures)
-            if finding is None:
-                break
-            findings.append(finding)
-            signatures.add(signature(finding.program, finding.outcome))
             elapsed = time.monotonic() - start
-            print(
-                f"\n=== finding {len(findings)} (seed {seed}): first failing program after "
-                f"{finding.found_after_s:.0f} s "
-                f"of this search ({elapsed:.0f} s since start, {finding.programs_before} programs before it), shrunk "
-                f"in {finding.shrunk_in_s:.0f} s\n{finding.report}",
-                flush=True,
-            )
-            if not args.all or (args.minutes is not None and elapsed > 60 * args.minutes):
+            out_of_time = args.minutes is not None and elapsed > 60 * args.minutes
+            if finding is not None:
+                findings.append(finding)
+                signatures.add(signature(finding.program, finding.outcome))
+                print(
+                    f"\n=== finding {len(findings)} (seed {seed}): first failing program "
+                    f"{elapsed - finding.shrunk_in_s:.0f} s "
+                    f"after the start ({finding.programs_before} programs before it in this search), shrunk in "
+                    f"{finding.shrunk_in_s:.0f} s\n{finding.report}",
+                    flush=True,
+                )
+            # Go on with the next seed: with --minutes until they run out, else after a finding (--all).
+            if out_of_time or (args.minutes is None and (finding is None or not args.all)):
+                break
+            if finding is not None and not args.all:
                 break
             seed += 1
     finally:
