@@ -68,8 +68,22 @@ def set_timeout(seconds: float) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     for pg in list(c10d._world.pg_map):
-        if pg is not c10d.GroupMember.WORLD:
+        if pg is not c10d.GroupMember.WORLD and pg is not _CONTROL.get("group"):
             c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+
+
+_CONTROL: dict = {}
+CONTROL_TIMEOUT_S = 600
+
+
+def control_group():
+    """The group the ranks exchange their reports over: all ranks, a timeout longer than any hang
+    timeout (a rank that finished a call waits there while another sits out a hang)."""
+    if "group" not in _CONTROL:
+        _CONTROL["group"] = dist.new_group(
+            list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
+        )
+    return _CONTROL["group"]
 
 
 # The meshes of each kind, made once per rank process: fsdp2 and PyTorch keep process groups they

@@ -49,8 +49,10 @@ from tests.fuzz.program import (
     ZeroGrad,
 )
 
-HANG_S = 8.0
-COMPILED_HANG_S = 60.0
+# Seconds a collective may wait before the program counts as hung: the partner of an eager call is
+# at most one call behind; a compiled call's partner may still be tracing (slow on a busy machine).
+HANG_S = float(os.environ.get("FSDP2_FUZZ_HANG_S", 8))
+COMPILED_HANG_S = float(os.environ.get("FSDP2_FUZZ_COMPILED_HANG_S", 120))
 SEED = 0
 PYTORCH_HAS_MANUAL_FINALIZATION = hasattr(torch_fsdp.FSDPModule, "finalize_backward")
 # Errors that mean a collective never completed on some rank.
@@ -60,8 +62,8 @@ HANG_ERRORS = re.compile(r"Timed out|timed out|Connection closed by peer|Connect
 @dataclass
 class Outcome:
     """How a program ended, the same on every rank. ``status``: passed, refused (both raised, or a
-    deliberate refusal), differs, hang, broken (the oracle itself hung or raised alone: a program
-    the generator should not make)."""
+    deliberate refusal), differs, hang, crash (a rank died: ``check.outcome`` tells), broken (the
+    oracle itself hung, or the tester failed: a program the generator should not make)."""
 
     status: str
     call: int = -1  # the call it ended at (-1: building the model)
@@ -87,12 +89,13 @@ class Run:
     last: dict | None = None  # the observation after the last call
     previous: dict | None = None  # the one before
     before_deferred: dict | None = None  # before a backward whose reduction the oracle makes early
-    manual: bool = False  # the oracle's record of set_manual_backward_finalization (without 2.15)
 
 
 def _error_text(error: BaseException) -> str:
     """The error's type, message and where it was raised (the last frames)."""
-    message = "".join(traceback.format_exception_only(type(error), error)).strip()[-1500:]
+    message = "".join(traceback.format_exception_only(type(error), error)).strip()
+    if len(message) > 3000:  # dynamo quotes a whole stack: keep its head (the error) and tail
+        message = message[:2000] + "\n[...]\n" + message[-1000:]
     frames = traceback.extract_tb(error.__traceback__)[-3:]
     where = "".join(f"\n    at {f.filename}:{f.lineno} in {f.name}" for f in frames)
     return f"{type(error).__module__}.{type(error).__qualname__}: {message}{where}"
@@ -107,7 +110,8 @@ def _snap(value):
     if isinstance(value, (int, float, bool)):
         return ("number", float(value))
     if hasattr(value, "to_local"):
-        return ("DTensor", str(tuple(value.placements)), value.dtype, value.to_local().detach().clone())
+        layout = f"{tuple(value.placements)} on ranks {value.device_mesh.mesh.tolist()}"
+        return ("DTensor", layout, value.dtype, value.to_local().detach().clone())
     if isinstance(value, torch.Tensor):
         return ("Tensor", None, value.dtype, value.detach().clone())
     return ("object", repr(value))
@@ -246,8 +250,7 @@ def execute(ctx: Context, run: Run, index: int, call):
     if isinstance(call, Setter):
         module = _module(run, call.target)
         if oracle_run and not PYTORCH_HAS_MANUAL_FINALIZATION and call.method == "set_manual_backward_finalization":
-            run.manual = bool(call.value)
-            return None
+            return None  # the oracle finalizes automatically (see the module's docstring)
         getattr(module, call.method)(call.value)
         return None
     if isinstance(call, FinalizeBackward):
@@ -413,7 +416,7 @@ def _pair_names(names: list[str]) -> list[tuple[str, str]]:
 
 def _exchange(report: dict) -> list[dict]:
     reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    dist.all_gather_object(reports, report, group=build.control_group())
     return reports
 
 
@@ -423,7 +426,7 @@ def run_program(rank: int, ws: int, program: Program, status_dir: str | None = N
     assert ws == program.world_size, (ws, program.world_size)
     start = time.monotonic()
     folder = [tempfile.mkdtemp(prefix="fsdp2-fuzz-") if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    dist.broadcast_object_list(folder, group=build.control_group())
     if program.compiled:
         torch._dynamo.reset()
     runs = _runs(program)
@@ -441,7 +444,7 @@ def run_program(rank: int, ws: int, program: Program, status_dir: str | None = N
         if program.compiled:
             torch._dynamo.reset()
         gc.collect()
-        dist.barrier()
+        dist.barrier(group=build.control_group())
         if rank == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
     outcome.seconds = time.monotonic() - start
