@@ -16,18 +16,40 @@ from tests.harness import RankFailure
 FAILING = ("differs", "hang", "crash")
 
 
-def call_timeout(program: Program) -> float:
+# A hang is confirmed by running the program again with timeouts this many times longer (on a busy
+# machine a rank may still be tracing a compiled call when its partner's collective times out).
+CONFIRM_PATIENCE = 4
+
+
+def call_timeout(program: Program, patience: float = 1) -> float:
     """The harness's limit for one program: well past the hang timeouts of all its calls."""
-    per_call = COMPILED_HANG_S if program.compiled else HANG_S
+    per_call = (COMPILED_HANG_S if program.compiled else HANG_S) * patience
     return 60 + 3 * per_call + 2 * len(program.calls)
 
 
 def outcome(worlds, program: Program, entry=run_program) -> Outcome:
-    """Run ``program`` (through ``entry``: ``run_program`` or a stand-in with its signature)."""
+    """Run ``program`` (through ``entry``: ``run_program`` or a stand-in with its signature); a hang
+    counts only if the program hangs again with ``CONFIRM_PATIENCE`` times the timeouts."""
+    result = _run_once(worlds, program, entry, 1)
+    if result.status == "hang":
+        again = _run_once(worlds, program, entry, CONFIRM_PATIENCE)
+        again.seconds += result.seconds
+        return again
+    return result
+
+
+def _run_once(worlds, program: Program, entry, patience: float) -> Outcome:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp2-fuzz-status-") as status_dir:
         try:
-            result = worlds.run(program.world_size, entry, program, status_dir, timeout=call_timeout(program))[0]
+            result = worlds.run(
+                program.world_size,
+                entry,
+                program,
+                status_dir,
+                patience,
+                timeout=call_timeout(program, patience),
+            )[0]
         except RankFailure as failure:  # the harness has replaced the world
             return _failed(program, str(failure), status_dir, time.monotonic() - start)
     if result.desynced:

@@ -104,6 +104,31 @@ def _repeated_use_after_a_backward_without_sync(program: Program) -> bool:
     return (called_twice or two_forwards) and without_sync
 
 
+def _reduces_in_low_precision(program: Program) -> bool:
+    """Some group reduces in bf16 or fp16 (a low reduce dtype, or a low param dtype without one)."""
+    from tests.fuzz.generate import block_paths
+
+    wraps = [program.model.root] + [b.wrap for b in block_paths(program.model).values() if b.wrap is not None]
+    return any(
+        MIXED_PRECISION[w.mp][1] in ("bfloat16", "float16") or MIXED_PRECISION[w.mp][:2] == ("bfloat16", None)
+        for w in wraps
+    )
+
+
+def _repeated_use_after_a_backward_without_sync_in_fp32(program: Program) -> bool:
+    return _repeated_use_after_a_backward_without_sync(program) and not _reduces_in_low_precision(program)
+
+
+def _repeated_use_after_a_backward_without_sync_in_low_precision(program: Program) -> bool:
+    return _repeated_use_after_a_backward_without_sync(program) and _reduces_in_low_precision(program)
+
+
+_REDUCED_TWICE = (
+    "in the synced backward after one without sync, PyTorch's FSDP2 reduce-scatters a module that ran more than "
+    "once twice (the kept sum when the first use's backward ends, the rest at the second); fsdp2 reduce-scatters "
+    "their sum once, as for a module that ran once: rounding (docs/composition.md, the nosync+twice cell)"
+)
+
 DELIBERATE_DIFFERENCES = (
     Refusal(
         "compiled step on parameters gathered outside it",
@@ -167,13 +192,19 @@ DELIBERATE_DIFFERENCES = (
     ),
     Tolerance(
         "a module run more than once per backward, after a backward without sync",
-        "in the synced backward after one without sync, PyTorch's FSDP2 reduce-scatters a module that ran more than "
-        "once twice (the kept sum when the first use's backward ends, the rest at the second); fsdp2 reduce-scatters "
-        "their sum once, as for a module that ran once: rounding (docs/composition.md, the nosync+twice cell)",
+        _REDUCED_TWICE,
         (("torch", "fsdp2"), ("torch", "fsdp2-eager")),
-        _repeated_use_after_a_backward_without_sync,
+        _repeated_use_after_a_backward_without_sync_in_fp32,
         atol=1e-6,
         rtol=1e-5,
+    ),
+    Tolerance(
+        "a module run more than once per backward, after a backward without sync, reduced in bf16 or fp16",
+        _REDUCED_TWICE + "; in a 16-bit reduce dtype the rounding is that dtype's",
+        (("torch", "fsdp2"), ("torch", "fsdp2-eager")),
+        _repeated_use_after_a_backward_without_sync_in_low_precision,
+        atol=2e-3,
+        rtol=1e-2,
     ),
 )
 
@@ -317,6 +348,16 @@ KNOWN_UNFIXED: dict[str, tuple[str, tuple[frozenset[str], ...]]] = {
         "a group that only an eager microbatch without sync ran gets no gradient from the compiled synced backward "
         "that follows, and its kept sum survives zero_grad() into the next step; eager reduces it",
         (frozenset({"compiled forward", "forward", "set_requires_gradient_sync(False)", "block skipped"}),),
+    ),
+    "gradient sync and the HSDP all-reduce": (
+        "set_requires_gradient_sync(value) sets the HSDP all-reduce too in PyTorch's FSDP2; fsdp2 keeps an earlier "
+        "set_requires_all_reduce(False), so a later synced backward writes no gradient",
+        (frozenset({"HSDP mesh", "set_requires_all_reduce(False)", "set_requires_gradient_sync(True)"}),),
+    ),
+    "compiled bf16 forward on 4 ranks": (
+        "compiled whole step, bf16 mixed precision, 4 ranks, dim 4: the compiled forward's loss differs from "
+        "eager's (bf16 rounding and more), where docs/compile.md promises bitwise",
+        (frozenset({"compiled forward", "world 4", "mixed precision bf16"}),),
     ),
     "reduce dtype narrower than the parameters, on torch 2.15": (
         "torch 2.15, MixedPrecisionPolicy(reduce_dtype=torch.float16) on fp32 parameters: a parameter used more than "

@@ -145,8 +145,8 @@ class OptimizerStep:
 
 @dataclass(frozen=True)
 class ClipGradNorm:
-    """``clip_grad_norm_(params, max_norm)``: ``torch.nn.utils``' or (``fsdp2_function``) fsdp2's
-    on the fsdp2 model; PyTorch's FSDP2 model always uses ``torch.nn.utils``'."""
+    """``clip_grad_norm_(model.parameters(), max_norm)``, ``torch.nn.utils``' or (``fsdp2_function``)
+    fsdp2's (which also takes gradients on several meshes), the same function on both models."""
 
     max_norm: float = 0.1
     fsdp2_function: bool = False

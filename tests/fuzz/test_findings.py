@@ -120,6 +120,27 @@ def test_integer_reshard_after_forward_registers_parameters_like_pytorch(worlds)
 
 
 @pytest.mark.xfail(
+    strict=True,
+    reason="HSDP: set_requires_gradient_sync(True) also turns the all-reduce back on in PyTorch's FSDP2 (it sets "
+    "both); fsdp2 keeps an earlier set_requires_all_reduce(False), so the synced backward writes no gradient",
+)
+def test_gradient_sync_on_turns_the_hsdp_all_reduce_on_like_pytorch(worlds):
+    program = Program(
+        model=Model(mesh="hsdp", blocks=(Block(wrap=Wrap()),)),
+        calls=(
+            Setter(method="set_requires_all_reduce", value=False),
+            Forward(),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=True),
+            Forward(batch=1),
+            Backward(),
+            OptimizerStep(),
+        ),
+    )
+    assert_program_passes(worlds, program)
+
+
+@pytest.mark.xfail(
     PYTORCH_2_15,
     strict=True,
     reason="torch 2.15, reduce_dtype fp16 on fp32 parameters: a module called twice gets gradients that differ "
@@ -199,5 +220,27 @@ def test_compiled_step_reducing_in_fp16(worlds):
     program = Program(
         model=Model(blocks=(Block(wrap=Wrap(mp="fp16")),), root=Wrap(mp="fp16")),
         calls=(Forward(compiled=True), Backward(), OptimizerStep()),
+    )
+    assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="compiled whole step, bf16 mixed precision, 4 ranks, dim 4 (a row of each weight per rank): the "
+    "compiled forward's loss differs from eager's (by 1.8e-5 here), where docs/compile.md promises bitwise",
+)
+def test_compiled_bf16_forward_with_a_row_per_rank_equals_eager(worlds):
+    program = Program(
+        model=Model(
+            world_size=4,
+            dim=4,
+            vocab=5,
+            input="linear",
+            blocks=(Block(bias=False),),
+            head_bias=False,
+            root=Wrap(mp="bf16"),
+        ),
+        calls=(Forward(compiled=True), Backward()),
     )
     assert_program_passes(worlds, program)
