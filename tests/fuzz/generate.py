@@ -158,8 +158,6 @@ class _State:
     def __init__(self, model: Model, compiled: bool):
         self.model = model
         self.compiled = compiled
-        self.pending = 0  # forwards since the last backward
-        self.compiled_pending = 0
         self.batches = 0
         self.unused_params = False  # set_reduce_scatter_unused_params on the root
         self.manual = False
@@ -188,8 +186,6 @@ def _forward(draw, s: _State) -> Forward:
             ranks = draw(st.lists(st.integers(0, s.model.world_size - 1), min_size=1, unique=True))
             closed.append((path, tuple(sorted(ranks))))
     bypassed = tuple(p for p in s.paths if "inner" not in p and _chance(draw, 10))
-    s.pending += 1
-    s.compiled_pending += compiled
     s.batches += 1
     return Forward(batch=s.batches - 1, compiled=compiled, closed=tuple(closed), bypassed=bypassed)
 
@@ -235,8 +231,12 @@ def _step(draw, s: _State) -> list:
         calls.append(Reshard())
         s.unsharded = False
     if _chance(draw, 10):
-        calls.append(Unshard(target=draw(st.sampled_from(["", *s.wrapped]))))
+        target = draw(st.sampled_from(["", *s.wrapped]))
+        calls.append(Unshard(target=target))
         s.unsharded = True
+        if _chance(draw, 2):
+            calls.append(Reshard(target=target))
+            s.unsharded = False
     for micro in range(draw(st.integers(1, 3))):
         if micro > 0 and _chance(draw, 3):
             calls.append(Setter("set_requires_gradient_sync", not s.sync))
@@ -244,7 +244,6 @@ def _step(draw, s: _State) -> list:
         for _ in range(1 + _chance(draw, 6)):  # now and then two forwards, one backward
             calls.append(draw(_forward(s)))
         calls.append(Backward())
-        s.pending = s.compiled_pending = 0
         s.unsharded = s.keep_after_backward
         if s.manual:
             s.awaiting_finalize = True

@@ -9,10 +9,11 @@ that eager run. Where both raise, fsdp2's error must be one of its own (``FSDPUs
 ``CheckpointError``) naming the module, or the very error PyTorch raised (from a torch function
 the program called on both).
 
-A difference is deliberate only if it is listed in ``DELIBERATE_DIFFERENCES`` with its reason
-(each one documented in docs/compile.md or docs/frameworks.md): a refusal (fsdp2 raises
-``FSDPUsageError`` where the oracle runs: the program ends there, passing) or a tolerance (two
-runs compared within stated bounds instead of bitwise).
+A difference is deliberate only if it is listed in ``DELIBERATE_DIFFERENCES`` with its reason and
+the page that documents it: a refusal (fsdp2 raises ``FSDPUsageError`` where the oracle runs, or
+PyTorch's FSDP2 raises where fsdp2 does more: the program ends there, passing), a tolerance (two
+runs compared within stated bounds instead of bitwise) or an observation each run shows its own
+way (not compared).
 
 ``KNOWN_UNFIXED`` names the fsdp2 defects this tester has found and that are not fixed yet, each
 with a predicate on the program that says whether a program has that defect's ingredients: the
