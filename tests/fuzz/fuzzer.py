@@ -58,6 +58,8 @@ class Fuzzer:
             self._cache[program] = result
             if self.log:
                 self.log(f"program {self.runs}: {result.status} ({len(program.calls)} calls, {result.seconds:.1f} s)")
+                if result.status == "broken":  # the tester's or the generator's fault: show it
+                    self.log(report(program, result))
         return self._cache[program]
 
     def search(self, strategy, programs: int, seed: int, known_signatures=()) -> Finding | None:

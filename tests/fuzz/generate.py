@@ -12,6 +12,9 @@ there (so there is no oracle):
   ``set_reduce_scatter_unused_params(True)`` is on: without it PyTorch reduce-scatters only the
   parameters with gradients, whose set then differs across ranks;
 - a block skipped (not called) on some ranks only: its all-gather would be missing there;
+- after ``set_requires_all_reduce(False)`` under HSDP, gates closed or blocks skipped: PyTorch's
+  FSDP2 adds the kept partial sums to the next reduce-scatter's output, whose size changes when
+  the set of parameters with gradients does (it raises a size mismatch in ``foreach_reduce``);
 - a tied weight shared by two ``fully_shard`` calls (PyTorch's FSDP2 does not support it);
 - ``finalize_backward()`` outside manual finalization, manual finalization switched while a
   backward waits for its ``finalize_backward()`` or on a module that is not the root, and
@@ -172,20 +175,21 @@ class _State:
         self.gates = [p for p, b in self.paths.items() if b.kind in ("gated", "experts")]
         self.wrapped = [p for p, b in self.paths.items() if b.wrap is not None]
         self.hsdp = model.mesh in HSDP_MESHES
+        self.partial_all_reduce = False  # set_requires_all_reduce(False) was called
 
 
 @st.composite
 def _forward(draw, s: _State) -> Forward:
     compiled = s.compiled and not s.unsharded and not _chance(draw, 5)
     closed = []
-    for path in s.gates:
+    for path in s.gates if not s.partial_all_reduce else ():
         choice = draw(st.integers(0, 5))
         if choice == 1:
             closed.append((path, tuple(range(s.model.world_size))))
         elif choice == 2 and s.unused_params:
             ranks = draw(st.lists(st.integers(0, s.model.world_size - 1), min_size=1, unique=True))
             closed.append((path, tuple(sorted(ranks))))
-    bypassed = tuple(p for p in s.paths if "inner" not in p and _chance(draw, 10))
+    bypassed = tuple(p for p in s.paths if "inner" not in p and not s.partial_all_reduce and _chance(draw, 10))
     s.batches += 1
     return Forward(batch=s.batches - 1, compiled=compiled, closed=tuple(closed), bypassed=bypassed)
 
@@ -213,6 +217,8 @@ def _setters(draw, s: _State) -> list:
                 s.module_sync = True
             else:
                 s.sync = value
+        elif method == "set_requires_all_reduce":
+            s.partial_all_reduce |= not value
         elif method == "set_reshard_after_backward":
             if s.compiled and not value:
                 continue  # refused by the compiled step (a deliberate difference): rarely worth a trace
