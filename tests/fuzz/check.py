@@ -30,15 +30,16 @@ def call_timeout(program: Program, patience: float = 1) -> float:
 def outcome(worlds, program: Program, entry=run_program) -> Outcome:
     """Run ``program`` (through ``entry``: ``run_program`` or a stand-in with its signature); a hang
     counts only if the program hangs again with ``CONFIRM_PATIENCE`` times the timeouts."""
-    result = _run_once(worlds, program, entry, 1)
+    result = run_once(worlds, program, entry, 1)
     if result.status == "hang":
-        again = _run_once(worlds, program, entry, CONFIRM_PATIENCE)
+        again = run_once(worlds, program, entry, CONFIRM_PATIENCE)
         again.seconds += result.seconds
         return again
     return result
 
 
-def _run_once(worlds, program: Program, entry, patience: float) -> Outcome:
+def run_once(worlds, program: Program, entry=run_program, patience: float = 1) -> Outcome:
+    """One run of ``program``, its hang timeouts times ``patience``."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fsdp2-fuzz-status-") as status_dir:
         try:
