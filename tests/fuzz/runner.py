@@ -527,7 +527,8 @@ def _differences(ctx: Context, runs: list[Run], index: int, call, errors: dict) 
             ]
             others = [k for k in expected if not k.endswith(".grad")]
             found += [
-                f"{actual_run.name} against {expected_run.name}: {d}" for d in compare(expected, actual, tolerance, others)
+                f"{actual_run.name} against {expected_run.name}: {d}"
+                for d in compare(expected, actual, tolerance, others)
             ]
             continue
         found += [f"{actual_run.name} against {expected_run.name}: {d}" for d in compare(expected, actual, tolerance)]

@@ -212,3 +212,45 @@ def test_compiled_bf16_forward_with_a_row_per_rank_equals_eager(worlds):
         calls=(Forward(compiled=True), Backward()),
     )
     assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_compiled_synced_backward_under_manual_finalization_equals_eager_once_finalized(worlds):
+    program = Program(
+        model=Model(dim=4, vocab=5, input="linear", blocks=(Block(bias=False, wrap=Wrap()),)),
+        calls=(
+            Setter(method="set_manual_backward_finalization", value=True),
+            Forward(compiled=True),
+            Backward(),
+            FinalizeBackward(),
+            OptimizerStep(),
+            ZeroGrad(),
+        ),
+    )
+    assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_a_compiled_and_an_eager_forward_before_one_backward_differ_by_rounding_only(worlds):
+    program = Program(
+        model=Model(
+            dim=4,
+            vocab=5,
+            input="linear",
+            blocks=(Block(kind="experts", wrap=Wrap(mp="bf16")), Block()),
+            head_bias=False,
+        ),
+        calls=(
+            Forward(compiled=True),
+            Backward(),
+            Forward(batch=1, compiled=True, closed=(("blocks.0", (0, 1)),), bypassed=("blocks.0",)),
+            Forward(batch=2),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=False),
+            Forward(batch=3, compiled=True, bypassed=("blocks.0",)),
+            Backward(),
+            OptimizerStep(),
+        ),
+        optimizer="sgd",
+    )
+    assert_program_passes(worlds, program)
