@@ -396,13 +396,12 @@ class FSDPState:
         """Read while a root call's forward is traced (dynamo guards on every flag read, so a change
         retraces): some group under it keeps sums for the next synced backward, which the graph
         may not take (its forward does not run the group, or reaches none of its parameters), or
-        reduces unused parameters, whose zeros a group the graph does not reduce still gets."""
+        reduces unused parameters, whose zeros a group the graph does not reduce still gets (its
+        parameters all unused, or its module not run in this step)."""
         for state in self.states_below:
             for group in state.groups:
                 reduce = group.reduce
-                if reduce.holds_unsynced_sums or reduce.partial_sums:
-                    return True
-                if reduce.include_unused and reduce.gathered_before:
+                if reduce.holds_unsynced_sums or reduce.partial_sums or reduce.include_unused:
                     return True
         return False
 
@@ -425,6 +424,9 @@ class FSDPState:
         does; under manual finalization that waits for finalize_backward()."""
         if not self._compiled_backward_end_queued:
             self._compiled_backward_end_queued = True
+            for state in self.states_below:
+                for group in state.groups:
+                    group.reduce.reduced_in_graph = False
             compat.queue_backward_callback(self._end_compiled_backward)
 
     def _end_compiled_backward(self) -> None:

@@ -301,8 +301,9 @@ class ParamGroup:
     def reduce_after_compiled_backward(self) -> None:
         """End of a compiled backward, with gradient sync: reduce what it left, as the end of an
         eager backward does (sums kept for this group by microbatches whose forward ran it when
-        the compiled forward did not; zeros for unused parameters), now."""
-        if self.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or self.reduces_unused_params):
+        the compiled forward did not; zeros for unused parameters where the graph reduced none), now."""
+        unused = self.reduces_unused_params and not self.reduce.reduced_in_graph
+        if self.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or unused):
             reduction = self._issue_reduction()
             if reduction is not None:
                 reduction.finish()

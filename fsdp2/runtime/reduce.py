@@ -164,6 +164,8 @@ class GroupReduce:
         # The group was gathered (eager or compiled): with include_unused its parameters are reduced
         # from then on, as PyTorch's FSDP2 reduces those that have their unsharded form.
         self.gathered_before = False
+        # A compiled graph reduced the group in the backward running now (reset as it begins).
+        self.reduced_in_graph = False
         # Per pattern of reduced parameters: its buckets (the layout, kept while the parameters
         # are) and its steps (decided again when a setting changes).
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}

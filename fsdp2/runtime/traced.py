@@ -446,6 +446,11 @@ class TracedCall:
             _trace.root = self  # the first call of this forward keeps its parameters (eager's root)
         self._enter_trace()
         again, self.ran = self.ran, True  # run again in this forward (eager: its forward starts anew)
+        for traced in self.groups:
+            if traced.group.reduce.include_unused:
+                # As eager's hold of the gathered parameters: dynamo replays the store after each
+                # run of the graph, so the end of its backward reduces the group's unused zeros.
+                traced.group.reduce.gathered_before = True
         self.hold(self.gather(is_root))
         self.modules_left = len(self.modules)
         # Module order says what comes next only the first time round.

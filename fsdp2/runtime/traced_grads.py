@@ -168,6 +168,7 @@ class BucketGrads:
         self._taken_reached = set()
         if mode is Mode.SYNCED:
             self.group.reduce.gathered_before = True
+            self.group.reduce.reduced_in_graph = True
             # A copy: ``grad`` is the graph's buffer, and fresh gradients view what they are given.
             self._write(self._finished(grad.clone()), reached_all)
         else:
@@ -186,6 +187,7 @@ class BucketGrads:
         self._taken_reached = set()
         group = self.group
         group.reduce.gathered_before = True
+        group.reduce.reduced_in_graph = True
         if group.mode is not Mode.SYNCED:
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
         for p in self.frozen:

@@ -521,30 +521,70 @@ def test_unused_parameters_get_no_gradient_under_the_compiled_whole_step(worlds)
     worlds.run(2, _unused_params_compiled_vs_eager)
 
 
+class _Gated(torch.nn.Module):
+    """Called every step; its parameters used only while ``opened``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, h, opened: bool):
+        return h + self.lin(h) if opened else h * 1.0
+
+
+class _WithGate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.never = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.gate = _Gated()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, opened: bool):
+        return self.head(self.gate(torch.relu(self.first(x)), opened))
+
+
 def _unused_params_reduced_compiled_vs_eager(rank, ws):
     """``set_reduce_scatter_unused_params(True)``: a zero gradient for a parameter forward did not
-    use, compiled as eager (AdamW's weight decay then moves it in both)."""
+    use, compiled as eager (AdamW's weight decay then moves it in both), also for a group none of
+    whose parameters its first compiled step used (``gate``, its own fully_shard, closed in the
+    first two steps); each step issues eager's reductions (the end of the compiled backward
+    reduces only what the graph did not)."""
     from fsdp2 import fully_shard
+    from fsdp2.tools import count_comm
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base = _WithUnused()
-    runs = {}
+    base = _WithGate()
+    runs, comms = {}, {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(base)
+        fully_shard(model.gate)
         fully_shard(model)
         model.set_reduce_scatter_unused_params(True)
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        run(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)), False).sum().backward()
-        grads = {n: None if p.grad is None else full_tensor(p.grad) for n, p in model.named_parameters()}
-        opt.step()
+        grads, comms[name] = [], []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            with count_comm() as stats:
+                run(x, step == 2).sum().backward()
+            comms[name].append(dict(stats.calls))
+            grads.append({n: None if p.grad is None else full_tensor(p.grad) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         runs[name] = (grads, [full_tensor(p) for p in model.parameters()])
     torch._dynamo.reset()
     (eager_grads, eager_params), (grads, params) = runs["eager"], runs["compiled"]
-    assert eager_grads["never.weight"] is not None and not eager_grads["never.weight"].any()
-    assert all(torch.equal(eager_grads[n], grads[n]) for n in eager_grads)
+    for step in range(3):
+        assert eager_grads[step]["never.weight"] is not None and not eager_grads[step]["never.weight"].any()
+        assert eager_grads[step]["gate.lin.weight"] is not None
+        assert eager_grads[step]["gate.lin.weight"].any() == (step == 2)
+        assert all(torch.equal(eager_grads[step][n], grads[step][n]) for n in eager_grads[step]), step
     assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    # The reductions eager's; the compiled backward skips re-gathering a group it has no gradient for.
+    for kind in ("reduce_scatter", "all_reduce"):
+        assert [c[kind] for c in comms["compiled"]] == [c[kind] for c in comms["eager"]], comms
+    assert comms["compiled"][2] == comms["eager"][2], comms
 
 
 def test_reduce_scatter_unused_params_under_the_compiled_whole_step(worlds):

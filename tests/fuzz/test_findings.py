@@ -254,3 +254,31 @@ def test_a_compiled_and_an_eager_forward_before_one_backward_differ_by_rounding_
         optimizer="sgd",
     )
     assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_a_group_unused_in_its_first_compiled_step_gets_zero_gradients_like_eager(worlds):
+    program = Program(
+        model=Model(
+            dim=4,
+            vocab=5,
+            input="linear",
+            blocks=(
+                Block(
+                    kind="nested",
+                    children=(Block(kind="gated", bias=False, wrap=Wrap()), Block(kind="gated", wrap=Wrap(mp="bf16"))),
+                ),
+            ),
+        ),
+        calls=(
+            Setter(method="set_reduce_scatter_unused_params", value=True),
+            Forward(compiled=True, closed=(("blocks.0.inner.0", (0, 1)),)),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=False),
+            Forward(batch=1, compiled=True),
+            Backward(),
+            OptimizerStep(),
+        ),
+        optimizer="sgd",
+    )
+    assert_program_passes(worlds, program)
