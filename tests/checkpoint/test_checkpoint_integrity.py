@@ -39,6 +39,9 @@ from tests.checkpoint.ckpt_helpers import (
 )
 
 V1_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v1")
+# Saved on 2 ranks by the code of format 2 (chunks and block checksums listed in the manifest):
+# model + AdamW (exp_avg, exp_avg_sq), extra with a tensor, rank_extra with a tensor.
+V2_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v2")
 
 
 # ---------------------------------------------------------------- block geometry
@@ -353,6 +356,49 @@ def test_format_1_verify_and_corruption(tmp_path, capsys):
     assert cli.main(["verify", copy]) == 1
     assert "crc32" in capsys.readouterr().out
     with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32 "):
+        ck.load(copy, make_model(1))
+
+
+# ---------------------------------------------------------------- format 2
+
+
+def _load_v2(rank, ws, path):
+    model = shard(make_model(9), mesh_1d(ws))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = ck.LoadStats()
+    extra, mine = ck.load(path, model, opt, stats=stats, return_rank_extra=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model/{k}": v for k, v in full_state(model).items()}
+    for p, s in opt.state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[f"optim/{names[id(p)]}/{name}"] = s[name].full_tensor()
+    return state, extra, mine, stats.bytes_read, stats.bytes_verified
+
+
+@pytest.mark.parametrize("load_ws", [1, 2, 3])
+def test_format_2_checkpoint_still_loads_verified(worlds, load_ws):
+    expected = load_file(V2_FIXTURE + ".expected.safetensors")
+    for rank, (state, extra, mine, read, verified) in enumerate(worlds.run(load_ws, _load_v2, V2_FIXTURE)):
+        assert extra["step"] == 1 and extra["note"] == "format 2 fixture"
+        assert torch.equal(extra["t"], torch.arange(3))
+        assert_same_state(state, expected)
+        assert read == verified > 0  # block checksums from the manifest, checked as read
+        if load_ws == 2:  # saved on 2 ranks: each gets its own rank_extra back
+            assert mine["rank"] == rank and torch.equal(mine["r"], torch.full((2,), float(rank)))
+        else:
+            assert mine is None
+
+
+def test_format_2_verify_and_corruption(tmp_path, capsys):
+    assert ck.verify_checkpoint(V2_FIXTURE) == []
+    assert cli.main(["verify", V2_FIXTURE]) == 0
+    copy = str(tmp_path / "v2")
+    shutil.copytree(V2_FIXTURE, copy)
+    full, offset = byte_of(copy, "model/0.weight", 5)  # rank 1's chunk
+    flip_byte(full, offset)
+    assert cli.main(["verify", copy]) == 1
+    assert "rank-00001.safetensors" in capsys.readouterr().out
+    with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32c "):
         ck.load(copy, make_model(1))
 
 
