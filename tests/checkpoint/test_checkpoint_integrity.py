@@ -24,9 +24,12 @@ import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, integrity
 from fsdp2.checkpoint.integrity import BlockGrid
 from tests.checkpoint.ckpt_helpers import (
+    V1_FIXTURE,
+    V2_FIXTURE,
     assert_same_state,
     byte_of,
     checksum_blocks,
+    file_index,
     flip_byte,
     full_state,
     load_outcome,
@@ -34,14 +37,10 @@ from tests.checkpoint.ckpt_helpers import (
     matrices,
     mesh_1d,
     mesh_2d,
+    rewrite_rank_file,
     shard,
     wide_module,
 )
-
-V1_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v1")
-# Saved on 2 ranks by the code of format 2 (chunks and block checksums listed in the manifest):
-# model + AdamW (exp_avg, exp_avg_sq), extra with a tensor, rank_extra with a tensor.
-V2_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v2")
 
 
 # ---------------------------------------------------------------- block geometry
@@ -138,8 +137,8 @@ def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
     the splits fall on block edges, else less than one block more per edge."""
     path = str(tmp_path / "c")
     worlds.run(2, _save_wide, path)
-    with open(os.path.join(path, "manifest.json")) as f:
-        block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
+    block_rows = file_index(os.path.join(path, "gen-000001", "rank-00000.safetensors"))["chunks"]["model/w"]
+    block_rows = block_rows["block_elems"] // 64
     assert block_rows == 256
     aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
     assert all(read == owned for read, owned, _ in aligned)
@@ -303,20 +302,29 @@ def test_corrupted_header_is_caught(tmp_path):
     flip_byte(data, head.index(b'"model/0.bias"') + 7)  # '0' -> ' ': still JSON, a renamed tensor
     with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors is corrupted \(crc32c of its header"):
         ck.load(path, make_model(1))
-    assert any("header crc32c" in p for p in ck.verify_checkpoint(path))
+    assert any("rank-00000.safetensors is corrupted (crc32c of its header" in p for p in ck.verify_checkpoint(path))
 
 
 def test_checksum_list_of_wrong_length_is_refused(tmp_path):
     path = str(tmp_path / "c")
     ck.save(path, make_model(0))
-    manifest_path = os.path.join(path, "manifest.json")
-    with open(manifest_path) as f:
+    data = os.path.join(path, "gen-000001", "rank-00000.safetensors")
+    rewrite_rank_file(data, lambda tensors, index: index["chunks"]["model/0.weight"].update(crc32c="00000000" * 2))
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"rank-00000\.safetensors: .*'model/0\.weight' lists 2 block checksums, its shape needs 1",
+    ):
+        ck.load(path, make_model(1))
+    # Format 2 lists them in the manifest.
+    old = str(tmp_path / "v2")
+    shutil.copytree(V2_FIXTURE, old)
+    with open(os.path.join(old, "manifest.json")) as f:
         manifest = json.load(f)
     manifest["tensors"]["model/0.weight"]["chunks"][0]["crc32c"] += "00000000"
-    with open(manifest_path, "w") as f:
+    with open(os.path.join(old, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     with pytest.raises(ck.CheckpointError, match=r"lists 2 block checksums, its shape needs 1"):
-        ck.load(path, make_model(1))
+        ck.load(old, make_model(1))
 
 
 # ---------------------------------------------------------------- format 1
