@@ -225,3 +225,28 @@ def test_a_tensor_on_a_mesh_without_rank0_loads_back(worlds, tmp_path):
     loaded = worlds.run(4, _load_two_meshes, path) + worlds.run(1, _load_plain, path)
     assert [sorted(state) for state in loaded] == [["low"]] * 2 + [["high", "low"]] * 3
     assert all(torch.equal(state[k], expected[k]) for state in loaded for k in state)
+
+
+# ---------------------------------------------------------------- the scale benchmark, tiny
+
+
+def test_the_scale_benchmark_runs_at_a_tiny_world(tmp_path, capsys):
+    """benchmarks/bench_checkpoint_scale.py at 4 and 8 simulated ranks of a small GPT, in this
+    process: both libraries measured, fsdp2's manifest as long at 8 as at 4, DCP's metadata longer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_checkpoint_scale as bench
+
+    rows = bench.run("gpt-small", [4, 8], 1, True, str(tmp_path), in_process=True)
+    bench.report(rows)
+    out = capsys.readouterr().out
+    assert [r["n"] for r in rows] == [4, 8] and all(r["dcp_commit"] and r["dcp_plan"] for r in rows)
+    assert rows[0]["fsdp2_commit"]["tensors"] == rows[1]["fsdp2_commit"]["tensors"] == 4 * 49  # params, moments, steps
+    assert rows[0]["fsdp2_commit"]["manifest_bytes"] == rows[1]["fsdp2_commit"]["manifest_bytes"]
+    assert rows[1]["dcp_commit"]["chunks"] > rows[0]["dcp_commit"]["chunks"]  # DCP lists every rank's
+    # Bytes of metadata a rank reads: fsdp2's flat (the headers' digits vary), DCP's growing with the ranks.
+    fsdp2_bytes, dcp_bytes = ([r[side]["metadata_bytes"] for r in rows] for side in ("fsdp2_plan", "dcp_plan"))
+    assert abs(fsdp2_bytes[1] - fsdp2_bytes[0]) < 0.02 * fsdp2_bytes[0] and dcp_bytes[1] > 1.5 * dcp_bytes[0]
+    assert "| 4 |" in out and "| 8 |" in out
