@@ -28,9 +28,10 @@ Each measurement runs in a fresh process (its peak memory is its own):
 - peak memory: growth of the process's peak resident set during the load plan (``VmHWM``, reset
   through ``/proc/self/clear_refs``).
 
-fsdp2's load plan runs with Python's automatic garbage collection paused, as ``load`` runs it; DCP's
-as DCP runs it. Times are medians of --repeats runs in that process (DCP's: one, and its commit
-one). DCP's simulation holds every
+fsdp2's commit and load plan run with Python's automatic garbage collection paused, as ``save`` and
+``load`` run them; DCP's as DCP runs them. fsdp2's times are medians of --repeats rounds, each
+size's commit and plan once per round, sizes in a shuffled order, each size's two processes kept
+between rounds (so other jobs' load hits every size alike); DCP's are one run each. DCP's simulation holds every
 rank's plan and the whole ``Metadata`` in memory (about 2.3 GB at 1,024 ranks for the 8B state,
 growing with N): a size whose estimate exceeds the machine's available memory is not run, and its
 DCP figures are extrapolated linearly from the two largest sizes run, marked ``~``.
@@ -131,54 +132,69 @@ def _write_rank_header(path: str, rank: int, shards) -> None:
         f.truncate(len(header) + sum(spec.nbytes for spec in specs))
 
 
-def fsdp2_commit(preset: str, world: int, path: str) -> dict:
-    """Rank 0: describe, merge, check and write the manifest (timed); its own file's header."""
-    from fsdp2.checkpoint import writer
-    from fsdp2.checkpoint.directory import write_durably
+class Fsdp2Commit:
+    """Rank 0 of a fake world of ``world`` ranks: its state, its own file's header; each call is one
+    commit (timed: describe every tensor, merge, check, write and fsync the manifest)."""
 
-    _as_rank(0, world)
-    model, optimizer = _sharded_state(preset, world)
-    flat = _flat(model, optimizer)
-    os.makedirs(os.path.join(path, "gen-000001"), exist_ok=True)
-    start = time.perf_counter()
-    shards, described = writer.plan_local_shards(flat.tensors, 0)
-    manifest = writer.build_manifest(path, 1, world, flat.objects, described, 0, SAVE_ID, False)
-    text = manifest.to_json()
-    write_durably(os.path.join(path, "manifest.json"), text)
-    seconds = time.perf_counter() - start
-    _write_rank_header(path, 0, shards)
-    return {"seconds": seconds, "manifest_bytes": len(text.encode()), "tensors": len(manifest.tensors)}
+    def __init__(self, preset: str, world: int, path: str):
+        _as_rank(0, world)
+        self.world, self.path = world, path
+        model, optimizer = _sharded_state(preset, world)
+        self.flat = _flat(model, optimizer)
+        os.makedirs(os.path.join(path, "gen-000001"), exist_ok=True)
+        self()
+        _write_rank_header(path, 0, self.shards)
+
+    def __call__(self) -> dict:
+        from fsdp2.checkpoint import gc_pause, writer
+        from fsdp2.checkpoint.directory import write_durably
+
+        start = time.perf_counter()
+        with gc_pause.paused():  # as save runs
+            self.shards, described = writer.plan_local_shards(self.flat.tensors, 0)
+            manifest = writer.build_manifest(self.path, 1, self.world, self.flat.objects, described, 0, SAVE_ID, False)
+            text = manifest.to_json()
+            write_durably(os.path.join(self.path, "manifest.json"), text)
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "manifest_bytes": len(text.encode()), "tensors": len(manifest.tensors)}
 
 
-def fsdp2_plan(preset: str, world: int, rank: int, path: str, repeats: int) -> dict:
-    """One rank plans its load: manifest + headers of the files it needs (timed, peak memory)."""
-    from fsdp2.checkpoint import gc_pause, writer
-    from fsdp2.checkpoint.reader import LoadStats, plan_load
-    from fsdp2.checkpoint.tensor_reader import OpenFiles
+class Fsdp2Plan:
+    """Rank ``rank`` of a fake world (its own file's header written); each call plans its load from the
+    manifest and the headers of the files it needs (timed; peak memory at the first call)."""
 
-    _as_rank(rank, world)
-    model, optimizer = _sharded_state(preset, world)
-    if rank != 0:
-        shards, _ = writer.plan_local_shards(_flat(model, optimizer).tensors, rank)
-        _write_rank_header(path, rank, shards)
-    times, peak, stats = [], None, None
-    for _ in range(repeats):
-        measured = peak is None and _peak_reset()
+    def __init__(self, preset: str, world: int, rank: int, path: str):
+        from fsdp2.checkpoint import writer
+
+        _as_rank(rank, world)
+        self.path = path
+        self.model, self.optimizer = _sharded_state(preset, world)
+        if rank != 0:
+            shards, _ = writer.plan_local_shards(_flat(self.model, self.optimizer).tensors, rank)
+            _write_rank_header(path, rank, shards)
+        self.peak = None
+
+    def __call__(self) -> dict:
+        from fsdp2.checkpoint import gc_pause
+        from fsdp2.checkpoint.reader import LoadStats, plan_load
+        from fsdp2.checkpoint.tensor_reader import OpenFiles
+
+        measured = self.peak is None and _peak_reset()
         before = _vm("VmRSS")
         stats = LoadStats()
         start = time.perf_counter()
-        with gc_pause.paused(), OpenFiles(path) as files:  # as load plans: collections paused
-            planned = plan_load(path, model, optimizer, files, verify=True, stats=stats)
-        times.append(time.perf_counter() - start)
+        with gc_pause.paused(), OpenFiles(self.path) as files:  # as load plans: collections paused
+            planned = plan_load(self.path, self.model, self.optimizer, files, verify=True, stats=stats)
+        seconds = time.perf_counter() - start
         if measured:
-            peak = _vm("VmHWM") - before
+            self.peak = _vm("VmHWM") - before
         del planned
-    return {
-        "seconds": statistics.median(times),
-        "peak_bytes": peak,
-        "metadata_bytes": stats.metadata_bytes,
-        "files": len(stats.files_read),
-    }
+        return {
+            "seconds": seconds,
+            "peak_bytes": self.peak,
+            "metadata_bytes": stats.metadata_bytes,
+            "files": len(stats.files_read),
+        }
 
 
 def _dcp_state_of(preset: str, world: int):
@@ -270,21 +286,96 @@ def dcp_plan(preset: str, world: int, rank: int, path: str) -> dict:
 # ---------------------------------------------------------------- driver
 
 
+def _leave_world() -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import debug
+
+    dist.destroy_process_group()
+    # DTensor caches sharding decisions per (equal) mesh: the next world must not get this one's.
+    getattr(debug, "_clear_sharding_prop_cache", debug._clear_python_sharding_prop_cache)()
+
+
 def _measure(in_process: bool, fn, *args):
     """``fn(*args)`` in a fresh process, or here (quick, but then peak memory includes earlier work)."""
     if not in_process:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
             return pool.submit(fn, *args).result()
-    import torch.distributed as dist
-    from torch.distributed.tensor import debug
-
     try:
         return fn(*args)
     finally:
-        dist.destroy_process_group()
-        # DTensor caches sharding decisions per (equal) mesh: the next world must not get this one's.
-        getattr(debug, "_clear_sharding_prop_cache", debug._clear_python_sharding_prop_cache)()
+        _leave_world()
+
+
+def _serve(conn, kind, args) -> None:
+    """A worker process: build ``kind(*args)``, then call it once per request until told to stop."""
+    measure = kind(*args)
+    conn.send("ready")
+    while conn.recv():
+        conn.send(measure())
+
+
+class _Worker:
+    def __init__(self, kind, *args):
+        context = multiprocessing.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs, kind, args), daemon=True)
+        self.process.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{kind.__name__}{args} did not start")
+
+    def __call__(self) -> dict:
+        self.conn.send(True)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(False)
+        self.process.join()
+
+
+def fsdp2_rounds(preset: str, sizes: list[int], repeats: int, root: str, in_process: bool) -> dict[int, dict]:
+    """fsdp2's commit and load plan at every size: ``repeats`` rounds, each size once per round in a
+    shuffled order (its workers kept between rounds), so the load of other jobs hits every size
+    alike; medians. In process: one size after the other."""
+    import random
+
+    runs = {n: {"commit": [], "plan": []} for n in sizes}
+    paths = {n: os.path.join(root, f"fsdp2-{n}") for n in sizes}
+    if in_process:
+        for n in sizes:
+            for kind, args, name in (
+                (Fsdp2Commit, (preset, n, paths[n]), "commit"),
+                (Fsdp2Plan, (preset, n, n // 2, paths[n]), "plan"),
+            ):
+                measure = kind(*args)
+                runs[n][name] = [measure() for _ in range(repeats)]
+                _leave_world()
+    else:
+        workers = {}
+        try:
+            for n in sizes:
+                workers[n] = (
+                    _Worker(Fsdp2Commit, preset, n, paths[n]),
+                    _Worker(Fsdp2Plan, preset, n, n // 2, paths[n]),
+                )
+            for round_ in range(repeats):
+                order = list(sizes)
+                random.Random(round_).shuffle(order)
+                for n in order:
+                    runs[n]["commit"].append(workers[n][0]())
+                    runs[n]["plan"].append(workers[n][1]())
+        finally:
+            for pair in workers.values():
+                for worker in pair:
+                    worker.close()
+    out = {}
+    for n, kinds in runs.items():
+        out[n] = {}
+        for name, results in kinds.items():
+            summary = dict(results[0])
+            summary["seconds"] = statistics.median(r["seconds"] for r in results)
+            out[n][name] = summary
+    return out
 
 
 def _available_bytes() -> int:
@@ -307,11 +398,15 @@ def _mb(n: float | None) -> str:
 
 def run(preset: str, sizes: list[int], repeats: int, with_dcp: bool, root: str, in_process: bool = False) -> list[dict]:
     rows, dcp_peak_rss, skipped = [], {}, []
+    fsdp2 = fsdp2_rounds(preset, sizes, repeats, root, in_process)
     for n in sizes:
-        path = os.path.join(root, f"fsdp2-{n}")
-        commit = _measure(in_process, fsdp2_commit, preset, n, path)
-        plan = _measure(in_process, fsdp2_plan, preset, n, n // 2, path, repeats)
-        row = {"n": n, "fsdp2_commit": commit, "fsdp2_plan": plan, "dcp_commit": None, "dcp_plan": None}
+        row = {
+            "n": n,
+            "fsdp2_commit": fsdp2[n]["commit"],
+            "fsdp2_plan": fsdp2[n]["plan"],
+            "dcp_commit": None,
+            "dcp_plan": None,
+        }
         if with_dcp:
             need = _extrapolate(dcp_peak_rss, n) if len(dcp_peak_rss) >= 2 else None
             if need is None and dcp_peak_rss:
@@ -399,7 +494,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-8b", help="a preset of fsdp2.plan (default llama3-8b)")
     parser.add_argument("--sizes", default="1024,4096,16384", help="simulated world sizes")
-    parser.add_argument("--repeats", type=int, default=7, help="fsdp2 load plans timed per size (median)")
+    parser.add_argument("--repeats", type=int, default=9, help="rounds of fsdp2's commit and load plan (medians)")
     parser.add_argument("--no-dcp", action="store_true", help="fsdp2 alone")
     parser.add_argument("--dir", default=None, help="where to write manifests and sparse files (default: a temp dir)")
     parser.add_argument(
