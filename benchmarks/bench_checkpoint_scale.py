@@ -28,7 +28,9 @@ Each measurement runs in a fresh process (its peak memory is its own):
 - peak memory: growth of the process's peak resident set during the load plan (``VmHWM``, reset
   through ``/proc/self/clear_refs``).
 
-fsdp2's commit and load plan run with Python's automatic garbage collection paused, as ``save`` and
+The table gives CPU seconds (this process's, fsync waits excluded: both sides fsync once), which
+other jobs on a shared machine disturb less than wall-clock seconds (printed below it). fsdp2's
+commit and load plan run with Python's automatic garbage collection paused, as ``save`` and
 ``load`` run them; DCP's as DCP runs them. fsdp2's times are medians of --repeats rounds, each
 size's commit and plan once per round, sizes in a shuffled order, each size's two processes kept
 between rounds (so other jobs' load hits every size alike); DCP's are one run each. DCP's simulation holds every
@@ -98,6 +100,21 @@ def _flat(model, optimizer):
     return flatten(model, optimizer, None)
 
 
+class _Clock:
+    """Wall and CPU seconds (this process's, all threads) of a block: on a machine shared with other
+    jobs, CPU time is the work done and wall time includes waiting for a core."""
+
+    def __enter__(self) -> "_Clock":
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def figures(self) -> dict:
+        return {"seconds": self.wall, "cpu_seconds": self.cpu}
+
+
 def _peak_reset() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -149,14 +166,12 @@ class Fsdp2Commit:
         from fsdp2.checkpoint import gc_pause, writer
         from fsdp2.checkpoint.directory import write_durably
 
-        start = time.perf_counter()
-        with gc_pause.paused():  # as save runs
+        with _Clock() as clock, gc_pause.paused():  # as save runs
             self.shards, described = writer.plan_local_shards(self.flat.tensors, 0)
             manifest = writer.build_manifest(self.path, 1, self.world, self.flat.objects, described, 0, SAVE_ID, False)
             text = manifest.to_json()
             write_durably(os.path.join(self.path, "manifest.json"), text)
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "manifest_bytes": len(text.encode()), "tensors": len(manifest.tensors)}
+        return {**clock.figures(), "manifest_bytes": len(text.encode()), "tensors": len(manifest.tensors)}
 
 
 class Fsdp2Plan:
@@ -182,15 +197,13 @@ class Fsdp2Plan:
         measured = self.peak is None and _peak_reset()
         before = _vm("VmRSS")
         stats = LoadStats()
-        start = time.perf_counter()
-        with gc_pause.paused(), OpenFiles(self.path) as files:  # as load plans: collections paused
+        with _Clock() as clock, gc_pause.paused(), OpenFiles(self.path) as files:  # as load plans: gc paused
             planned = plan_load(self.path, self.model, self.optimizer, files, verify=True, stats=stats)
-        seconds = time.perf_counter() - start
         if measured:
             self.peak = _vm("VmHWM") - before
         del planned
         return {
-            "seconds": seconds,
+            **clock.figures(),
             "peak_bytes": self.peak,
             "metadata_bytes": stats.metadata_bytes,
             "files": len(stats.files_read),
@@ -237,21 +250,20 @@ def dcp_commit(preset: str, world: int, path: str) -> dict:
             items.append(item)
         plans.append(SavePlan(items, planner_data=own.planner_data))
     gc.collect()
-    start = time.perf_counter()
-    global_plan, metadata = planner.create_global_plan(plans)
-    metadata.storage_data = {
-        item.index: _StorageInfo(f"__{rank}_0.distcp", 0, 0)
-        for rank, plan in enumerate(global_plan)
-        for item in plan.items
-    }
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - start
+    with _Clock() as clock:
+        global_plan, metadata = planner.create_global_plan(plans)
+        metadata.storage_data = {
+            item.index: _StorageInfo(f"__{rank}_0.distcp", 0, 0)
+            for rank, plan in enumerate(global_plan)
+            for item in plan.items
+        }
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
     chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
     return {
-        "seconds": seconds,
+        **clock.figures(),
         "manifest_bytes": os.path.getsize(os.path.join(path, ".metadata")),
         "chunks": chunks,
         "peak_rss": _vm("VmHWM"),
@@ -268,15 +280,14 @@ def dcp_plan(preset: str, world: int, rank: int, path: str) -> dict:
     state = _dcp_state_of(preset, world)
     measured = _peak_reset()
     before = _vm("VmRSS")
-    start = time.perf_counter()
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = pickle.load(f)
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(state, metadata, is_coordinator=False)
-    plan = planner.create_local_plan()
-    seconds = time.perf_counter() - start
+    with _Clock() as clock:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = pickle.load(f)
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state, metadata, is_coordinator=False)
+        plan = planner.create_local_plan()
     return {
-        "seconds": seconds,
+        **clock.figures(),
         "peak_bytes": _vm("VmHWM") - before if measured else None,
         "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata")),
         "items": len(plan.items),
@@ -373,7 +384,8 @@ def fsdp2_rounds(preset: str, sizes: list[int], repeats: int, root: str, in_proc
         out[n] = {}
         for name, results in kinds.items():
             summary = dict(results[0])
-            summary["seconds"] = statistics.median(r["seconds"] for r in results)
+            for clock in ("seconds", "cpu_seconds"):
+                summary[clock] = statistics.median(r[clock] for r in results)
             out[n][name] = summary
     return out
 
@@ -441,8 +453,8 @@ def _fill_extrapolated(rows: list[dict]) -> None:
             continue
         guess = {}
         for side, keys in (
-            ("dcp_commit", ("seconds", "manifest_bytes")),
-            ("dcp_plan", ("seconds", "peak_bytes", "metadata_bytes")),
+            ("dcp_commit", ("seconds", "cpu_seconds", "manifest_bytes")),
+            ("dcp_plan", ("seconds", "cpu_seconds", "peak_bytes", "metadata_bytes")),
         ):
             guess[side] = {k: _extrapolate({m["n"]: m[side][k] for m in measured}, r["n"]) for k in keys}
             guess[side]["extrapolated"] = True
@@ -463,9 +475,9 @@ def report(rows: list[dict]) -> None:
     seconds = lambda s: f"{s:.3f}"  # noqa: E731
     print(
         "| ranks | metadata a rank reads, MB: fsdp2 | DCP | fsdp2/DCP "
-        "| load plan of one rank, s: fsdp2 | DCP | fsdp2/DCP "
+        "| load plan of one rank, CPU s: fsdp2 | DCP | fsdp2/DCP "
         "| its peak memory, MB: fsdp2 | DCP | fsdp2/DCP "
-        "| commit on rank 0, s: fsdp2 | DCP | fsdp2/DCP |"
+        "| commit on rank 0, CPU s: fsdp2 | DCP | fsdp2/DCP |"
     )
     print("|" + "---:|" * 13)
     for r in rows:
@@ -473,28 +485,55 @@ def report(rows: list[dict]) -> None:
         print(
             f"| {r['n']:,} "
             f"| {_mb(fp['metadata_bytes'])} | {fig(dp, 'metadata_bytes', _mb)} | {ratio(fp, dp, 'metadata_bytes')} "
-            f"| {seconds(fp['seconds'])} | {fig(dp, 'seconds', seconds)} | {ratio(fp, dp, 'seconds')} "
+            f"| {seconds(fp['cpu_seconds'])} | {fig(dp, 'cpu_seconds', seconds)} | {ratio(fp, dp, 'cpu_seconds')} "
             f"| {_mb(fp['peak_bytes'])} | {fig(dp, 'peak_bytes', _mb)} | {ratio(fp, dp, 'peak_bytes')} "
-            f"| {seconds(fc['seconds'])} | {fig(dc, 'seconds', seconds)} | {ratio(fc, dc, 'seconds')} |"
+            f"| {seconds(fc['cpu_seconds'])} | {fig(dc, 'cpu_seconds', seconds)} | {ratio(fc, dc, 'cpu_seconds')} |"
         )
     first, last = rows[0], rows[-1]
+
+    def growth(side: str, key: str) -> str:
+        return f"{last[side][key] / first[side][key]:.3f}x"
+
     print()
     print(
-        f"fsdp2 from {first['n']:,} to {last['n']:,} ranks: metadata a rank reads "
-        f"{last['fsdp2_plan']['metadata_bytes'] / first['fsdp2_plan']['metadata_bytes']:.3f}x, load plan "
-        f"{last['fsdp2_plan']['seconds'] / first['fsdp2_plan']['seconds']:.3f}x, commit "
-        f"{last['fsdp2_commit']['seconds'] / first['fsdp2_commit']['seconds']:.3f}x; manifest "
-        + ", ".join(f"{r['fsdp2_commit']['manifest_bytes']:,}" for r in rows)
-        + f" bytes ({first['fsdp2_commit']['tensors']:,} tensors); files a rank reads: "
-        + ", ".join(str(r["fsdp2_plan"]["files"]) for r in rows)
+        f"fsdp2 from {first['n']:,} to {last['n']:,} ranks: "
+        f"metadata a rank reads {growth('fsdp2_plan', 'metadata_bytes')}, "
+        f"load plan {growth('fsdp2_plan', 'cpu_seconds')} CPU ({growth('fsdp2_plan', 'seconds')} wall), "
+        f"commit {growth('fsdp2_commit', 'cpu_seconds')} CPU ({growth('fsdp2_commit', 'seconds')} wall)"
     )
+    print(
+        "fsdp2 wall seconds, load plan: "
+        + ", ".join(f"{r['fsdp2_plan']['seconds']:.3f}" for r in rows)
+        + "; commit: "
+        + ", ".join(f"{r['fsdp2_commit']['seconds']:.3f}" for r in rows)
+        + "; DCP wall seconds, load plan: "
+        + ", ".join(fig_wall(r["dcp_plan"]) for r in rows)
+        + "; commit: "
+        + ", ".join(fig_wall(r["dcp_commit"]) for r in rows)
+    )
+    print(
+        "manifest bytes: "
+        + ", ".join(f"{r['fsdp2_commit']['manifest_bytes']:,}" for r in rows)
+        + f" ({first['fsdp2_commit']['tensors']:,} tensors); files a rank reads: "
+        + ", ".join(str(r["fsdp2_plan"]["files"]) for r in rows)
+        + "; DCP's chunks: "
+        + ", ".join(
+            f"{r['dcp_commit']['chunks']:,}" if r["dcp_commit"] and "chunks" in r["dcp_commit"] else "-" for r in rows
+        )
+    )
+
+
+def fig_wall(side: dict | None) -> str:
+    if side is None:
+        return "-"
+    return ("~" if side.get("extrapolated") else "") + f"{side['seconds']:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-8b", help="a preset of fsdp2.plan (default llama3-8b)")
     parser.add_argument("--sizes", default="1024,4096,16384", help="simulated world sizes")
-    parser.add_argument("--repeats", type=int, default=9, help="rounds of fsdp2's commit and load plan (medians)")
+    parser.add_argument("--repeats", type=int, default=21, help="rounds of fsdp2's commit and load plan (medians)")
     parser.add_argument("--no-dcp", action="store_true", help="fsdp2 alone")
     parser.add_argument("--dir", default=None, help="where to write manifests and sparse files (default: a temp dir)")
     parser.add_argument(

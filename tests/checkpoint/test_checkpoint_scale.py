@@ -250,3 +250,52 @@ def test_the_scale_benchmark_runs_at_a_tiny_world(tmp_path, capsys):
     fsdp2_bytes, dcp_bytes = ([r[side]["metadata_bytes"] for r in rows] for side in ("fsdp2_plan", "dcp_plan"))
     assert abs(fsdp2_bytes[1] - fsdp2_bytes[0]) < 0.02 * fsdp2_bytes[0] and dcp_bytes[1] > 1.5 * dcp_bytes[0]
     assert "| 4 |" in out and "| 8 |" in out
+
+
+def _permuted(rank, ws, seed):
+    """One (9, 2) parameter sharded over a mesh whose ranks are not in order, 3, 0, 2, 1 (local shards
+    cut by hand: rows 0-2 at coordinate 0, rank 3), and the full tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp2.layout.regions import local_region, shard_region
+
+    torch.manual_seed(seed)
+    full = torch.randn(9, 2)
+    mesh = DeviceMesh("cpu", [3, 0, 2, 1])
+    box = shard_region((9, 2), (4,), mesh.get_coordinate(), [Shard(0)])
+    module = nn.Module()
+    local = full[box.slices()].clone()
+    module.w = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(9, 2), stride=(2, 1)))
+    assert local_region(module.w) == box
+    return module, full, box
+
+
+def _save_permuted(rank, ws, path):
+    ck.save(path, _permuted(rank, ws, 0)[0])
+
+
+def _load_permuted(rank, ws, path):
+    module, _, box = _permuted(rank, ws, 1)
+    ck.load(path, module)
+    return module.w.to_local().detach(), box
+
+
+def test_a_mesh_without_an_affine_rank_map_lists_its_ranks(worlds, tmp_path):
+    """The irregular case: the manifest lists the mesh's ranks (and says so: "ranks", not "start" and
+    "strides"); rank 3, at coordinate 0, describes the tensor in a sidecar."""
+    path = str(tmp_path / "c")
+    worlds.run(4, _save_permuted, path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["meshes"][manifest["tensors"]["model/w"]["mesh"]] == {"shape": [4], "ranks": [3, 0, 2, 1]}
+    # Rows 0-2 are coordinate 0's: rank 3's file.
+    assert file_index(os.path.join(path, "gen-000001", "rank-00003.safetensors"))["chunks"]["model/w"]["offsets"] == [
+        0,
+        0,
+    ]
+    torch.manual_seed(0)
+    expected = torch.randn(9, 2)
+    loaded = worlds.run(4, _load_permuted, path)
+    assert [box.offsets[0] for _, box in loaded] == [3, 9, 6, 0]  # coordinates 1, 3 (empty), 2, 0
+    assert all(torch.equal(local, expected[box.slices()]) for local, box in loaded)
