@@ -201,9 +201,7 @@ def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> list[LocalShard]:
     ]
 
 
-def rank_file_index(
-    shards: list[LocalShard], save_id: str, rank_object
-) -> tuple[FileIndex, dict[str, BlockGrid]]:
+def rank_file_index(shards: list[LocalShard], save_id: str, rank_object) -> tuple[FileIndex, dict[str, BlockGrid]]:
     """The index of a rank file holding ``shards``, its checksums still placeholders (as long as the
     real ones), and each non-empty shard's block grid."""
     grids, records = {}, {}
