@@ -93,6 +93,21 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh._get_root_mesh()
 
 
+def groups_along(mesh: DeviceMesh, dim: int) -> list[list[int]]:
+    """Every group of ranks the job's layout of ``mesh`` forms along ``dim`` (not only this rank's),
+    each in its order along the dim: all ranks compute the same list, with no communication,
+    however ``mesh`` was made (sliced, flattened or unflattened from a world mesh)."""
+    size = mesh.size(dim)
+    if hasattr(mesh, "_layout") and hasattr(mesh, "_rank_map"):  # torch's layout bookkeeping
+        from torch.distributed._mesh_layout import _MeshLayout
+
+        return _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._rank_map).reshape(-1, size).tolist()
+    root = root_mesh(mesh)  # a slice of a root that names the dim
+    names = mesh.mesh_dim_names
+    root_dim = root.mesh_dim_names.index(names[dim]) if names else dim
+    return root.mesh.movedim(root_dim, -1).reshape(-1, size).tolist()
+
+
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``mesh``'s dims as one 1-D mesh called ``name`` (cached by DeviceMesh: same name, same mesh)."""
     return mesh._flatten(name)

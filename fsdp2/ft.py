@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp2 import compat
@@ -270,8 +273,9 @@ class _Phase(enum.Enum):
 
 
 class QuorumTimeoutError(TimeoutError):
-    """``begin_step`` got no quorum in time: the lighthouse is down or unreachable, or fewer than
-    ``min_replicas`` replica groups asked for one."""
+    """``begin_step`` got no quorum of ``min_replicas`` groups within ``quorum_timeout`` (the
+    lighthouse is down or unreachable, or fewer groups asked for one), or the constructor could not
+    reach the lighthouse within ``timeout``. Raised on every rank of the group."""
 
 
 # Arguments torchft's Manager takes that FaultTolerantHSDP sets itself: manager_kwargs must not.
@@ -290,6 +294,18 @@ _MANAGER_ARGUMENTS = {
     "quorum_retries": "quorum_retries",
 }
 
+# What torchft's Manager reads from torchrun's environment unless manager_kwargs gives it.
+_GROUP_ENVIRONMENT = (
+    ("MASTER_ADDR", "store_addr"),
+    ("MASTER_PORT", "store_port"),
+    ("RANK", "rank"),
+    ("WORLD_SIZE", "world_size"),
+)
+
+# How long begin_step waits before it asks the lighthouse again after a quorum of fewer than
+# min_replicas groups (the lighthouse answers at once while no other group asks).
+_QUORUM_POLL_S = 0.2
+
 # Each fully_shard'ed module's current FaultTolerantHSDP (its all-reduce hook calls that one).
 _HOOK_OWNERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[FaultTolerantHSDP]]" = weakref.WeakKeyDictionary()
 
@@ -305,18 +321,19 @@ class FaultTolerantHSDP:
     the model's all-reduce hooks (``close()`` it before making another).
 
     ``replica_id``: this group's name, the same across its restarts.
-    ``min_replicas``: a step commits only if at least this many groups took part.
+    ``min_replicas``: a step runs only with at least this many groups (``begin_step`` waits for them).
     ``timeout``: bounds every all-reduce, commit vote and state transfer (a dead peer costs at
-    most this long); ``quorum_timeout``: how long ``begin_step`` waits for a quorum before it
-    raises :class:`QuorumTimeoutError`.
+    most this long), and reaching the lighthouse; ``quorum_timeout``: how long ``begin_step`` waits
+    for a quorum of ``min_replicas`` groups before it raises :class:`QuorumTimeoutError`.
     ``quorum_retries`` (default ``DEFAULT_QUORUM_RETRIES``, 3): how often this group's manager asks
     the lighthouse again, within ``quorum_timeout``, after a failed quorum request, so a restarted
     lighthouse does not end every group (torchft's own default is 0). ``TORCHFT_QUORUM_RETRIES``
     in the environment, which torchft reads, takes precedence.
     ``manager_kwargs``: further arguments of ``torchft.manager.Manager`` (not the ones above).
 
-    Arguments and the model are checked before anything connects: a bad one raises
-    :class:`~fsdp2.FSDPUsageError` naming it.
+    Arguments, the model and the environment are checked before anything connects: a bad one
+    raises :class:`~fsdp2.FSDPUsageError` naming it. What the constructor or ``begin_step`` raises
+    on one rank of the group, every rank raises.
     """
 
     def __init__(
@@ -354,9 +371,11 @@ class FaultTolerantHSDP:
                 "call fully_shard(model, mesh=shard_mesh) first"
             )
         _check_every_gradient_is_averaged(model)
-        self._shard_world_size = _shard_world_size(model)
+        self._mesh = _shard_mesh(model)  # this replica group's ranks
+        self._shard_world_size = self._mesh.size()
         _check_optimizer(optimizer, model)
         _check_not_hooked_already(fsdp_modules, replica_id)
+        group_rank = _check_group_environment(manager_kwargs or {})
         self.model = model
         self.optimizer = optimizer
         self.replica_id = replica_id
@@ -370,24 +389,46 @@ class FaultTolerantHSDP:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         device_type = next(model.parameters()).device.type
-        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=self.load_state_dict,
-            state_dict=self.state_dict,
-            min_replica_size=min_replicas,
-            # Synchronous quorum: a joiner receives, checks and loads the live state in
-            # begin_step, before it issues any collective a mismatched model could garble.
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=quorum_timeout,
-            connect_timeout=timeout,
-            lighthouse_addr=lighthouse,
-            replica_id=replica_id,
-            init_sync=init_sync,
-            quorum_retries=quorum_retries,
-            **(manager_kwargs or {}),
-        )
+        self._device = _agreement_device(self._mesh, device_type)
+
+        def make_manager() -> Manager:
+            pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+            self._pg = pg  # released by close()
+            return Manager(
+                pg=pg,
+                load_state_dict=self.load_state_dict,
+                state_dict=self.state_dict,
+                min_replica_size=min_replicas,
+                # Synchronous quorum: a joiner receives, checks and loads the live state in
+                # begin_step, before it issues any collective a mismatched model could garble.
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                connect_timeout=timeout,
+                lighthouse_addr=lighthouse,
+                replica_id=replica_id,
+                init_sync=init_sync,
+                quorum_retries=quorum_retries,
+                **(manager_kwargs or {}),
+            )
+
+        # Group rank 0 starts torchft's manager server (it connects to the lighthouse) and the
+        # other ranks wait for it in torchft's store: they make theirs only once rank 0 is up, so
+        # a failure there reaches every rank at once instead of leaving them waiting in the store.
+        manager = failure = None
+        for turn in (group_rank == 0, group_rank != 0):
+            if turn:
+                try:
+                    manager = make_manager()
+                except Exception as e:  # noqa: BLE001 (every rank of the group raises it, below)
+                    failure = self._manager_failure(e, timeout, group_rank)
+            try:
+                _agree(failure, self._mesh, self._device)
+            except BaseException:
+                if manager is not None:
+                    manager.shutdown(wait=False)
+                raise
+        self.manager = manager
         self._phase = _Phase.BETWEEN_STEPS
         self._hooked = fsdp_modules
         for m in fsdp_modules:
@@ -398,20 +439,71 @@ class FaultTolerantHSDP:
 
     def begin_step(self) -> None:
         """Join this step's quorum (healing from a live group first if this one is behind) and
-        clear the gradients. Call before the forward pass."""
+        clear the gradients. Call before the forward pass.
+
+        Waits up to ``quorum_timeout`` for a quorum of at least ``min_replicas`` groups, then
+        raises :class:`QuorumTimeoutError`. Every rank of the group raises what any of them
+        raises here (a joiner refused on one shard rank is refused on all)."""
         self._expect(_Phase.BETWEEN_STEPS, "begin_step")
-        try:
-            self.manager.start_quorum()
-        except TimeoutError as e:  # torchft's, from its gRPC status: "status: Cancelled, message: ..."
-            raise QuorumTimeoutError(
-                f"FaultTolerantHSDP.begin_step: replica group {self.replica_id!r} got no quorum from the lighthouse "
-                f"{self.lighthouse} within quorum_timeout={self.quorum_timeout} (min_replicas={self.min_replicas}). "
-                f"Either the lighthouse is down or unreachable from here, or fewer than {self.min_replicas} replica "
-                "groups asked for a quorum. Check that torchft_lighthouse runs at that address and that enough groups "
-                f"are up, then restart this group (it heals from a live one). torchft: {e}"
-            ) from e
+        deadline = time.monotonic() + self.quorum_timeout.total_seconds()
+        while True:
+            failure, too_few = None, False
+            try:
+                # The lighthouse may form quorums smaller than min_replicas (its own --min_replicas
+                # is lower): ask again until enough groups are in one, or the deadline passes.
+                self.manager.start_quorum(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+                participants = self.manager.num_participants()
+                too_few = participants < self.min_replicas
+                if too_few and time.monotonic() >= deadline:
+                    failure = QuorumTimeoutError(self._too_few_groups(participants))
+            except TimeoutError as e:  # torchft's, from its gRPC status: "status: Cancelled, message: ..."
+                failure = QuorumTimeoutError(self._no_quorum(e))
+                failure.__cause__ = e
+            except Exception as e:  # noqa: BLE001 (every rank of the group raises it, below)
+                failure = e
+            # One small collective per try: a rank that fails here (a refused joiner's heal, its
+            # own deadline) stops every rank of the group, none goes on into the forward pass.
+            _agree(failure, self._mesh, self._device)
+            if not too_few:
+                break
+            time.sleep(_QUORUM_POLL_S)
         self.optimizer.zero_grad()
         self._phase = _Phase.IN_STEP
+
+    def _no_quorum(self, e: BaseException) -> str:
+        return (
+            f"FaultTolerantHSDP.begin_step: replica group {self.replica_id!r} got no quorum from the lighthouse "
+            f"{self.lighthouse} within quorum_timeout={self.quorum_timeout} (min_replicas={self.min_replicas}). "
+            f"Either the lighthouse is down or unreachable from here, or fewer than {self.min_replicas} replica "
+            "groups asked for a quorum. Check that torchft_lighthouse runs at that address and that enough groups "
+            f"are up, then restart this group (it heals from a live one). torchft: {e}"
+        )
+
+    def _too_few_groups(self, participants: int) -> str:
+        return (
+            f"FaultTolerantHSDP.begin_step: replica group {self.replica_id!r} waited quorum_timeout="
+            f"{self.quorum_timeout} for a quorum of min_replicas={self.min_replicas} replica groups, but the "
+            f"lighthouse {self.lighthouse} formed quorums of {participants} (its --min_replicas is lower). Start "
+            f"more replica groups, or lower min_replicas; start torchft_lighthouse with --min_replicas "
+            f"{self.min_replicas} so that it waits for them too. Then restart this group (it heals from a live one)."
+        )
+
+    def _manager_failure(self, e: Exception, timeout: timedelta, group_rank: int) -> Exception:
+        """What torchft's Manager raised while starting, as this rank reports it to its group."""
+        if group_rank == 0 and self.lighthouse in str(e):  # its manager server could not connect
+            failure: Exception = QuorumTimeoutError(
+                f"FaultTolerantHSDP: replica group {self.replica_id!r} could not reach the lighthouse "
+                f"{self.lighthouse} within timeout={timeout}. Check that torchft_lighthouse runs at that address and "
+                f"is reachable from this node (lighthouse= or TORCHFT_LIGHTHOUSE), then restart this group. "
+                f"torchft: {e}"
+            )
+        else:
+            failure = RuntimeError(
+                f"FaultTolerantHSDP: replica group {self.replica_id!r} could not start torchft's Manager on "
+                f"group rank {group_rank}: {type(e).__name__}: {e}"
+            )
+        failure.__cause__ = e
+        return failure
 
     def commit_step(self) -> bool:
         """Step the optimizer if the whole group's all-reduces succeeded (True), else skip it on
@@ -434,14 +526,18 @@ class FaultTolerantHSDP:
         return self.manager.num_participants()
 
     def close(self) -> None:
-        """Leave the job. The model's all-reduce hooks are released: another FaultTolerantHSDP may take them."""
+        """Leave the job. The model's all-reduce hooks are removed: it trains as plain FSDP on its
+        shard mesh again (no averaging across the groups), and another FaultTolerantHSDP may
+        take it."""
         if self._phase is not _Phase.CLOSED:
             self._phase = _Phase.CLOSED
             for m in self._hooked:
                 owner = _HOOK_OWNERS.get(m)
                 if owner is not None and owner() is self:
                     del _HOOK_OWNERS[m]
+                    m.set_all_reduce_hook(None)
             self.manager.shutdown(wait=False)
+            self._pg.shutdown()
 
     def __enter__(self) -> "FaultTolerantHSDP":
         return self
@@ -457,6 +553,14 @@ class FaultTolerantHSDP:
             )
 
     def _all_reduce_across_replicas(self, reduced: torch.Tensor) -> None:
+        if self._phase is not _Phase.IN_STEP:
+            # Outside a step no quorum holds the other groups to this all-reduce: it would stall
+            # for `timeout` and leave garbage, or average with whatever they reduce.
+            raise FSDPUsageError(
+                f"FaultTolerantHSDP: a backward with gradient sync ran {self._phase.value}, outside begin_step() ... "
+                "commit_step(); its gradients would be averaged across the replica groups outside any quorum. "
+                "Call begin_step() before the forward pass"
+            )
         # Averages over the quorum's groups in place; on failure the manager records the error
         # (the tensor is then garbage, and commit_step will not step on it).
         self.manager.allreduce(reduced).wait()
@@ -546,6 +650,71 @@ def _check_arguments(
             raise FSDPUsageError(f"{where}: manager_kwargs[{key!r}]: {fix}")
 
 
+def _check_group_environment(manager_kwargs: dict) -> int:
+    """This rank's rank in its replica group; refuses an environment torchft's Manager would
+    fail on with a bare ``KeyError`` or ``ValueError`` (a process group started without torchrun)."""
+    problems = []
+    for env, key in _GROUP_ENVIRONMENT:
+        given = manager_kwargs.get(key)
+        if given is not None if key == "rank" else bool(given):
+            continue  # torchft's own test of whether it falls back to the environment
+        value = os.environ.get(env)
+        if not value:
+            problems.append(f"{env} is not set")
+        elif env != "MASTER_ADDR" and not value.strip().isdigit():
+            problems.append(f"{env}={value!r} is not an int")
+    if problems:
+        raise FSDPUsageError(
+            f"FaultTolerantHSDP: {', '.join(problems)}. torchft finds this replica group's TCPStore through "
+            "MASTER_ADDR and MASTER_PORT, and this rank in the group through RANK and WORLD_SIZE, as torchrun sets "
+            "them. Start each replica group with torchrun, or set them (after "
+            "init_process_group(init_method='tcp://HOST:PORT'): MASTER_ADDR=HOST, MASTER_PORT=PORT), or pass "
+            "manager_kwargs={'store_addr': ..., 'store_port': ..., 'rank': ..., 'world_size': ...}"
+        )
+    rank = manager_kwargs.get("rank")
+    return int(rank) if rank is not None else int(os.environ["RANK"])
+
+
+def _agreement_device(mesh: DeviceMesh, device_type: str) -> torch.device:
+    """Where the group's agreement flag lives: on the host where the mesh's process groups take
+    host tensors (gloo; no device sync per step), else on this rank's device."""
+    backend = str(dist.get_backend(mesh.get_group(0)))
+    if device_type == "cpu" or backend == "gloo" or "cpu:" in backend:
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _agree(failure: BaseException | None, mesh: DeviceMesh, device: torch.device) -> None:
+    """Raise on every rank of ``mesh`` (this replica group's ranks: the model's shard mesh) if any
+    rank failed: a failed rank its own error, the others a failed rank's, by kind and with its
+    message. Ranks that went on would wait in a collective the failed ones never join."""
+    failed = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for group in groups:  # the maximum along every dim: over the whole mesh
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    report = None if failure is None else (dist.get_rank(), _failure_kind(failure), str(failure))
+    for group in groups:
+        reports: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, report, group=group)
+        report = next((r for r in reports if r is not None), None)
+    if failure is not None:
+        raise failure
+    rank, kind, message = report
+    if kind == "usage":
+        raise FSDPUsageError(f"{message} (found on rank {rank} of this replica group)")
+    if kind == "timeout":
+        raise QuorumTimeoutError(f"{message} (found on rank {rank} of this replica group)")
+    raise RuntimeError(f"FaultTolerantHSDP: rank {rank} of this replica group failed: {message}")
+
+
+def _failure_kind(failure: BaseException) -> str:
+    if isinstance(failure, FSDPUsageError):
+        return "usage"
+    return "timeout" if isinstance(failure, QuorumTimeoutError) else "other"
+
+
 def _check_int(where: str, name: str, value: Any, minimum: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FSDPUsageTypeError(f"{where}: {name} ({meaning}) must be an int, got {type(value).__name__} {value!r}")
@@ -589,7 +758,7 @@ def _check_not_hooked_already(fsdp_modules: list[nn.Module], replica_id: str) ->
             )
 
 
-def _shard_world_size(model: nn.Module) -> int:
+def _shard_mesh(model: nn.Module) -> DeviceMesh:
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     for p in model.parameters():
         if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):
@@ -601,7 +770,7 @@ def _shard_world_size(model: nn.Module) -> int:
         raise FSDPUsageError(
             f"FaultTolerantHSDP: expected every parameter sharded on one mesh, found {len(meshes)} meshes"
         )
-    return next(iter(meshes)).size()
+    return next(iter(meshes))
 
 
 def _to_wire(tree: Any) -> Any:

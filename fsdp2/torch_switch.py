@@ -177,11 +177,10 @@ def install_as_torch_fsdp() -> SwitchInstallation:
 
 
 def uninstall_as_torch_fsdp() -> None:
-    """Undo :func:`install_as_torch_fsdp`: PyTorch's FSDP2 functions again, and PyTorch's
-    ``fully_shard`` as shipped (without the guard refusing modules that hold fsdp2's, which the
-    next fsdp2 ``fully_shard`` puts back)."""
+    """Undo :func:`install_as_torch_fsdp`: PyTorch's FSDP2 functions again. The guard on PyTorch's
+    ``fully_shard`` stays while fsdp2 modules exist (a model with fsdp2's modules cannot take
+    PyTorch's around them), and goes with the last of them, as every process hook does."""
     _SWITCH.uninstall()
-    PROCESS_HOOKS.remove(GUARD_HOOK)
 
 
 # -- one model, one implementation ------------------------------------------------------------------
@@ -224,8 +223,7 @@ class _PyTorchFullyShardGuard:
     parameters fsdp2 manages (it would take fsdp2's shards for tensor-parallel parameters and fail
     inside with ``Invariant encountered``): the helper it looks its modules up with is wrapped, in
     PyTorch's implementation module only; the answer for any other model is unchanged. A process
-    hook (fsdp2.runtime.process_hooks): in place while fsdp2 modules exist; ``uninstall_as_torch_fsdp``
-    removes it."""
+    hook (fsdp2.runtime.process_hooks): in place while fsdp2 modules exist, switch installed or not."""
 
     def __init__(self) -> None:
         self._original = None

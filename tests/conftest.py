@@ -1,6 +1,10 @@
 import pytest
+from hypothesis import settings
 
 from tests.harness import WorldPool
+
+# `--hypothesis-profile long`: the differential tester's slow test runs this many programs.
+settings.register_profile("long", max_examples=2000)
 
 
 @pytest.fixture(scope="session")

@@ -188,6 +188,12 @@ class WorldPool:
             world.close(abandon=True)
             raise
 
+    def discard(self, world_size: int) -> None:
+        """Stop the world of ``world_size`` ranks (some may be stuck); the next run starts a fresh one."""
+        world = self._worlds.pop(world_size, None)
+        if world is not None:
+            world.close(abandon=True)
+
     def close(self) -> None:
         for world in self._worlds.values():
             world.close()

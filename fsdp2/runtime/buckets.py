@@ -87,7 +87,7 @@ class GatherBucket:
     widths: list[int] = field(init=False)  # per column, all parameters' in order
     numel_per_rank: int = field(init=False)
     plain: bool = field(init=False)
-    kept_from_unsharded: bool = field(init=False)  # reshard_after_forward=k rebuilds kept rows from the params
+    rebuilt_from_unsharded: bool = field(init=False)  # reshard_after_forward=k rebuilds kept rows from the params
 
     def __post_init__(self) -> None:
         flat = [c for cols in self.columns for c in cols]
@@ -95,7 +95,7 @@ class GatherBucket:
         self.numel_per_rank = sum(self.widths)
         codecs = [p.codec for p in self.params]
         self.plain = all(c.plain for c in codecs) and len({c.dtype for c in flat}) <= 1
-        self.kept_from_unsharded = all(c.kept_from_unsharded for c in codecs)
+        self.rebuilt_from_unsharded = all(c.rebuilt_from_unsharded for c in codecs)
 
     def pieces(self, buffer: torch.Tensor) -> Iterator[tuple[CodecParam, list[torch.Tensor]]]:
         """(param, its columns of ``buffer`` viewed as their dtypes) for a 1-D rank slot
@@ -112,7 +112,7 @@ class GatherBucket:
         return piece[..., : column.nbytes].view(column.dtype)
 
 
-class KeptBuffer:
+class ReusedBuffer:
     """A bucket's communication buffer kept from step to step, so that views of it are built once.
 
     Its storage exists only from ``allocate`` to ``release`` (freed and regrown: views survive

@@ -79,7 +79,7 @@ class GatherCodec:
     plain = False  # the default codec: the group may fuse its copies across parameters
     # reshard_after_forward=k: this parameter's kept rows can be rebuilt from its unsharded form
     # (otherwise the gathered columns themselves are kept: see GroupGather.finish).
-    kept_from_unsharded = False
+    rebuilt_from_unsharded = False
     builds_unsharded = False  # makes the unsharded parameter object itself (else: ShardedParam's storage)
     prepares = False  # its columns are known only after prepare()
     holds_memory = False  # release() has something to free (else the group skips calling it)
@@ -142,7 +142,7 @@ class PlainCodec(GatherCodec):
     """The padded shard, cast to ``param_dtype``."""
 
     plain = True
-    kept_from_unsharded = True
+    rebuilt_from_unsharded = True
 
     def columns(self) -> tuple[Column, ...]:
         return (plain_column(self.param.layout, self.param.param_dtype),)
@@ -173,7 +173,7 @@ class QuantizedCodec(GatherCodec):
     """Block-quantized values and scales in one uint8 column, dequantized into ``param_dtype``.
 
     The shard is quantized from its own dtype (the fp32 master, not a bf16 copy of it), padding
-    rows as zeros. ``kept_from_unsharded`` is False: reshard_after_forward=k keeps the gathered
+    rows as zeros. ``rebuilt_from_unsharded`` is False: reshard_after_forward=k keeps the gathered
     wire rows themselves (half the bytes of ``param_dtype`` rows, re-gathered as they are), so
     backward dequantizes exactly what forward did, without quantizing dequantized values again.
     """

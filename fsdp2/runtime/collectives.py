@@ -6,8 +6,12 @@ deprecates the old names; torch 2.11 only has the old ones. Resolve once, call t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
+
+from fsdp2 import compat
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,11 +45,17 @@ _NATIVE_GATHER_DTYPES = {
 }
 
 
+def gathered_as(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as in an all-gather: itself, or its bytes (eager
+    and compiled gathers alike)."""
+    return dtype if dtype in _NATIVE_GATHER_DTYPES else torch.uint8
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """``output`` (``group_size * input.numel()``) receives every rank's ``input`` in rank order."""
     if active_counters:
         _record("all_gather", output)
-    if output.dtype not in _NATIVE_GATHER_DTYPES:
+    if output.dtype not in _NATIVE_GATHER_DTYPES:  # gathered_as, inlined: no call per gather
         output, input = output.view(torch.uint8), input.view(torch.uint8)
     return _all_gather(output, input, group=group, async_op=async_op)
 
@@ -87,8 +97,34 @@ def all_to_all(
     return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)
 
 
-class CompletedWork:
-    """Stands in for a collective's work handle when nothing had to be communicated."""
+# -- what a compiled graph may call -----------------------------------------------------------------
 
-    def wait(self) -> bool:
-        return True
+# The compiled code calls each collective op through the dispatcher on every step. torch 2.13
+# registers the functional collectives' autograd in Python (Python calls per op call, even without
+# grad); their ``*_out`` variants have none, and inductor runs them in place into a buffer it
+# allocates. ``wait_tensor`` has no such variant.
+_OUT_VARIANTS_TRACEABLE = compat.out_collectives_traceable()
+
+
+def out_variants_usable(group: dist.ProcessGroup) -> bool:
+    """Whether a compiled graph may run ``group``'s all-gather and reduce-scatter as the
+    functional collectives' ``*_out`` ops: not for a process group implemented in Python (a
+    subclass, e.g. ``fsdp2.tools.noop_pg``), whose overridden methods the ``*_out`` ops go past to
+    its C++ backend. Asked eagerly (a trace cannot ask a group its class)."""
+    return _OUT_VARIANTS_TRACEABLE and type(group) is dist.ProcessGroup
+
+
+# A user's collective objects (set_custom_all_gather / set_custom_reduce_scatter), by the key a
+# compiled graph names them with; weakly: the module owns them.
+_user_comms: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+
+
+def register_user_comm(comm: object) -> str:
+    """``comm``'s key, under which a compiled graph calls it (:func:`user_comm`)."""
+    key = f"{type(comm).__qualname__}@{id(comm):x}"
+    _user_comms[key] = comm
+    return key
+
+
+def user_comm(key: str) -> object:
+    return _user_comms[key]

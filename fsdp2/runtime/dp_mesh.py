@@ -177,11 +177,8 @@ class DataParallelMesh:
 
     def _group_of(self, split: Callable[[list[int]], list[list[int]]]) -> dist.ProcessGroup:
         """This rank's process group among those ``split`` makes of every shard group's ranks."""
-        root = compat.root_mesh(self.mesh)
-        names = self.mesh.mesh_dim_names
-        shard_dim = root.mesh_dim_names.index(names[-1]) if names else self.mesh.ndim - 1
         # Every shard group of the job, one per row: all ranks enumerate the same list.
-        rows = root.mesh.movedim(shard_dim, -1).reshape(-1, self.shard_size).tolist()
+        rows = compat.groups_along(self.mesh, self.mesh.ndim - 1)
         groups = [group for row in rows for group in split(row)]
         # By the ranks, not the mesh object: fully_shard calls with equal meshes share the groups.
         key = tuple(map(tuple, groups))

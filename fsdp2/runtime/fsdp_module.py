@@ -130,14 +130,14 @@ class FSDPModule(compat.TorchFSDPModule):
         """False: backward keeps full local gradients and communicates nothing (accumulation)."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.requires_gradient_sync = requires_gradient_sync
+                group.set_sync(gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across
         replicas (accumulation); the next all-reduce includes them."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reduce.requires_all_reduce = requires_all_reduce
+                group.set_sync(all_reduce=requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size.
@@ -161,8 +161,9 @@ class FSDPModule(compat.TorchFSDPModule):
         HSDP all-reduce, before a division that follows the sum), before it is added to ``.grad``.
         ``stream`` is accepted for compatibility: the hook runs where the reduction runs. A module
         whose parameters are sharded on several meshes (``ShardPlacementResult``) calls it for
-        each mesh's buckets (PyTorch's FSDP2 refuses such a module)."""
-        if not callable(hook):
+        each mesh's buckets (PyTorch's FSDP2 refuses such a module). ``None`` removes the hook,
+        as in PyTorch's FSDP2."""
+        if hook is not None and not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         state = self._fsdp_state
         for group, traced in zip(state.groups, state.traced_groups):
@@ -211,10 +212,8 @@ class FSDPModule(compat.TorchFSDPModule):
         async_op)``) for this module's all-gathers instead of c10d's. Parameters sharded on
         several meshes: every mesh's all-gather calls it, with that mesh's process group."""
         _check_comm(comm, "set_custom_all_gather")
-        state = self._fsdp_state
-        for group, traced in zip(state.groups, state.traced_groups):
-            group.gather.custom_all_gather = comm
-            traced.use_custom_comm("all_gather", comm)
+        for group in self._fsdp_state.groups:
+            group.gather.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
@@ -222,10 +221,8 @@ class FSDPModule(compat.TorchFSDPModule):
         instead of c10d's. Parameters sharded on several meshes: every mesh's reduce-scatter calls
         it, with that mesh's process group."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        state = self._fsdp_state
-        for group, traced in zip(state.groups, state.traced_groups):
+        for group in self._fsdp_state.groups:
             group.reduce.configure(custom_reduce_scatter=comm)
-            traced.use_custom_comm("reduce_scatter", comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: this module's gradient collectives reduce with SUM only, and the division by the
@@ -319,6 +316,11 @@ class FSDPModule(compat.TorchFSDPModule):
         first forward it does nothing."""
         state = self._fsdp_state
         root = state.root
+        if root is None and _holds_sums(self):
+            # Only compiled steps ran (they make no root): their kept sums need the eager
+            # reduction, which the root runs.
+            state.lazy_init()
+            root = state.root
         if root is None:
             return GradientReductionHandle(None) if async_op else None
         if not state.is_root:
@@ -471,3 +473,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward_hook(module, args, kwargs, output)
 
     object.__setattr__(module, method_name, wrapped)
+
+
+def _holds_sums(module: nn.Module) -> bool:
+    """Some fully_shard'ed module under ``module`` keeps sums for the next synced backward."""
+    for sub in module.modules():
+        state = sub.__dict__.get("_fsdp_state")
+        if state is not None:
+            for group in state.groups:
+                if group.reduce.holds_unsynced_sums or group.reduce.partial_sums:
+                    return True
+    return False

@@ -163,6 +163,8 @@ def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
             if isinstance(state, FSDPState) and state not in states:
                 states.append(state)
     traced.link_forward_order([state.traced_call for state in states])
+    if states:
+        states[0].states_below = states  # the call's own state: as a root, what its backward ends
 
 
 def _state_of(module: nn.Module) -> TorchStateView | None:

@@ -26,7 +26,7 @@ from fsdp2 import compat
 from fsdp2.errors import FSDPUsageRuntimeError
 from fsdp2.layout.shard_layout import rank_rows_from_subgroups
 from fsdp2.runtime import collectives
-from fsdp2.runtime.buckets import GatherBucket, KeptBuffer
+from fsdp2.runtime.buckets import GatherBucket, ReusedBuffer
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.sharded_param import (
     ShardedParam,
@@ -48,16 +48,16 @@ class Subgroup:
     across: dist.ProcessGroup  # the ranks at our position in every subgroup (dp_mesh.across_subgroups)
 
 
-class KeptGatherOutput(KeptBuffer):
+class ReusedGatherOutput(ReusedBuffer):
     """A plain dim-0 bucket's all-gather output on CPU, kept from step to step with its views built once.
 
     Copy-out then writes only the rank slots that hold real rows (``ShardLayout.ranks_with_rows``),
     one ``_foreach_copy_`` for the bucket, instead of every padded slot, padding written and read
-    for nothing (the unsharded parameter views only the real rows): at 1024 ranks that copied 2.2x
-    the small GPT's parameter bytes. CPU only (no side streams): there ``split_with_sizes_copy``
+    for nothing (the unsharded parameter views only the real rows; the bytes written at 1024 ranks
+    are in benchmarks/RESULTS.md, "Host work per step"). CPU only (no side streams): there ``split_with_sizes_copy``
     is a copy per parameter anyway, while on an accelerator it is one kernel for the bucket and
     the padding bytes cost the device, not the host. The storage exists only from ``allocate`` to
-    ``release`` (see KeptBuffer).
+    ``release`` (see ReusedBuffer).
     """
 
     def __init__(self, bucket: GatherBucket, world: int, rank: int, device):
@@ -81,7 +81,7 @@ class PendingGather:
     subgroup_size: int | None = None
     # Compute-stream tensors the all-gather stream reads: freed only after compute waited for it.
     inputs: torch.Tensor | None = None
-    kept_output: KeptGatherOutput | None = None  # owns ``output``: released once copied out
+    reused_output: ReusedGatherOutput | None = None  # owns ``output``: released once copied out
 
     def rank_rows(self, world: int) -> torch.Tensor:
         """The output as ``world x numel_per_rank``, row r holding shard rank r's slot."""
@@ -92,8 +92,8 @@ class PendingGather:
 
     def copy_out(self, world: int) -> None:
         """Build every parameter's unsharded form from the gathered rows."""
-        if self.kept_output is not None:
-            self.kept_output.copy_out(self.bucket.params)
+        if self.reused_output is not None:
+            self.reused_output.copy_out(self.bucket.params)
             return
         rows = self.rank_rows(world)
         bucket = self.bucket
@@ -138,10 +138,17 @@ class GroupGather:
         self.dp = dp
         self.streams = streams
         self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather
+        self.custom_all_gather_key: str | None = None  # its name in a compiled graph
+        self.out_collectives = collectives.out_variants_usable(dp.shard_group)  # in a compiled graph
         self.rebuild()
         self._pending: list[PendingGather] = []
         self._completion: Completion | None = None
-        self._kept: list[torch.Tensor | None] = []  # per bucket: gathered rows kept at finish(keep=...)
+        self._rows_at_finish: list[torch.Tensor | None] = []  # per bucket: see finish(for_subgroup=...)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """``FSDPModule.set_custom_all_gather``: eager gathers call ``comm``, compiled ones by its key."""
+        self.custom_all_gather = comm
+        self.custom_all_gather_key = None if comm is None else collectives.register_user_comm(comm)
 
     def rebuild(self) -> None:
         """Lay the buffer out anew: codecs or dtypes (``module.to(dtype)``) changed (at the next
@@ -164,25 +171,26 @@ class GroupGather:
     def _lay_out(self) -> None:
         self._buckets = [GatherBucket(self.params, [p.codec.columns() for p in self.params])] if self.params else []
         self._prepared_columns = [codec.columns() for codec in self._preparing]
-        # Per bucket: its kept output, False where none can serve, None until its first gather.
-        self._kept_outputs: list[KeptGatherOutput | bool | None] = [None] * len(self._buckets)
+        # Per bucket: its reused output, False where none can serve, None until its first gather.
+        self._reused_outputs: list[ReusedGatherOutput | bool | None] = [None] * len(self._buckets)
 
-    def _kept_output(self, index: int, bucket: GatherBucket) -> KeptGatherOutput | None:
-        """``bucket``'s kept output, allocated, where it can serve (see KeptGatherOutput); else None."""
+    def _reused_output(self, index: int, bucket: GatherBucket) -> ReusedGatherOutput | None:
+        """``bucket``'s reused output, allocated, where it can serve (see ReusedGatherOutput); else None."""
         if self.custom_all_gather is not None:
             return None  # the user's collective allocates
-        kept = self._kept_outputs[index]
-        if kept is None:  # decided once per layout: plain dim-0 columns, and no side streams (with
+        reused = self._reused_outputs[index]
+        if reused is None:  # decided once per layout: plain dim-0 columns, and no side streams (with
             # streams GatherBuffers holds each output until the all-gather stream may reuse it)
             no_streams = self.streams.all_gather.stream is None
             servable = bucket.plain and no_streams and all([p.layout.dim == 0 for p in bucket.params])
-            kept = self._kept_outputs[index] = (
-                KeptGatherOutput(bucket, self.dp.shard_size, self.dp.shard_rank, self.dp.device) if servable else False
+            dp = self.dp
+            reused = self._reused_outputs[index] = (
+                ReusedGatherOutput(bucket, dp.shard_size, dp.shard_rank, dp.device) if servable else False
             )
-        if not kept or kept.in_use:
+        if not reused or reused.in_use:
             return None  # not servable, or an earlier gather of this bucket is unfinished: a fresh buffer
-        kept.allocate()
-        return kept
+        reused.allocate()
+        return reused
 
     @property
     def layout_fixed(self) -> bool:
@@ -223,11 +231,11 @@ class GroupGather:
             for codec in self._preparing:
                 codec.prepare()
             for index, bucket in enumerate(self._buckets_after_prepare()):
-                kept = self._kept_output(index, bucket)
-                if kept is not None:
-                    _copy_pairs(copy_in_pairs(bucket.params, kept.own_slots))
-                    pending = PendingGather(bucket, kept.buffer, kept_output=kept)
-                    self._issue(completion, kept.buffer, kept.own_slot, self.dp.shard_group, pending)
+                reused = self._reused_output(index, bucket)
+                if reused is not None:
+                    _copy_pairs(copy_in_pairs(bucket.params, reused.own_slots))
+                    pending = PendingGather(bucket, reused.buffer, reused_output=reused)
+                    self._issue(completion, reused.buffer, reused.own_slot, self.dp.shard_group, pending)
                     continue
                 output = self._allocate(world * bucket.numel_per_rank, bucket.dtype)
                 # In-place all-gather: our input is our own slot of the output, no separate buffer.
@@ -242,11 +250,11 @@ class GroupGather:
                 self._issue(completion, output, own_slot, self.dp.shard_group, PendingGather(bucket, output))
         self._completion = completion
 
-    def issue_from_kept(self, kept_rows: list[torch.Tensor], subgroup: Subgroup) -> None:
+    def issue_from_subgroup_rows(self, subgroup_rows: list[torch.Tensor], subgroup: Subgroup) -> None:
         """Re-gather over ``subgroup`` from the rows this rank kept after forward."""
         with self.streams.all_gather.launch(wait_for_compute=True) as completion:
             self.streams.gather_buffers.release_before_allocating()
-            for bucket, kept in zip(self.buckets, kept_rows):
+            for bucket, kept in zip(self.buckets, subgroup_rows):
                 output = self._allocate(subgroup.size * kept.numel(), bucket.dtype)
                 own_slot = output.narrow(0, subgroup.position * kept.numel(), kept.numel())
                 own_slot.copy_(kept.view(-1))
@@ -266,10 +274,10 @@ class GroupGather:
 
     # -- finish -----------------------------------------------------------------------------------
 
-    def finish(self, keep: Subgroup | None = None) -> None:
+    def finish(self, for_subgroup: Subgroup | None = None) -> None:
         """Wait for the issued all-gathers and copy them out into the unsharded parameters.
 
-        ``keep``: forward will reshard to this subgroup (reshard_after_forward=k); for buffers
+        ``for_subgroup``: forward will reshard to this subgroup (reshard_after_forward=k); for buffers
         whose kept rows cannot be rebuilt from the unsharded parameters (quantized or hook
         columns), keep this rank's 1/k of the gathered rows now, as they were communicated.
         """
@@ -278,34 +286,34 @@ class GroupGather:
         world = self.dp.shard_size
         for pending in self._pending:
             pending.copy_out(world)
-        self._kept = [
-            pending.rank_rows(world)[keep.position :: keep.size].clone()
-            if keep is not None and pending.subgroup_size is None and not pending.bucket.kept_from_unsharded
+        self._rows_at_finish = [
+            pending.rank_rows(world)[for_subgroup.position :: for_subgroup.size].clone()
+            if for_subgroup is not None and pending.subgroup_size is None and not pending.bucket.rebuilt_from_unsharded
             else None
             for pending in self._pending
         ]
         self.streams.gather_buffers.consumed(
-            [pending.output for pending in self._pending if pending.kept_output is None],
+            [pending.output for pending in self._pending if pending.reused_output is None],
             self.streams.all_gather.compute_event(),
         )
         for pending in self._pending:
-            if pending.kept_output is not None:
-                pending.kept_output.release()  # no side streams: nothing reads it any more
+            if pending.reused_output is not None:
+                pending.reused_output.release()  # no side streams: nothing reads it any more
         self._pending.clear()
 
-    def keep_rows(self, subgroup: Subgroup) -> list[torch.Tensor] | None:
+    def rows_for_subgroup(self, subgroup: Subgroup) -> list[torch.Tensor] | None:
         """This rank's 1/k of the gathered group (every k-th rank row), kept for backward; None
         if some of it can only come from the gather's own rows and those were not kept."""
         world, k = self.dp.shard_size, subgroup.size
-        kept_rows = []
-        kept_at_finish = self._kept + [None] * (len(self.buckets) - len(self._kept))
-        self._kept = []
-        for bucket, kept in zip(self.buckets, kept_at_finish):
-            if bucket.kept_from_unsharded:
+        subgroup_rows = []
+        rows_at_finish = self._rows_at_finish + [None] * (len(self.buckets) - len(self._rows_at_finish))
+        self._rows_at_finish = []
+        for bucket, kept in zip(self.buckets, rows_at_finish):
+            if bucket.rebuilt_from_unsharded:
                 kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
                 for p, blocks in bucket.pieces(kept):
                     blocks[0].copy_(p.gathered_rank_rows()[subgroup.position :: k])
             elif kept is None:
                 return None
-            kept_rows.append(kept)
-        return kept_rows
+            subgroup_rows.append(kept)
+        return subgroup_rows

@@ -9,14 +9,15 @@ the compiled step (fsdp2.runtime.traced) emits the very same steps as graph ops.
 anything the other could decide differently: a setting reaches both through a new step.
 
 :func:`backward_mode` says what a backward does with the reduced gradient (reduce it into
-``.grad``, or keep a sum for a later backward); the compiled step reads it. Eager's backward and
-the compiled step's hand-off test the same two flags inline, on their per-step paths.
+``.grad``, or keep a sum for a later backward): the group keeps it as ``ParamGroup.mode``, set with
+the flags it comes from, and both executors read that.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -55,12 +56,47 @@ def backward_mode(requires_gradient_sync: bool, hybrid: bool, requires_all_reduc
 
 
 @dataclass(frozen=True)
+class ReduceSpec:
+    """What a compiled graph needs to know of a :class:`BucketStep` to reduce its bucket: plain
+    values (process groups by name, the user's collective by its key), so the registry of specs
+    (:func:`spec_named`) holds nothing alive. ``key`` is a digest of all of it: two graphs whose
+    texts are equal reduce alike, in this process or another."""
+
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    plan: ReducePlan
+    world: int
+    shard_group: str
+    replicate_group: str | None
+    hooked: bool
+    custom_reduce_scatter: str | None
+    out_collectives: bool
+    key: str = field(init=False, repr=False, compare=False)  # made eagerly: a trace only reads it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", "step-" + hashlib.sha256(repr(self).encode()).hexdigest()[:24])
+
+
+# Every spec a graph may name, by its key (small plain records: kept).
+_SPECS: dict[str, ReduceSpec] = {}
+
+
+def spec_named(key: str) -> ReduceSpec:
+    return _SPECS[key]
+
+
+@dataclass(frozen=True)
 class BucketStep:
     """One reduce bucket's reduction: what to reduce, with which ops and divisions, over which
     ranks. ``world``: the shard group's size (the reduce-scatter input is ``world`` rows);
     ``grad_dtype``: the dtype of the bucket's shards, or its reduce dtype where they have several
     (each is cast as it is written); ``hooked``: a user's all-reduce hook sees the reduced bucket
-    before the division that follows the sum."""
+    before the division that follows the sum; ``custom_reduce_scatter``: the user's collective's
+    key (``collectives.register_user_comm``); ``out_collectives``: a compiled graph may use the
+    ``*_out`` collectives on ``shard_group`` (``collectives.out_variants_usable``).
+
+    ``spec`` is what a compiled graph emits of it (registered as the step is made, eagerly: a
+    trace names it by ``spec.key``)."""
 
     bucket: FlatBucket
     plan: ReducePlan
@@ -69,6 +105,23 @@ class BucketStep:
     replicate_group: dist.ProcessGroup | None  # HSDP: the all-reduce across replicas
     grad_dtype: torch.dtype
     hooked: bool
+    custom_reduce_scatter: str | None = None
+    out_collectives: bool = False
+    spec: ReduceSpec = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        spec = ReduceSpec(
+            self.bucket.dtype,
+            self.grad_dtype,
+            self.plan,
+            self.world,
+            self.shard_group.group_name,
+            None if self.replicate_group is None else self.replicate_group.group_name,
+            self.hooked,
+            self.custom_reduce_scatter,
+            self.out_collectives,
+        )
+        object.__setattr__(self, "spec", _SPECS.setdefault(spec.key, spec))
 
     @property
     def reduce_dtype(self) -> torch.dtype:

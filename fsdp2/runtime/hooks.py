@@ -24,7 +24,9 @@ from fsdp2.runtime import schedule
 from fsdp2.runtime.activations import cast_floating, map_tensors, tensors_in
 from fsdp2.runtime.param_group import BackwardEnd, ParamGroup, Phase
 from fsdp2.runtime.reduce import ReduceWindow
+from fsdp2.runtime import traced_ops
 from fsdp2.runtime.traced import TracedCall, TracedGroup
+from fsdp2.runtime.traced_graph import EndOfBackward
 
 # A child of PyTorch's FSDP logger, so ``TORCH_LOGS=+fsdp`` shows fsdp2's hook events as it shows
 # PyTorch's own, under the same event names.
@@ -146,7 +148,11 @@ class Root:
             # its next forward afresh, gathering again what this backward freed.
             state.forget_forward()
         if manual:
-            self.backward = BackwardState.AWAITING_FINALIZE  # reductions issued so far stay in flight
+            # The reductions this backward issued complete now: their gradients are in ``.grad``, as
+            # PyTorch's FSDP2 writes them in its post-backward (a later zero_grad() clears them). What
+            # no group reduced yet waits for finalize_backward().
+            self.reduce_window.drain()
+            self.backward = BackwardState.AWAITING_FINALIZE
             return
         # Every backward ends with its gradients in ``.grad``, as PyTorch's FSDP2 writes them in its
         # post-backward, whether or not it is the last backward before the optimizer step.
@@ -205,7 +211,7 @@ class Root:
             for group in state.groups:
                 reduce = group.reduce
                 if reduce.holds_partial_sums or (
-                    group.dp.is_hybrid and not reduce.requires_all_reduce and group.has_unreduced_grads
+                    group.dp.is_hybrid and not group.requires_all_reduce and group.has_unreduced_grads
                 ):
                     raise FSDPUsageRuntimeError(
                         f"{name}.finalize_backward: fully_shard({state.name}) keeps HSDP sums for a later all-reduce "
@@ -252,6 +258,11 @@ class FSDPState:
         # The hooks' path while torch.compile traces them: the call's, and one per group.
         self.traced_groups = [TracedGroup(group) for group in groups]
         self.traced_call = TracedCall(modules, self.traced_groups)
+        # Where a compiled backward through this call (as the root) reports that it runs.
+        self.end_anchor = torch.empty(0, device=groups[0].dp.device).requires_grad_()
+        self.end_key = traced_ops.register_route(self)
+        self._compiled_backward_end_queued = False
+        self.states_below: list[FSDPState] = [self]  # every state at or under this call (fully_shard sets it)
         for module in modules:
             module.register_forward_pre_hook(_registered_pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(_registered_post_forward, with_kwargs=True)
@@ -279,12 +290,7 @@ class FSDPState:
 
     def lazy_init(self) -> None:
         """The first state to run forward becomes the root of every fully_shard'ed module below it."""
-        states: list[FSDPState] = []
-        for root_module in self.modules:
-            for module in root_module.modules():
-                state = module.__dict__.get("_fsdp_state")
-                if isinstance(state, FSDPState) and state not in states:
-                    states.append(state)
+        states = _states_under(self.modules)
         for state in states:
             if state is not self and state.settings.finalization is Finalization.MANUAL:
                 raise FSDPUsageRuntimeError(
@@ -368,18 +374,70 @@ class FSDPState:
             logger.debug("FSDP::root_pre_forward")
             root.begin_forward(self)
         run_ahead = root.gathers_may_run_ahead
+        manual = root.settings.finalization is Finalization.MANUAL
         for group in self.groups:
             logger.debug("%s", group.event("FSDP::pre_forward"))
-            group.pre_forward(gathers_run_ahead=run_ahead)
+            group.pre_forward(gathers_run_ahead=run_ahead, manual_finalization=manual)
         for other in self.forward_prefetch:
             for group in other.groups:
                 group.unshard(async_op=True, wait_for_compute=not run_ahead)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if torch.compiler.is_compiling() and not self._eager_iteration_running():
-            self.traced_call.post_forward()  # backward is autograd's: no pre-backward hook
+            # Backward is autograd's: no pre-backward hook. Where the end of a backward has work a
+            # graph does not do, the root's output tells this state when a compiled backward runs
+            # (EndOfBackward), to end it as eager's end of backward does.
+            if self.traced_call.post_forward() and torch.is_grad_enabled() and self._backward_end_has_work():
+                output = self._marked_for_compiled_backward(output)
             return self._cast_output(output)
         return self._eager_post_forward(module, args, kwargs, output)
+
+    def _backward_end_has_work(self) -> bool:
+        """Read while a root call's forward is traced (dynamo guards on every flag read, so a change
+        retraces): some group under it keeps sums for the next synced backward, which the graph
+        may not take (its forward does not run the group, or reaches none of its parameters), or
+        reduces unused parameters, whose zeros a group the graph does not reduce still gets."""
+        for state in self.states_below:
+            for group in state.groups:
+                reduce = group.reduce
+                if reduce.holds_unsynced_sums or reduce.partial_sums:
+                    return True
+                if reduce.include_unused and reduce.gathered_before:
+                    return True
+        return False
+
+    def _marked_for_compiled_backward(self, output: Any) -> Any:
+        marked = False
+
+        def mark(t: torch.Tensor) -> torch.Tensor:
+            nonlocal marked
+            if marked or not (t.requires_grad and t.is_floating_point()):
+                return t
+            marked = True
+            return EndOfBackward.apply(self.end_anchor, t, self.end_key)
+
+        return map_tensors(mark, output)
+
+    def compiled_backward_runs(self) -> None:
+        """A compiled backward through this root call began (``fsdp2::end_backward``): its end
+        reduces, for every group under it, what the graph did not (sums kept for a group the
+        compiled forward did not run, unused parameters' zeros), as the end of an eager backward
+        does; under manual finalization that waits for finalize_backward()."""
+        if not self._compiled_backward_end_queued:
+            self._compiled_backward_end_queued = True
+            compat.queue_backward_callback(self._end_compiled_backward)
+
+    def _end_compiled_backward(self) -> None:
+        self._compiled_backward_end_queued = False
+        self.end_anchor.grad = None
+        if self.settings.finalization is Finalization.MANUAL:
+            return
+        for state in reversed(self.states_below):
+            for group in reversed(state.groups):
+                # Attribute reads only on the common path (nothing left): no call per group and step.
+                reduce = group.reduce
+                if reduce.holds_unsynced_sums or reduce.partial_sums or reduce.include_unused:
+                    group.reduce_after_compiled_backward()
 
     def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
@@ -441,6 +499,17 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
+
+
+def _states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
+    """Every fully_shard state at or below ``modules``, in module (pre-)order."""
+    states: list[FSDPState] = []
+    for root_module in modules:
+        for module in root_module.modules():
+            state = module.__dict__.get("_fsdp_state")
+            if isinstance(state, FSDPState) and state not in states:
+                states.append(state)
+    return states
 
 
 class _EndBackwardAtInputs(torch.autograd.Function):

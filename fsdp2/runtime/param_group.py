@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from enum import Enum, auto
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -35,7 +35,8 @@ from fsdp2.runtime.codecs import GatherCodec, PlainCodec, QuantizedCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
-from fsdp2.runtime.reduce import GroupReduce, ReduceWindow
+from fsdp2.runtime.group_step import Mode, backward_mode
+from fsdp2.runtime.reduce import GroupReduce, Reduction, ReduceWindow
 from fsdp2.runtime.sharded_param import (
     GradDtype,
     ShardedParam,
@@ -94,17 +95,6 @@ class ReshardAfterForward:
         self.resolve(is_root=False)
 
 
-class CompiledSums(Protocol):
-    """Sums the compiled step kept for an accumulation, for one of its reduce buckets
-    (fsdp2.runtime.traced_grads.BucketGrads, which registers itself in the group while it keeps
-    some): an eager synced backward takes them."""
-
-    def hand_out(self) -> tuple[list[tuple[ShardedParam, torch.Tensor]], list[tuple[ShardedParam, torch.Tensor]]]:
-        """The sums, per parameter they reached, taken: (full gradients kept without gradient
-        sync, HSDP reduce-scattered slots kept without the all-reduce), in the reduce dtype."""
-        ...
-
-
 class GradReadiness:
     """Counts which of a group's parameters autograd has finished this backward, and calls
     ``on_all_ready`` once every parameter that needs a gradient has it.
@@ -153,11 +143,11 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.keep_unsharded_storage = False  # reshard keeps the gathered memory (stable data pointers)
         self.unshard_in_backward = True
+        # set_requires_gradient_sync, and what it makes of a backward with the HSDP all-reduce setting
+        # (``set_sync``): the one mode eager backwards and the compiled step both read.
         self.requires_gradient_sync = True
-        # The compiled step's sums kept for this accumulation (without gradient sync, or HSDP
-        # without the all-reduce), by bucket key: an eager synced backward takes them too (read
-        # without a call on every backward).
-        self.compiled_sums: dict[str, CompiledSums] = {}
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
+        self.mode = Mode.SYNCED
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
@@ -167,10 +157,19 @@ class ParamGroup:
         self.gather = GroupGather(params, dp, self.streams)
         self.reduce = GroupReduce(params, dp, self.streams, self.local_only)
         self.reduce_window: ReduceWindow | None = None  # the root's, handed over at lazy init
-        self._kept_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
+        self._subgroup_rows: list[torch.Tensor] = []  # per gather bucket, in PARTIALLY_SHARDED
         self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
             p.bind_grad_ready(self._grads.note)
+
+    def set_sync(self, *, gradient_sync: bool | None = None, all_reduce: bool | None = None) -> None:
+        """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP): the flags, and the
+        backward mode they make (group_step.backward_mode)."""
+        if gradient_sync is not None:
+            self.requires_gradient_sync = gradient_sync
+        if all_reduce is not None:
+            self.requires_all_reduce = all_reduce
+        self.mode = backward_mode(self.requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce)
 
     def event(self, label: str) -> str:
         """A hook event's log line for this group: ``FSDP::pre_forward (layers.0)``."""
@@ -228,12 +227,15 @@ class ParamGroup:
 
     # -- lifecycle verbs --------------------------------------------------------------------------
 
-    def pre_forward(self, *, gathers_run_ahead: bool) -> None:
-        """Gather before the module's forward."""
+    def pre_forward(self, *, gathers_run_ahead: bool, manual_finalization: bool = False) -> None:
+        """Gather before the module's forward. ``manual_finalization``: the root's backward ends
+        at ``finalize_backward()`` (see schedule.backward_ends_at_inputs)."""
         self.phase = Phase.FORWARD
         # requires_grad may change between steps (freezing a base model after fully_shard). The rule
-        # is schedule.backward_ends_at_inputs (any frozen parameter), as a loop without a Python call.
-        self.backward_end = BackwardEnd.GRADS_READY
+        # is schedule.backward_ends_at_inputs (any frozen parameter, unused ones reduced, manual
+        # finalization), as a loop without a Python call.
+        ends_at_inputs = manual_finalization or self.reduce.include_unused
+        self.backward_end = BackwardEnd.INPUT_GRADS if ends_at_inputs else BackwardEnd.GRADS_READY
         for p in self.params:
             if not p.sharded_param.requires_grad:
                 self.backward_end = BackwardEnd.INPUT_GRADS
@@ -274,38 +276,42 @@ class ParamGroup:
         """Reduce-scatter (or keep, without gradient sync) the gradients, then maybe reshard."""
         logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
-        if self.requires_gradient_sync:
+        if self.mode is not Mode.UNSYNCED:
+            # _issue_reduction, inlined: no call more per group and backward.
             grads = take_unreduced_grads(self.params)
-            self.reduce.holds_unsynced_grads = False
-            if self.compiled_sums:  # compiled microbatches of this accumulation
-                self._take_compiled_sums(grads)
-            reduction = self.reduce.issue(grads)
+            self.reduce.holds_unsynced_sums = False
+            reduction = self.reduce.issue(grads, self.mode)
             if reduction is not None:
                 self.reduce_window.add(reduction)
         else:
             for p in self.params:
                 if p.unsharded_param is not None and p.requires_grad:
-                    p.stash_grad_without_sync()
-            self.reduce.holds_unsynced_grads = True
+                    p.add_to_unsynced_sum()
+            self.reduce.holds_unsynced_sums = True
         if self.reshard_after_backward:
             self.reshard()
 
-    def _take_compiled_sums(self, grads: dict[int, torch.Tensor | None]) -> None:
-        """Add the sums compiled backwards kept to this backward's: those without gradient sync to
-        ``grads`` (the full gradients to reduce, eager's kept sums in them), the HSDP partial sums
-        to the reduction's own. A parameter they reached is reduced even if this backward did not."""
-        for sums in list(self.compiled_sums.values()):
-            unsynced, partial = sums.hand_out()
-            for p, kept in unsynced:
-                if id(p) in grads:  # it still requires a gradient
-                    grad = grads[id(p)]
-                    grads[id(p)] = kept if grad is None else kept.add_(grad)  # the kept sum first, as eager's
-            self.reduce.keep_partial_sums(partial)
+    def _issue_reduction(self) -> Reduction | None:
+        """Reduce this backward's gradients with every sum kept for them (by the eager and compiled
+        microbatches of this accumulation)."""
+        grads = take_unreduced_grads(self.params)
+        self.reduce.holds_unsynced_sums = False
+        return self.reduce.issue(grads, self.mode)
+
+    def reduce_after_compiled_backward(self) -> None:
+        """End of a compiled backward, with gradient sync: reduce what it left, as the end of an
+        eager backward does (sums kept for this group by microbatches whose forward ran it when
+        the compiled forward did not; zeros for unused parameters), now."""
+        if self.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or self.reduces_unused_params):
+            reduction = self._issue_reduction()
+            if reduction is not None:
+                reduction.finish()
 
     def finalize_backward(self) -> None:
         """End of the whole backward: reduce what never reported ready (unused or frozen
-        parameters), free what backward gathered, and return to IDLE."""
-        if self.phase != Phase.POST_BACKWARD and self.has_unreduced_grads:
+        parameters; under ``set_reduce_scatter_unused_params(True)`` also a group no gradient
+        reached), free what backward gathered, and return to IDLE."""
+        if self.phase != Phase.POST_BACKWARD and (self.has_unreduced_grads or self.reduces_unused_params):
             self.post_backward()
         elif self.reshard_after_backward:
             self.reshard()
@@ -316,29 +322,47 @@ class ParamGroup:
         """End of one backward under manual finalization: gradients that did not report ready stay
         where they are (kept gathered) until ``finalize_backward`` reduces them, unless gradient sync
         is off (then they are kept without sync, as every such backward keeps them). IDLE again."""
-        if self.phase != Phase.POST_BACKWARD and not self.requires_gradient_sync:
+        if self.phase != Phase.POST_BACKWARD and self.mode is Mode.UNSYNCED:
             self.finalize_backward()  # as any backward without sync ends
             return
         self.phase = Phase.IDLE
         self._grads.reset()
 
     @property
+    def reduces_unused_params(self) -> bool:
+        """``set_reduce_scatter_unused_params(True)`` and a synced backward: a group gathered before
+        (eager or compiled) reduces every trainable parameter, zeros where no gradient reached it,
+        whether or not this rank's backward reached the group (every rank then issues the same
+        collective), as PyTorch's FSDP2 does once a parameter has its unsharded form."""
+        if not (self.reduce.include_unused and self.mode is not Mode.UNSYNCED and self.reduce.gathered_before):
+            return False
+        for p in self.params:
+            if p.requires_grad:
+                return True
+        return False
+
+    @property
     def has_unreduced_grads(self) -> bool:
         """Some parameter holds a gradient not reduced yet (this backward's or kept without sync,
         by eager or compiled backwards)."""
-        return bool(self.compiled_sums) or any(p.has_unreduced_grad for p in self.params)
+        return any(p.has_unreduced_grad for p in self.params)
 
     def reset_iteration(self) -> None:
         """After an aborted forward/backward: nothing in flight, all sharded, IDLE."""
         self.reshard()
+        self.discard_sums()
+        self.phase = Phase.IDLE
+        self._grads.reset()
+
+    def discard_sums(self) -> None:
+        """Drop every gradient not reduced yet: this backward's, and the sums kept for the next
+        synced backward (without sync; HSDP without the all-reduce)."""
         for p in self.params:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
-            p._accumulated_grad = None
-        self.reduce.holds_unsynced_grads = False
+            p.unsynced_sum = None
+        self.reduce.holds_unsynced_sums = False
         self.reduce.discard_partial()
-        self.phase = Phase.IDLE
-        self._grads.reset()
 
     def inputs_grads_ready(self) -> None:
         """Autograd computed the gradients of this group's forward inputs: its backward is over."""
@@ -368,8 +392,8 @@ class ParamGroup:
             self._hold_unsharded()
             return
         if self.state == GroupState.PARTIALLY_SHARDED:
-            self.gather.issue_from_kept(self._kept_rows, self.reshard_after_forward.subgroup)
-            self._kept_rows = []
+            self.gather.issue_from_subgroup_rows(self._subgroup_rows, self.reshard_after_forward.subgroup)
+            self._subgroup_rows = []
         else:
             self.gather.issue_from_shards(wait_for_compute)
         self.state = GroupState.UNSHARDING
@@ -380,7 +404,7 @@ class ParamGroup:
         """Complete an issued all-gather and register the full parameters on the modules."""
         if self.state != GroupState.UNSHARDING:
             return
-        self.gather.finish(keep=self._subgroup_to_keep())
+        self.gather.finish(for_subgroup=self._subgroup_to_keep())
         self._hold_unsharded()
 
     def _subgroup_to_keep(self) -> Subgroup | None:
@@ -393,13 +417,14 @@ class ParamGroup:
     def _hold_unsharded(self) -> None:
         hold_all_unsharded(self.params)
         self.state = GroupState.UNSHARDED
+        self.reduce.gathered_before = True
 
     def reshard(self) -> None:
         """Free the full parameters (and any kept subgroup rows); only the shards remain."""
         if self.state == GroupState.UNSHARDING:
             self.wait_for_unshard()  # never leave a collective writing into freed memory
         if self.state == GroupState.PARTIALLY_SHARDED:
-            self._kept_rows = []
+            self._subgroup_rows = []
             self.state = GroupState.SHARDED
         if self.state == GroupState.UNSHARDED:
             self._free_unsharded()
@@ -411,13 +436,13 @@ class ParamGroup:
             self.wait_for_unshard()
         if self.state != GroupState.UNSHARDED:
             return
-        kept_rows = self.gather.keep_rows(self.reshard_after_forward.subgroup)
-        if kept_rows is None:
+        subgroup_rows = self.gather.rows_for_subgroup(self.reshard_after_forward.subgroup)
+        if subgroup_rows is None:
             # Gathered outside this forward (e.g. a manual unshard()), with rows that cannot be
             # rebuilt from the parameters: free all; backward gathers from the shards again.
             self.reshard()
             return
-        self._kept_rows = kept_rows
+        self._subgroup_rows = subgroup_rows
         self._free_unsharded()
         self.state = GroupState.PARTIALLY_SHARDED
 

@@ -9,7 +9,7 @@ that owns it:
   that gives element-wise optimizers over fsdp2 shards the local-shard step. Optimizers over
   other tensors are left as they are; ``fsdp2.optim.set_local_shard_steps(False)`` removes it.
 - ``"PyTorch fully_shard guard"`` (fsdp2.torch_switch): PyTorch's ``fully_shard`` refuses a module
-  holding fsdp2's (one model, one implementation); ``uninstall_as_torch_fsdp()`` removes it too.
+  holding fsdp2's (one model, one implementation), whether or not the switch is installed.
 - ``"parameter registration"`` (fsdp2.runtime.traced): nn.Module's global parameter-registration
   hook, through which a compiled step notices a parameter replaced by assignment.
 

@@ -21,24 +21,24 @@ import torch.distributed as dist
 
 from fsdp2 import compat
 from fsdp2.runtime import collectives
-from fsdp2.runtime.buckets import FlatBucket, KeptBuffer, buckets_by_dtype
+from fsdp2.runtime.buckets import FlatBucket, ReusedBuffer, buckets_by_dtype
 from fsdp2.runtime.dp_mesh import DataParallelMesh
-from fsdp2.runtime.group_step import BucketStep, Mode, ReduceSettings, backward_mode
+from fsdp2.runtime.group_step import BucketStep, Mode, ReduceSettings
 from fsdp2.runtime.reduce_plan import ReducePlan
 from fsdp2.runtime.schedule import DEFAULT_MAX_REDUCES_IN_FLIGHT
 from fsdp2.runtime.sharded_param import ShardedParam, accumulate_sharded_grads, take_unreduced_grads
 from fsdp2.runtime.streams import CommStreams, Completion
 
 
-class PaddedScatterInput(KeptBuffer):
+class PaddedScatterInput(ReusedBuffer):
     """A padded bucket's reduce-scatter input, kept from step to step with its copy views built once.
 
     Padding takes a bucket off the one-``_chunk_cat`` path (on CPU that kernel pads every gradient
-    into a temporary first: +10% step peak at 1024 ranks), and slicing a fresh buffer per
+    into a temporary first, which raises the step's peak memory), and slicing a fresh buffer per
     parameter and per padded rank range costs ops that grow with the world size. Here the views
     of one buffer are built once (ShardLayout.copy_in_views), so packing is one ``_foreach_copy_``
     of the gradients at any world size (and one ``_foreach_zero_`` of the padding where a hook
-    reads it). The storage exists only from ``fill`` to ``release`` (see KeptBuffer).
+    reads it). The storage exists only from ``fill`` to ``release`` (see ReusedBuffer).
     """
 
     def __init__(self, bucket: FlatBucket, world: int, device):
@@ -53,8 +53,8 @@ class PaddedScatterInput(KeptBuffer):
 
         ``zero_padding``: someone reads the whole reduced output (a user's hook or collective).
         Otherwise the padding is left as the allocator gave it: the sum is element-wise, so
-        padding lands only in the output's padding, which no shard reads (at 1024 ranks the
-        small GPT's padding is about half its reduce-scatter bytes).
+        padding lands only in the output's padding, which no shard reads (at large world sizes much of a
+        small model's reduce-scatter bytes; benchmarks/RESULTS.md, "Host work per step").
         """
         self.allocate()
         if zero_padding and self._padding:
@@ -77,11 +77,11 @@ class PendingReduce:
     # Both allocated on the compute stream and kept until it waited for the reduction.
     input: torch.Tensor
     output: torch.Tensor
-    kept_input: PaddedScatterInput | None = None  # owns ``input``: released once it is done
+    reused_input: PaddedScatterInput | None = None  # owns ``input``: released once it is done
 
     def release(self) -> None:
-        if self.kept_input is not None:
-            self.kept_input.release()
+        if self.reused_input is not None:
+            self.reused_input.release()
 
 
 def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -> torch.Tensor:
@@ -160,26 +160,28 @@ class GroupReduce:
         self.local_only = local_only  # one-rank shard group: the reduce-scatter is the identity
         self.settings = ReduceSettings()  # what the steps are decided from (configure changes them)
         # Switches of a backward, not of its steps: set per microbatch, so plain attributes.
-        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
         self.include_unused = False  # set_reduce_scatter_unused_params: unreached parameters reduced as zeros
+        # The group was gathered (eager or compiled): with include_unused its parameters are reduced
+        # from then on, as PyTorch's FSDP2 reduces those that have their unsharded form.
+        self.gathered_before = False
         # Per pattern of reduced parameters: its buckets (the layout, kept while the parameters
         # are) and its steps (decided again when a setting changes).
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
         self._steps: dict[tuple[bool, ...], list[BucketStep]] = {}
         self._plans: dict[torch.dtype, ReducePlan] = {}  # by reduce dtype, under the current settings
-        self._kept_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
+        self._reused_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # The sums eager backwards keep for the next reduction (a compiled backward takes them too,
         # fsdp2.runtime.traced_grads): gradients kept in the parameters without gradient sync
-        # (ShardedParam.stash_grad_without_sync; the group sets this flag), and under HSDP without
+        # (ShardedParam.add_to_unsynced_sum; the group sets this flag), and under HSDP without
         # the all-reduce the reduce-scattered sums, per parameter until the next all-reduce.
-        self.holds_unsynced_grads = False
-        self._partial: dict[int, torch.Tensor] = {}
+        self.holds_unsynced_sums = False
+        self.partial_sums: dict[int, torch.Tensor] = {}  # HSDP without the all-reduce, by id(param)
 
     def rebuild(self) -> None:
         """The parameters were re-read (their dtypes may have changed): new buckets and steps."""
         self._buckets.clear()
         self._steps.clear()
-        self._kept_inputs.clear()
+        self._reused_inputs.clear()
 
     def configure(self, **changes: Any) -> None:
         """Change settings (``ReduceSettings``' fields): every step is decided again, now (the
@@ -191,9 +193,6 @@ class GroupReduce:
     @property
     def _group(self) -> dist.ProcessGroup:
         return self.settings.reduce_scatter_group or self.dp.shard_group
-
-    def mode(self, requires_gradient_sync: bool) -> Mode:
-        return backward_mode(requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce)
 
     def steps_of(self, pattern: tuple[bool, ...]) -> list[BucketStep]:
         """The steps (one per reduce dtype) that reduce the parameters ``pattern`` picks, in
@@ -230,8 +229,9 @@ class GroupReduce:
         return plan
 
     def _step(self, bucket: FlatBucket) -> BucketStep:
-        dp = self.dp
+        dp, settings = self.dp, self.settings
         shard_dtypes = {p.orig_dtype for p in bucket.params}
+        custom = settings.custom_reduce_scatter
         return BucketStep(
             bucket,
             self.plan(bucket.dtype),
@@ -239,13 +239,16 @@ class GroupReduce:
             shard_group=self._group,
             replicate_group=dp.replicate_group if dp.is_hybrid else None,
             grad_dtype=shard_dtypes.pop() if len(shard_dtypes) == 1 else bucket.dtype,
-            hooked=self.settings.all_reduce_hook is not None,
+            hooked=settings.all_reduce_hook is not None,
+            custom_reduce_scatter=None if custom is None else collectives.register_user_comm(custom),
+            out_collectives=collectives.out_variants_usable(self._group),
         )
 
     def _steps_for(self, grads: dict[int, torch.Tensor | None]) -> list[BucketStep]:
         # Which parameters are reduced changes with freezing and with unused parameters.
-        # A parameter with a kept partial sum is reduced also when this backward did not reach it.
-        partial, include_unused = self._partial, self.include_unused
+        # A parameter with a kept partial sum is reduced also when this backward did not reach it;
+        # with include_unused, so is every one of a group gathered before.
+        partial, include_unused = self.partial_sums, self.include_unused and self.gathered_before
         pattern = tuple(
             [
                 p.sharded_param.requires_grad and (grads.get(id(p)) is not None or include_unused or id(p) in partial)
@@ -256,22 +259,23 @@ class GroupReduce:
             return self._steps[pattern]
         return self.steps_of(pattern)
 
-    def issue(self, grads: dict[int, torch.Tensor | None]) -> Reduction | None:
-        """Pack and reduce-scatter ``grads`` (param id -> full local gradient or None)."""
+    def issue(self, grads: dict[int, torch.Tensor | None], mode: Mode = Mode.SYNCED) -> Reduction | None:
+        """Pack and reduce-scatter ``grads`` (param id -> full local gradient or None); ``mode``:
+        SYNCED (on to ``.grad``) or PARTIAL (HSDP: the reduce-scattered sums are kept here)."""
         steps = self._steps_for(grads)
         if not steps:
             return None
         pending = []
         for step in steps:
             bucket, plan = step.bucket, step.plan
-            inp, kept_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
+            inp, reused_input = self._pack(bucket, [grads.get(id(p)) for p in bucket.params])
             for divisor in plan.divide_before:
                 inp.div_(divisor)  # fp16 would overflow summing before dividing
             if self.local_only:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
                 out = self._allocate(bucket.numel_per_rank, bucket.dtype)
-            pending.append(PendingReduce(bucket, plan, inp, out, kept_input))
+            pending.append(PendingReduce(bucket, plan, inp, out, reused_input))
         grads.clear()  # copied in: the full gradients can go (same stream, so no hazard)
         group = self._group
         comm = self.settings.custom_reduce_scatter or collectives.reduce_scatter
@@ -280,8 +284,8 @@ class GroupReduce:
                 if not self.local_only:
                     op = p.plan.reduce_scatter_op.c10d()
                     completion.collective(comm, p.output, p.input.view(-1), group, op=op)
-                completion.then(lambda p=p: self._after_reduce_scatter(p))
-        if not self.requires_all_reduce and self.dp.is_hybrid:
+                completion.then(lambda p=p, mode=mode: self._after_reduce_scatter(p, mode))
+        if mode is Mode.PARTIAL:
             completion.wait()  # the sums stay here: nothing reaches .grad yet
             for p in pending:
                 p.release()
@@ -292,9 +296,9 @@ class GroupReduce:
         """The reduce-scatter input of ``bucket`` and, if it is a kept buffer, its owner."""
         world = self.dp.shard_size
         if bucket.all_dim0 and not bucket.all_dim0_even and all([g is not None for g in grads]):
-            kept = self._kept_inputs.get(id(bucket))
+            kept = self._reused_inputs.get(id(bucket))
             if kept is None:
-                kept = self._kept_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
+                kept = self._reused_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
             if not kept.in_use:  # else an earlier reduction of this bucket still reads it
                 return kept.fill(grads, zero_padding=self._output_seen_whole), kept
         return _reduce_scatter_input(bucket, grads, world, self.dp.device), None
@@ -318,11 +322,11 @@ class GroupReduce:
             return custom.allocate((numel,), dtype=dtype, device=self.dp.device)
         return torch.empty(numel, dtype=dtype, device=self.dp.device)
 
-    def _after_reduce_scatter(self, pending: PendingReduce) -> None:
+    def _after_reduce_scatter(self, pending: PendingReduce, mode: Mode) -> None:
         """Across replicas (HSDP), the user's hook, the division; runs once the reduce-scatter is done."""
         plan, settings = pending.plan, self.settings
         if self.dp.is_hybrid:
-            if not self.requires_all_reduce:
+            if mode is Mode.PARTIAL:
                 self._keep_partial(pending)
                 return
             self._add_partial(pending)
@@ -341,40 +345,40 @@ class GroupReduce:
 
     def _keep_partial(self, pending: PendingReduce) -> None:
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-            kept = self._partial.get(id(p))
-            self._partial[id(p)] = slot.clone() if kept is None else kept.add_(slot)
+            kept = self.partial_sums.get(id(p))
+            self.partial_sums[id(p)] = slot.clone() if kept is None else kept.add_(slot)
 
-    def keep_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Add partial sums kept elsewhere (a compiled step's: each parameter's reduce-scattered
-        padded slot, in the reduce dtype) to the ones kept here; this reduction owns them now."""
+    def add_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
+        """Add a compiled backward's partial sums (each parameter's reduce-scattered padded slot, in
+        the reduce dtype, owned) to the ones kept here."""
         for p, slot in sums:
-            kept = self._partial.get(id(p))
-            self._partial[id(p)] = slot if kept is None else kept.add_(slot)
+            kept = self.partial_sums.get(id(p))
+            self.partial_sums[id(p)] = slot if kept is None else kept.add_(slot)
 
     def take_partial_sums(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
         """The partial sums kept for ``params`` (None where there is none), taken: a compiled
         backward adds them to its all-reduce."""
-        return [self._partial.pop(id(p), None) for p in params]
+        return [self.partial_sums.pop(id(p), None) for p in params]
 
-    def take_unsynced_grads(self, params: list[ShardedParam]) -> dict[int, torch.Tensor | None]:
+    def take_unsynced_sums(self, params: list[ShardedParam]) -> dict[int, torch.Tensor | None]:
         """The gradients eager backwards without sync kept for ``params`` (see
         ``take_unreduced_grads``), taken: a compiled backward adds them to its reduction."""
         grads = take_unreduced_grads(params)
-        self.holds_unsynced_grads = any([p.has_unreduced_grad for p in self.params])
+        self.holds_unsynced_sums = any([p.has_unreduced_grad for p in self.params])
         return grads
 
     def _add_partial(self, pending: PendingReduce) -> None:
-        if not self._partial:
+        if not self.partial_sums:
             return
         for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-            kept = self._partial.pop(id(p), None)
+            kept = self.partial_sums.pop(id(p), None)
             if kept is not None:
                 slot.add_(kept)
 
     @property
     def holds_partial_sums(self) -> bool:
-        """HSDP backwards with ``requires_all_reduce`` False kept sums for the next all-reduce."""
-        return bool(self._partial)
+        """HSDP backwards without the all-reduce (Mode.PARTIAL) kept sums for the next all-reduce."""
+        return bool(self.partial_sums)
 
     def discard_partial(self) -> None:
-        self._partial.clear()
+        self.partial_sums.clear()

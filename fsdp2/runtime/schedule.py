@@ -123,14 +123,25 @@ def implicit_backward_prefetch(post_forward_order: Sequence[T], current: T) -> l
 # -- when a group's backward ends ------------------------------------------------------------------
 
 
-def backward_ends_at_inputs(requires_grad: Iterable[bool]) -> bool:
+def backward_ends_at_inputs(
+    requires_grad: Iterable[bool], reduces_unused: bool = False, manual_finalization: bool = False
+) -> bool:
     """Whether a group whose parameters have these ``requires_grad`` flags ends its backward
     (reduces its gradients, frees what it gathered) once autograd has the gradients of its
-    forward inputs (at the end of backward if none needs one), not once every parameter has
-    its gradient: it holds a frozen parameter, whose last read in backward (a frozen weight's
-    use for the inputs' gradient: a LoRA base layer) has no gradient to signal it.
-    (``param_group.BackwardEnd.INPUT_GRADS``, PyTorch's FSDP2's timing.)"""
-    return not all(requires_grad)
+    forward inputs (at the end of backward if none needs one), PyTorch's FSDP2's timing, not
+    once every parameter has its gradient (the same point when neither is special, and the
+    earlier signal). It does when:
+
+    - it holds a frozen parameter, whose last read in backward (a frozen weight's use for the
+      inputs' gradient: a LoRA base layer) has no gradient to signal it;
+    - it reduces unused parameters (``set_reduce_scatter_unused_params(True)``), so a rank whose
+      backward reaches none of them reduces at the same point of backward as a rank whose does;
+    - the backward is finalized by hand (``set_manual_backward_finalization(True)``): a group
+      whose inputs need no gradient then waits, unreduced, for ``finalize_backward()``, as in
+      PyTorch (its unsharded gradients stay where ``module.zero_grad()`` reaches them).
+
+    (``param_group.BackwardEnd.INPUT_GRADS``.)"""
+    return reduces_unused or manual_finalization or not all(requires_grad)
 
 
 # -- one-rank shard groups -----------------------------------------------------------------------

@@ -116,7 +116,7 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         self._padded_full: torch.Tensor | None = None  # storage owner of unsharded_param
         # Gradient summed over microbatches without sync, kept in reduce_dtype for precision.
-        self._accumulated_grad: torch.Tensor | None = None
+        self.unsynced_sum: torch.Tensor | None = None
         self._flat_shard_of: torch.Tensor | None = None  # the local shard _flat_shard views
         self._flat_shard: torch.Tensor | None = None
         self._flat_numel = 0
@@ -339,7 +339,7 @@ class ShardedParam:
         sum casts each use's gradient to ``reduce_dtype`` before adding; any other adds the uses in
         the compute dtype (into a sum already kept in ``reduce_dtype``, in place), as PyTorch's FSDP2."""
         unsharded = self.unsharded_param
-        starts = unsharded.grad is None and self._accumulated_grad is None
+        starts = unsharded.grad is None and self.unsynced_sum is None
         unsharded.grad_dtype = self.reduce_dtype if starts and not synced else None
 
     def free_unsharded(self) -> None:
@@ -350,9 +350,9 @@ class ShardedParam:
     @property
     def has_unreduced_grad(self) -> bool:
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-        return grad is not None or self._accumulated_grad is not None
+        return grad is not None or self.unsynced_sum is not None
 
-    def stash_grad_without_sync(self) -> None:
+    def add_to_unsynced_sum(self) -> None:
         """Keep this backward's gradient locally (no communication) for a later synced backward.
 
         Kept as autograd made it, only cast to ``reduce_dtype``: a tensor-parallel gradient stays a
@@ -362,10 +362,30 @@ class ShardedParam:
         if grad is None or grad.dtype == self.reduce_dtype:
             return  # autograd accumulates in place into .grad at full precision already
         self.unsharded_param.grad = None
-        if self._accumulated_grad is None:
-            self._accumulated_grad = grad.to(self.reduce_dtype)
+        if self.unsynced_sum is None:
+            self.unsynced_sum = grad.to(self.reduce_dtype)
         else:
-            self._accumulated_grad.add_(grad)
+            self.unsynced_sum, grad = _alike(self.unsynced_sum, grad, self.tensor_parallel)
+            self.unsynced_sum.add_(grad)
+
+    def add_compiled_unsynced(self, full: torch.Tensor) -> None:
+        """Add a compiled backward's gradient without sync (``full``: this parameter's full, TP-local
+        gradient in ``reduce_dtype``, owned) to its unsynced sum: the one store both executors'
+        microbatches keep their sums in."""
+        if self.unsynced_sum is None:
+            self.unsynced_sum = full
+        else:
+            self.unsynced_sum, full = _alike(self.unsynced_sum, full, self.tensor_parallel)
+            self.unsynced_sum.add_(full)
+
+
+def _alike(kept: torch.Tensor, new: torch.Tensor, tensor_parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kept`` and ``new`` as tensors of one kind: under tensor parallelism an eager microbatch's
+    gradient is a DTensor (a pending sum, redistributed once at the synced backward) and a compiled
+    one's TP-local; where both meet, the DTensor is made TP-local first."""
+    if tensor_parallel is None or isinstance(kept, DTensor) == isinstance(new, DTensor):
+        return kept, new
+    return tensor_parallel.local_grad(kept), tensor_parallel.local_grad(new)
 
 
 def weak_hook(method: Callable, *args) -> Callable:
@@ -484,10 +504,14 @@ def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tens
         grad = None
         if unsharded is not None:
             grad, unsharded.grad = unsharded.grad, None
-        accumulated = p._accumulated_grad
+        accumulated = p.unsynced_sum
         if accumulated is not None:
-            p._accumulated_grad = None
-            grad = accumulated if grad is None else accumulated.add_(grad)
+            p.unsynced_sum = None
+            if grad is not None:
+                accumulated, grad = _alike(accumulated, grad, p.tensor_parallel)
+                grad = accumulated.add_(grad)  # the kept sum first
+            else:
+                grad = accumulated
         if p.tensor_parallel is not None and grad is not None:
             grad = p.tensor_parallel.local_grad(grad)  # once, on the sum over microbatches
         grads[id(p)] = grad

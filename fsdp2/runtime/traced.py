@@ -78,7 +78,7 @@ class _Bucket:
 
     step: BucketStep
     row_dtype: torch.dtype
-    reduction: graph.Reduction
+    reduction: graph.BucketReduction
 
     @property
     def key(self) -> torch.dtype:  # the reduce dtype
@@ -98,7 +98,7 @@ class _Bucket:
 
     @property
     def takes_grad(self) -> bool:
-        return graph.takes_grad(self.reduction.grad_dtype)
+        return graph.takes_grad(self.step.grad_dtype)
 
 
 @dataclass
@@ -109,10 +109,10 @@ class _InTrace:
     ports: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     # What a call that keeps its parameters after forward gathered: a later call uses it (eager:
     # the group is still unsharded).
-    kept: list[torch.Tensor] | None = None
+    held_after_forward: list[torch.Tensor] | None = None
     # reshard_after_forward=k: this rank's rows of the gathered row, kept for re-gathering over
     # the subgroup, and what encoding the shards gave besides (the hooks' context).
-    kept_rows: tuple[torch.Tensor, list] | None = None
+    subgroup_rows: tuple[torch.Tensor, list] | None = None
 
 
 class TracedGroup:
@@ -129,7 +129,6 @@ class TracedGroup:
         "in_trace",
         "grads",
         "param_replaced",
-        "custom_comm_keys",
         "__weakref__",
     )
 
@@ -137,19 +136,12 @@ class TracedGroup:
         self.group = group
         self.in_trace: _InTrace | None = None
         self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
-        self.custom_comm_keys: dict[str, str] = {}  # see use_custom_comm
         self.prepare_buckets()
         # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
         # the group's slots; a trace reads it (one guard), and only then compares each parameter.
         self.param_replaced = False
         group.on_params_refreshed = self.params_refreshed
         _registrations.watch(self)
-
-    def use_custom_comm(self, kind: str, comm: object) -> None:
-        """``set_custom_all_gather`` (``kind`` "all_gather") / ``set_custom_reduce_scatter``
-        ("reduce_scatter"): the graph calls ``comm`` through ``traced_ops`` (read in the trace:
-        setting another retraces)."""
-        self.custom_comm_keys = {**self.custom_comm_keys, kind: traced_ops.register_comm(comm)}
 
     def params_refreshed(self) -> None:
         """fsdp2 re-read the parameters (ShardedParam.refresh): replacements are taken over, and
@@ -170,8 +162,8 @@ class TracedGroup:
         if not params:
             return []
         in_trace = self.enter_trace()
-        if in_trace.kept is not None:  # gathered earlier in this forward, and kept
-            return in_trace.kept
+        if in_trace.held_after_forward is not None:  # gathered earlier in this forward, and held
+            return in_trace.held_after_forward
         buckets = self._buckets()
         with_grad = torch.is_grad_enabled()
         ports = [self._port(bucket, in_trace) if with_grad and bucket.takes_grad else None for bucket in buckets]
@@ -180,10 +172,9 @@ class TracedGroup:
         shards = [p.traced_leaf for p in params]
         route = functools.partial(self._routed_params, buckets, ports, counted=bool(collectives.active_counters))
         # The group's all-gather settings, whatever it reduces (a group of frozen parameters reduces nothing).
+        gather = self.group.gather
         settings = graph.GatherSettings(
-            graph.takes_out_collectives(self.group.dp.shard_group),
-            bool(collectives.active_counters),
-            self.custom_comm_keys.get("all_gather"),
+            gather.out_collectives, bool(collectives.active_counters), gather.custom_all_gather_key
         )
         if after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
             gathered = self._gather_keeping_rows(shards, route, port_tensors, settings)
@@ -196,7 +187,7 @@ class TracedGroup:
         else:
             gathered = self._gather_and_route(route, *port_tensors, *shards, settings=settings, regathers=False)
         if after_forward is schedule.AfterForward.KEEP and with_grad:
-            in_trace.kept = gathered
+            in_trace.held_after_forward = gathered
         return gathered
 
     def enter_trace(self) -> _InTrace:
@@ -290,11 +281,11 @@ class TracedGroup:
         the subgroup from the same kept rows, as eager does."""
         subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
         in_trace = self.in_trace
-        if in_trace.kept_rows is None:
+        if in_trace.subgroup_rows is None:
             encoded, bucket, flat = self._encoded(shards)
             kept = self._all_gather(flat, world // subgroup.size, subgroup.across.group_name, settings)
-            in_trace.kept_rows = (kept, (encoded, bucket))
-        kept, layout = in_trace.kept_rows
+            in_trace.subgroup_rows = (kept, (encoded, bucket))
+        kept, layout = in_trace.subgroup_rows
 
         def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
             gathered = self._all_gather(kept, subgroup.size, subgroup.group.group_name, settings)
@@ -325,7 +316,7 @@ class TracedGroup:
             row, marks = next(tensors), [next(tensors) for _ in port[1]]
             if counted:  # recorded by the backward of the first port (a recomputed region's own record is not)
                 row, counted = graph.RecordRegather.apply(row, regathered), False
-            carriers = bucket.flat.columns(row.view(bucket.reduction.world, -1))
+            carriers = bucket.flat.columns(row.view(bucket.step.world, -1))
             for (p, carried), mark in zip(carriers, marks):
                 i = index[id(p)]
                 routed[i] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), routed[i], mark)
@@ -348,20 +339,17 @@ class TracedGroup:
         reduce = group.reduce
         # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
         counted = bool(collectives.active_counters)
-        # Sums eager backwards kept for this accumulation (guarded too): a synced graph takes them.
-        eager_unsynced, eager_partial = reduce.holds_unsynced_grads, reduce.holds_partial_sums
-        mode = reduce.mode(group.requires_gradient_sync)
+        # Sums kept for this accumulation, by eager or compiled microbatches (guarded too): a synced graph takes them.
+        unsynced_sums, partial_sums = reduce.holds_unsynced_sums, reduce.holds_partial_sums
+        mode = group.mode
         buckets = []
         for step in self.reduce_steps():
-            grads = self.grads.get(step.reduce_dtype)  # its kept sums are read in the trace (guarded)
-            kept_unsynced = eager_unsynced or (grads is not None and grads.holds_unsynced)
-            reduction = graph.Reduction.of(
-                step,
-                custom_reduce_scatter=self.custom_comm_keys.get("reduce_scatter"),
+            reduction = graph.BucketReduction(
+                step.spec,
                 counted=counted,
                 mode=mode,
-                takes_unsynced=mode is not Mode.UNSYNCED and kept_unsynced,
-                takes_partial=mode is Mode.SYNCED and (eager_partial or (grads is not None and grads.holds_partial)),
+                takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,
+                takes_partial=mode is Mode.SYNCED and partial_sums,
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the dtype
@@ -370,8 +358,8 @@ class TracedGroup:
             # PyTorch accumulates in it (sharded_param.GradDtype).
             params = step.bucket.params
             param_dtypes = {p.param_dtype for p in params}
-            starts_sum = mode is Mode.UNSYNCED and not kept_unsynced
-            widens = starts_sum and params[0].grad_dtype_rule is not GradDtype.COMPUTE
+            starts_sum = mode is Mode.UNSYNCED and not unsynced_sums
+            widens = starts_sum and any([p.grad_dtype_rule is not GradDtype.COMPUTE for p in params])
             row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else step.reduce_dtype
             buckets.append(_Bucket(step, row_dtype, reduction))
         return buckets
@@ -387,9 +375,7 @@ class TracedGroup:
         grads = {}
         group = self.group
         frozen = tuple(p for p in group.params if not p.trainable)
-        graph.takes_out_collectives(group.dp.shard_group)  # noted now: a trace cannot ask the group
         for step in self.reduce_steps():
-            graph.takes_out_collectives(step.shard_group)
             if not graph.takes_grad(step.grad_dtype):
                 continue
             current = self.grads.get(step.reduce_dtype)
@@ -469,13 +455,14 @@ class TracedCall:
                 other._enter_trace()
                 other.prefetched = other.gather(is_root=False)
 
-    def post_forward(self) -> None:
-        """After one of the call's modules: the last one releases the call (the root: all)."""
+    def post_forward(self) -> bool:
+        """After one of the call's modules: the last one releases the call (the root: all, and
+        True: the traced forward ends here)."""
         if self.held is None:
-            return
+            return False
         self.modules_left -= 1
         if self.modules_left > 0:
-            return
+            return False
         self.release()
         if _trace.root is self:
             # Nothing gathered outlives the trace: a prefetch no module used is dropped, a call
@@ -489,6 +476,8 @@ class TracedCall:
                     other.release()
             _trace.touched.clear()
             _trace.root = None
+            return True
+        return False
 
     def _enter_trace(self) -> None:
         if self not in _trace.touched:  # cleared when the trace's root call ends its forward
@@ -528,12 +517,6 @@ class TracedCall:
         for module, original in self._held_dicts:
             compat.set_parameter_registry(module, original)
         self._held_dicts = []
-
-
-def _recording_regather(port, nbytes: int):
-    """``port`` at a gather that backward recomputes, in a trace inside ``count_comm``."""
-    row, marks = port
-    return graph.RecordRegather.apply(row, nbytes), marks
 
 
 class _TraceScope:

@@ -1,5 +1,5 @@
-"""Where a bucket's gradients go after a compiled backward: its sinks, the sums it keeps between
-backwards, and the hand-off to the parameters' DTensor ``.grad``.
+"""Where a bucket's gradients go after a compiled backward: its sinks and the hand-off to the
+parameters' DTensor ``.grad``, or to the sums a backward without sync keeps.
 
 A compiled step's backward reduces each bucket once per graph (fsdp2.runtime.traced_graph's port)
 and hands the result on by the step's mode, through autograd when backward reached every
@@ -7,27 +7,21 @@ parameter of the bucket (the common case: no Python runs per bucket in the graph
 
 - SYNCED: to ``reduced``, a leaf whose hook writes every parameter's ``.grad`` in one call
   (added to one already there, as eager adds it);
-- UNSYNCED (``set_requires_gradient_sync(False)``): to ``unsynced``, a leaf whose ``.grad``
-  autograd sums over such backwards, in ``reduce_dtype`` (eager: the microbatches' sum);
-- PARTIAL (HSDP, ``set_requires_all_reduce(False)``): to ``partial``, likewise, after the
-  reduce-scatter (eager: its partial sums).
+- UNSYNCED (``set_requires_gradient_sync(False)``): to ``unsynced``, a leaf whose hook adds each
+  parameter's gradient (in ``reduce_dtype``) to its unsynced sum (``ShardedParam.unsynced_sum``);
+- PARTIAL (HSDP, ``set_requires_all_reduce(False)``): to ``partial``, a leaf whose hook adds each
+  parameter's reduce-scattered slot to the group's partial sums (``GroupReduce.partial_sums``).
+
+The sums live in one place, eager's, in eager's layout, whichever executor ran the microbatches:
+eager's backwards add to them and reduce them; a compiled synced graph takes them into its flat
+layout (``fsdp2::take_pending``, once per backward, whichever of its graphs runs first; a graph
+includes that op only if sums were kept when it was traced: dynamo guards on the group's flags).
 
 When backward missed some parameters (unused in forward), the graph knows which at trace time and
 hands the gradient to ``fsdp2::deliver`` instead, with the indices it reached: SYNCED writes only
-those parameters' ``.grad`` (eager and PyTorch's FSDP2 leave the others None), the other modes
-keep the sum and the indices. Every delivery adds, so two compiled forwards before one backward
-(each graph reduces its own gradient) sum in ``.grad`` and in the kept sums.
-
-The next synced backward's graph adds the kept sums in (``fsdp2::take_pending``, once per
-backward, whichever of its graphs runs first); a graph includes that op only if sums were kept
-when it was traced (``holds_unsynced``, ``holds_partial``: dynamo guards on them).
-
-Eager and compiled backwards may share an accumulation: each executor's synced backward takes
-the other's kept sums too, and this is the one place that converts between the layouts. A
-synced graph takes eager's (the group's ``GroupReduce`` keeps or knows of them: full gradients
-per parameter, reduce-scattered slots) into its flat layout when it takes its own (eager's flags
-are read at trace time too), and counts their parameters as reached; an eager synced backward
-takes these (:meth:`BucketGrads.hand_out`, called by its group) per parameter.
+those parameters' ``.grad`` (eager and PyTorch's FSDP2 leave the others None), the other modes add
+only those to the sums. Every delivery adds, so two compiled forwards before one backward (each
+graph reduces its own gradient) sum in ``.grad`` and in the sums.
 
 A backward's mode was fixed when its forward was traced. If the settings changed between the
 forward and its backward (eager would follow the new ones), the hand-off raises instead of
@@ -60,20 +54,18 @@ def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class BucketGrads:
-    """One bucket's gradient sinks, kept sums and hand-off (module docstring).
+    """One bucket's gradient sinks and hand-off (module docstring).
 
     ``step``: the bucket's reduction (its ``BucketStep``, as eager reduces it: its parameters and
-    layout, dtypes and hook); ``group``: their ParamGroup (its settings are read at the hand-off;
-    while this keeps sums it is in the group's ``compiled_sums``, which eager code reads without a
-    call); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
+    layout, dtypes and hook); ``group``: their ParamGroup (its settings are read at the hand-off,
+    its sums kept); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
     """
 
     def __init__(self, step: "BucketStep", group: "ParamGroup", frozen: tuple["ShardedParam", ...] = ()):
         bucket = step.bucket
         self.params = params = tuple(bucket.params)
-        self.pending = group.compiled_sums
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
-        # for them, so one that requires a gradient now is refused (see _check_still_frozen).
+        # for them, so one that requires a gradient now is refused (see _unfrozen).
         self.frozen = frozen
         self.group = group
         reduce_dtype = self.reduce_dtype = step.reduce_dtype
@@ -84,7 +76,7 @@ class BucketGrads:
         self.gathered_numel = step.world * self.shard_numel
         # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
         self.grad_dtype = step.grad_dtype
-        # What a synced backward that reached every parameter hands over (see Reduction.sink_dtype).
+        # What a synced backward that reached every parameter hands over (see BucketReduction.sink_dtype).
         self.sink_dtype = reduce_dtype if step.hooked else step.grad_dtype
         # No padding on this rank, one dtype: the reduced flat shard is the local shards back to back.
         self.packed = all(
@@ -94,21 +86,15 @@ class BucketGrads:
         self.reduced = _leaf(self.shard_numel, self.sink_dtype, device)
         self.reduced.register_post_accumulate_grad_hook(weak_hook(self._hand_off))
         self.unsynced = _leaf(self.gathered_numel, reduce_dtype, device)
-        self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._kept_unsynced))
+        self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._summed_unsynced))
         self.partial = None
-        self.hybrid = group.dp.is_hybrid
-        if self.hybrid:
+        if group.dp.is_hybrid:
             self.partial = _leaf(self.shard_numel, reduce_dtype, device)
-            self.partial.register_post_accumulate_grad_hook(weak_hook(self._kept_partial))
+            self.partial.register_post_accumulate_grad_hook(weak_hook(self._summed_partial))
         self.anchor = _leaf(0, torch.float32, device)  # takes fsdp2::deliver's results
-        # Sums kept by deliveries for some parameters only, and which parameters they reached.
-        self._some: dict[Mode, tuple[torch.Tensor, set[int]]] = {}
+        self._every = tuple(range(len(params)))
         # Which parameters the sums taken by the running graph reached (its delivery adds them).
-        self._every = set(range(len(params)))
         self._taken_reached: set[int] = set()
-        # Read at trace time (guarded): a synced graph adds the kept sums in (fsdp2::take_pending).
-        self.holds_unsynced = False
-        self.holds_partial = False
         self.key = traced_ops.register_route(self)
         self.take_params()
 
@@ -133,118 +119,59 @@ class BucketGrads:
         return self.unsynced if mode is Mode.UNSYNCED else self.partial
 
     def discard(self) -> None:
-        """Forget the kept sums (``reset_iter_state``)."""
+        """Forget what a backward left here (``reset_iter_state``; the sums are the group's)."""
         for leaf in (self.reduced, self.unsynced, self.partial, self.anchor):
             if leaf is not None:
                 leaf.grad = None
-        self._some.clear()
         self._taken_reached = set()
-        self.holds_unsynced = self.holds_partial = False
-        self.pending.pop(self.key, None)
 
     # -- the graph's run-time calls (traced_ops.take_pending, traced_ops.deliver) ----------------------
 
     def take(self, grad: torch.Tensor, kind: int) -> torch.Tensor:
-        """``grad`` plus the sums of ``kind`` kept for it, by compiled and by eager backwards
-        (eager's order: the kept sum first)."""
-        mode = Mode(kind)
-        kept, reached = self._take_kept(mode)
-        eager, eager_reached = self._take_eager(mode)
-        self._taken_reached |= reached | eager_reached
-        if kept is None:
-            kept = eager
-        elif eager is not None:
-            kept = kept + eager
-        return grad.clone() if kept is None else kept + grad
-
-    def _take_kept(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
-        """The sum of ``mode`` kept here (flat, this bucket's layout of it) and the indices of the
-        parameters it reached, taken."""
-        leaf = self.unsynced if mode is Mode.UNSYNCED else self.partial
-        kept, leaf.grad = leaf.grad, None
-        some, reached = self._some.pop(mode, (None, set()))
-        if kept is not None:
-            reached = self._every  # kept through a sink: from backwards that reached every parameter
-        if mode is Mode.UNSYNCED:
-            self.holds_unsynced = False
-        else:
-            self.holds_partial = False
-        if not (self.holds_unsynced or self.holds_partial):
-            self.pending.pop(self.key, None)
-        if kept is None:
-            kept = some
-        elif some is not None:
-            kept = kept + some
-        return kept, reached
-
-    def _take_eager(self, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
-        """What eager backwards kept of ``mode`` for these parameters (gradients without sync, in the
-        gathered layout: each parameter's full gradient as its rank rows; HSDP partial sums, its
-        reduce-scattered slot), taken and laid out flat as this bucket keeps its own, with the
-        indices of the parameters that have some."""
+        """``grad`` plus the sums of ``kind`` kept for these parameters, taken (the kept sum first,
+        as eager adds them): without gradient sync, each parameter's full gradient laid out as its
+        rank rows; HSDP partial sums, its reduce-scattered slot."""
         reduce = self.group.reduce
         world = self.group.dp.shard_size
-        if mode is Mode.UNSYNCED:
-            if not reduce.holds_unsynced_grads:
-                return None, set()
-            grads = reduce.take_unsynced_grads(self.params)
+        if Mode(kind) is Mode.UNSYNCED:
+            if not reduce.holds_unsynced_sums:
+                return grad.clone()
+            grads = reduce.take_unsynced_sums(self.params)
             pieces = [grads.get(id(p)) for p in self.params]
             flat = torch.empty(world, self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
             blocks = torch.split_with_sizes(flat, self.widths, dim=1)
         else:
             if not reduce.holds_partial_sums:
-                return None, set()
+                return grad.clone()
             pieces = reduce.take_partial_sums(self.params)
             flat = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
             blocks = torch.split_with_sizes(flat, self.widths)
         reached = {i for i, piece in enumerate(pieces) if piece is not None}
         if not reached:
-            return None, reached
+            return grad.clone()
+        self._taken_reached |= reached
         for p, piece, block in zip(self.params, pieces, blocks):
             if piece is None:
                 block.zero_()
-            elif mode is Mode.UNSYNCED:
+            elif kind == Mode.UNSYNCED:
                 p.layout.copy_full_in(piece, block)  # zeroes its padding
             else:
                 block.copy_(piece)
-        return flat.view(-1), reached
-
-    # -- an eager synced backward's call -----------------------------------------------------------------
-
-    def hand_out(self) -> tuple[list[tuple["ShardedParam", torch.Tensor]], list[tuple["ShardedParam", torch.Tensor]]]:
-        """The sums kept here, per parameter they reached, taken: (without gradient sync, each
-        parameter's full gradient (TP-local) as eager's post-backward holds it; under HSDP without
-        the all-reduce, each parameter's reduce-scattered padded slot, as eager keeps it). Both in
-        ``reduce_dtype``."""
-        unsynced, partial = [], []
-        if self.holds_unsynced:
-            kept, reached = self._take_kept(Mode.UNSYNCED)
-            blocks = torch.split_with_sizes(kept.view(self.group.dp.shard_size, -1), self.widths, dim=1)
-            unsynced = [(self.params[i], self.params[i].layout.full_from_rank_rows(blocks[i])) for i in sorted(reached)]
-        if self.holds_partial:
-            kept, reached = self._take_kept(Mode.PARTIAL)
-            slots = torch.split_with_sizes(kept, self.widths)
-            partial = [(self.params[i], slots[i]) for i in sorted(reached)]
-        return unsynced, partial
+        return flat.view(-1) + grad
 
     def deliver(self, grad: torch.Tensor, mode: int, reached: list[int]) -> torch.Tensor:
         """A graph's gradient from a backward that reached only the parameters ``reached`` (plus
         those the sums it took in reached)."""
         mode = Mode(mode)
         self._check_mode(mode)
-        reached_set = set(reached) | self._taken_reached
+        reached_all = set(reached) | self._taken_reached
         self._taken_reached = set()
         if mode is Mode.SYNCED:
+            self.group.reduce.gathered_before = True
             # A copy: ``grad`` is the graph's buffer, and fresh gradients view what they are given.
-            self._write(self._finished(grad.clone()), reached_set)
+            self._write(self._finished(grad.clone()), reached_all)
         else:
-            kept = self._some.get(mode)
-            if kept is None:
-                self._some[mode] = (grad.clone(), reached_set)
-            else:
-                kept[0].add_(grad)
-                kept[1].update(reached_set)
-            self._note_kept(mode)
+            self._add_to_sums(mode, grad, sorted(reached_all))
         return grad.new_empty(0, dtype=torch.float32)
 
     # -- autograd's hooks on the sinks ---------------------------------------------------------------
@@ -258,7 +185,8 @@ class BucketGrads:
             return
         self._taken_reached = set()
         group = self.group
-        if not group.requires_gradient_sync or (self.hybrid and not group.reduce.requires_all_reduce):
+        group.reduce.gathered_before = True
+        if group.mode is not Mode.SYNCED:
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
         for p in self.frozen:
             if p.sharded_param.requires_grad:
@@ -276,33 +204,47 @@ class BucketGrads:
         else:
             self._write(reduced, None)
 
-    def _kept_unsynced(self, sink: torch.Tensor) -> None:
-        if sink.grad is None:
+    def _summed_unsynced(self, sink: torch.Tensor) -> None:
+        grad, sink.grad = sink.grad, None
+        if grad is None:
             return
         self._check_mode(Mode.UNSYNCED)
-        self._note_kept(Mode.UNSYNCED)
+        self._add_to_sums(Mode.UNSYNCED, grad, self._every)
 
-    def _kept_partial(self, sink: torch.Tensor) -> None:
-        if sink.grad is None:
+    def _summed_partial(self, sink: torch.Tensor) -> None:
+        grad, sink.grad = sink.grad, None
+        if grad is None:
             return
         self._taken_reached = set()  # taken into this sum (an unsynced sum, before the reduce-scatter)
         self._check_mode(Mode.PARTIAL)
-        self._note_kept(Mode.PARTIAL)
+        self._add_to_sums(Mode.PARTIAL, grad, self._every)
 
-    def _note_kept(self, mode: Mode) -> None:
+    def _add_to_sums(self, mode: Mode, grad: torch.Tensor, reached) -> None:
+        """Add a backward's gradient (``grad``: the graph's flat buffer) of the parameters
+        ``reached`` to the sums eager keeps: without sync, each one's full gradient (TP-local) to
+        its unsynced sum; without the HSDP all-reduce, each one's slot to the group's partial sums."""
+        group = self.group
+        reduce = group.reduce
+        reduce.gathered_before = True
         if mode is Mode.UNSYNCED:
-            self.holds_unsynced = True
+            blocks = torch.split_with_sizes(grad.view(group.dp.shard_size, -1), self.widths, dim=1)
+            for i in reached:
+                p = self.params[i]
+                full = p.layout.full_from_rank_rows(blocks[i])
+                p.add_compiled_unsynced(full.clone() if compat.view_base(full) is not None else full)
+            reduce.holds_unsynced_sums = True
         else:
-            self.holds_partial = True
-        self.pending[self.key] = self
+            slots = torch.split_with_sizes(grad, self.widths)
+            reduce.add_partial_sums([(self.params[i], slots[i].clone()) for i in reached])
 
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""
         group = self.group
-        now = group.reduce.mode(group.requires_gradient_sync)
+        now = group.mode
         if now is mode:
             return
         self.discard()
+        group.discard_sums()
         raise FSDPUsageError(
             f"torch.compile over fully_shard({group.name}): this backward's gradients were computed "
             f"{_MODE_WORDS[mode]}, as the settings were when its compiled forward ran, but they now say "
@@ -333,7 +275,7 @@ class BucketGrads:
     # -- writing .grad ---------------------------------------------------------------------------------
 
     def _finished(self, reduced: torch.Tensor) -> torch.Tensor:
-        """What the graph left undivided in ``reduce_dtype`` (``Reduction.hooked``): eager's finish
+        """What the graph left undivided in ``reduce_dtype`` (``BucketReduction.hooked``): eager's finish
         (the all-reduce hook, then the division), then the shards' dtype (one for the bucket)."""
         if not self.hooked:
             return reduced

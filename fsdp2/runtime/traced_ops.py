@@ -7,7 +7,8 @@ forward and backward). The traced path emits it only in a step traced inside ``c
 ``custom_all_gather(send, world, group, comm)`` / ``custom_reduce_scatter(grad, world, op, group, comm)``:
 a user's collective (``set_custom_all_gather`` / ``set_custom_reduce_scatter``: an object with
 ``allocate`` and ``__call__``, PyTorch FSDP2's protocol) called as eager calls it, from the graph,
-as one opaque op; ``comm`` is its key from :func:`register_comm`, ``group`` a process group name.
+as one opaque op; ``comm`` is its key (``collectives.register_user_comm``), ``group`` a process
+group name.
 
 ``flat_cat(tensors)``: the tensors flattened and concatenated, as ``torch.cat([t.reshape(-1) ...])``,
 but one opaque op to the compiler. It packs a bucket's shards into the all-gather input. Two or
@@ -22,6 +23,10 @@ gradient port, never to the shards (plain tensors that take no gradient).
 
 ``grad_port`` (defined with :func:`define` by fsdp2.runtime.traced_graph, whose reduction it
 carries): where one bucket's gradients meet in a compiled step.
+
+``end_backward(grad, state)``: a compiled backward has begun under the root call ``state`` (a key from
+:func:`register_route`, of fsdp2.runtime.hooks.FSDPState): it queues the eager end of that
+backward, which reduces what the graph did not (fsdp2.runtime.traced_graph.EndOfBackward).
 
 ``take_pending(grad, bucket, kind)`` / ``deliver(grad, bucket, mode, reached)``: a compiled backward
 reading and writing a bucket's gradient state at run time: the sums kept by backwards without
@@ -67,20 +72,8 @@ records_comm = compat.register_ordered_effect(torch.ops.fsdp2.record_comm.defaul
 record_comm = torch.ops.fsdp2.record_comm.default
 
 
-# The user's collective objects, by the key the graph names them with (set eagerly, at
-# set_custom_all_gather / set_custom_reduce_scatter; weakly: the module owns them).
-_comms: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
-
-
-def register_comm(comm: object) -> str:
-    """Make ``comm`` callable from a graph; returns its key."""
-    key = f"{type(comm).__qualname__}@{id(comm):x}"
-    _comms[key] = comm
-    return key
-
-
 def _custom_all_gather(send: torch.Tensor, world: int, group: str, comm: str) -> torch.Tensor:
-    user, pg, numel = _comms[comm], compat.process_group_named(group), send.numel()
+    user, pg, numel = collectives.user_comm(comm), compat.process_group_named(group), send.numel()
     gathered = user.allocate((world * numel,), dtype=send.dtype, device=send.device)
     own = gathered.narrow(0, torch.distributed.get_rank(pg) * numel, numel)
     own.copy_(send.reshape(-1))
@@ -91,7 +84,7 @@ def _custom_all_gather(send: torch.Tensor, world: int, group: str, comm: str) ->
 
 
 def _custom_reduce_scatter(grad: torch.Tensor, world: int, op: str, group: str, comm: str) -> torch.Tensor:
-    user, pg = _comms[comm], compat.process_group_named(group)
+    user, pg = collectives.user_comm(comm), compat.process_group_named(group)
     reduced = user.allocate((grad.numel() // world,), dtype=grad.dtype, device=grad.device)
     work = user(reduced, grad.reshape(-1), pg, op=getattr(torch.distributed.ReduceOp, op.upper()), async_op=False)
     if work is not None:
@@ -168,3 +161,23 @@ def _deliver_fake(grad: torch.Tensor, bucket: str, mode: int, reached: list[int]
 
 
 deliver = torch.ops.fsdp2.deliver.default
+
+
+def _end_backward(grad: torch.Tensor, state: str) -> torch.Tensor:
+    route = _routes[state]
+    route.compiled_backward_runs()
+    return route.end_anchor.new_empty(0)
+
+
+# ``grad``: the output gradient, only so the op belongs to the backward (with no input a
+# partitioner may run it in forward).
+_lib.define("end_backward(Tensor grad, str state) -> Tensor")
+_lib.impl("end_backward", _end_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fsdp2::end_backward", lib=_lib)
+def _end_backward_fake(grad: torch.Tensor, state: str) -> torch.Tensor:
+    return grad.new_empty(0, dtype=torch.float32)
+
+
+end_backward = torch.ops.fsdp2.end_backward.default

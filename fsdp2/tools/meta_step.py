@@ -615,19 +615,3 @@ def replay_step(trace: StepTrace, sizes: list[GroupBytes], *, frees_after_forwar
         elif kind is Event.FINISH:
             replay.finish()
     return StepProfile(ledger.peak, trace.saved_activations, ledger.peak_phase, replay.sharded_grads)
-
-
-def dry_run_step(
-    model: nn.Module,
-    modules: list[nn.Module],
-    params: list[list[nn.Parameter]],
-    sizes: list[GroupBytes],
-    sample_input: tuple,
-    *,
-    frees_after_forward: list[bool],
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    cast_inputs_to: torch.dtype | None = None,
-) -> StepProfile:
-    """Record and replay at once: forward + backward of ``model`` (a meta copy) on meta inputs."""
-    trace = record_step(model, modules, params, sample_input, loss_fn=loss_fn, cast_inputs_to=cast_inputs_to)
-    return replay_step(trace, sizes, frees_after_forward=frees_after_forward)

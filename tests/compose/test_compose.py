@@ -685,3 +685,197 @@ def _hsdp_without_all_reduce_compiled_vs_eager(rank, ws):
 
 def test_hsdp_without_all_reduce_under_the_compiled_whole_step_equals_eager(worlds):
     worlds.run(4, _hsdp_without_all_reduce_compiled_vs_eager)
+
+
+# -- sequences of calls across the executors ------------------------------------------------------------
+
+
+def _sequence_runs(rank, ws, build, shard, program, executors=("eager", "compiled")):
+    """Run ``program(model, run, opt, record)`` on fresh copies of ``build()`` sharded by ``shard``:
+    once all eager and once with ``run`` the compiled whole step (aot_eager). ``record`` keeps what
+    a user can read (each parameter's ``.grad`` in full, None included) for the comparison."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = build()
+    runs = {}
+    for name in executors:
+        model = copy.deepcopy(base)
+        shard(model)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        seen = []
+        program(model, run, opt, lambda: seen.append(_grads(model)))
+        runs[name] = (seen, [full_tensor(p) for p in model.parameters()])
+    torch._dynamo.reset()
+    return runs
+
+
+def _assert_runs_equal(runs):
+    (eager_seen, eager_params), (seen, params) = runs["eager"], runs["compiled"]
+    assert len(seen) == len(eager_seen)
+    for i, (a, b) in enumerate(zip(eager_seen, seen)):
+        for name in a:
+            assert (a[name] is None) == (b[name] is None), (i, name, a[name] is None)
+            if a[name] is not None:
+                assert torch.equal(a[name], b[name]), (i, name, (a[name] - b[name]).abs().max())
+    for a, b in zip(eager_params, params):
+        assert torch.equal(a, b)
+
+
+def _gpt_blocks_then_root(model):
+    from fsdp2 import fully_shard
+
+    shard_blocks_then_root(model, fully_shard)
+
+
+def _manual_finalization_compiled(rank, ws):
+    def program(model, run, opt, record):
+        model.set_manual_backward_finalization(True)
+        for step in range(2):
+            model.set_requires_gradient_sync(False)
+            for micro in range(2):
+                token_loss(run, *step_batch(2 * step + micro, rank, ws)).backward()
+            model.set_requires_gradient_sync(True)
+            model.finalize_backward()
+            record()
+            opt.step()
+            opt.zero_grad()
+
+    runs = _sequence_runs(rank, ws, lambda: GPT(CFG), _gpt_blocks_then_root, program)
+    assert all(g is not None for g in runs["eager"][0][0].values())
+    _assert_runs_equal(runs)
+
+
+def test_manual_finalization_after_compiled_microbatches_equals_eager(worlds):
+    """set_manual_backward_finalization(True), compiled microbatches without gradient sync, then
+    sync on and finalize_backward(): the sums the compiled backwards kept are reduced into
+    ``.grad``, as eager's are."""
+    worlds.run(2, _manual_finalization_compiled)
+
+
+def _skippable_blocks_sharded(model):
+    from fsdp2 import fully_shard
+
+    for block in (model.first, model.second, model.late):
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _group_run_only_by_an_eager_microbatch(rank, ws):
+    from tests.support.models import SkippableBlocks
+
+    def x(i):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+
+    def program(model, run, opt, record):
+        model.set_requires_gradient_sync(False)
+        model(x(0), (), ("late",)).square().mean().backward()  # eager: the only microbatch running `late`
+        model.set_requires_gradient_sync(True)
+        run(x(1)).square().mean().backward()
+        record()
+        opt.step()
+        opt.zero_grad()
+        run(x(2)).square().mean().backward()
+        record()
+        opt.step()
+
+    runs = _sequence_runs(rank, ws, SkippableBlocks, _skippable_blocks_sharded, program)
+    assert runs["eager"][0][0]["late.lin.weight"] is not None and runs["eager"][0][1]["late.lin.weight"] is None
+    _assert_runs_equal(runs)
+
+
+def test_a_group_only_an_eager_microbatch_ran_is_reduced_by_the_compiled_synced_backward(worlds):
+    """An accumulation whose eager microbatch (without sync) ran a block the compiled synced
+    microbatch does not: the block's sum is reduced at that backward, as eager reduces it, and
+    nothing is left for the next step."""
+    worlds.run(2, _group_run_only_by_an_eager_microbatch)
+
+
+def _fp16_reduce_compiled(rank, ws, policy):
+    from fsdp2 import MixedPrecisionPolicy
+
+    def shard(model):
+        from fsdp2 import fully_shard
+
+        shard_blocks_then_root(model, fully_shard, mp_policy=MixedPrecisionPolicy(*policy))
+
+    def program(model, run, opt, record):
+        for step in range(2):
+            token_loss(run, *step_batch(step, rank, ws)).backward()
+            record()
+            opt.step()
+            opt.zero_grad()
+
+    _assert_runs_equal(_sequence_runs(rank, ws, lambda: GPT(CFG), shard, program))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [(torch.float16, torch.float16), (torch.float16,), (None, torch.float16)],
+    ids=["fp16-params-fp16-reduce", "fp16-params", "fp16-reduce"],
+)
+def test_fp16_reduction_under_the_compiled_whole_step_equals_eager(worlds, policy):
+    worlds.run(2, _fp16_reduce_compiled, policy)
+
+
+def _float8_only_groups_compiled(rank, ws):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def build():
+        return torch.nn.Sequential(
+            torch.nn.Linear(32, 64, bias=False), torch.nn.ReLU(), torch.nn.Linear(64, 32, bias=False)
+        )
+
+    def shard(model):
+        from fsdp2 import fully_shard
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+
+    def program(model, run, opt, record):
+        for step in range(2):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            run(x).float().pow(2).mean().backward()
+            record()
+            opt.step()
+            opt.zero_grad()
+
+    _assert_runs_equal(_sequence_runs(rank, ws, build, shard, program))
+
+
+def test_torchao_float8_all_gather_of_groups_of_only_float8_weights_compiled_equals_eager(worlds):
+    """Linear layers without bias: each group holds float8 weights alone, gathered as one dtype."""
+    pytest.importorskip("torchao")
+    worlds.run(2, _float8_only_groups_compiled)
+
+
+def _unused_blocks_compiled(rank, ws):
+    from tests.support.models import SkippableBlocks
+
+    def shard(model):
+        _skippable_blocks_sharded(model)
+        model.set_reduce_scatter_unused_params(True)
+
+    def program(model, run, opt, record):
+        # Every rank alike: blocks unused, a block gathered for the first time, one not run at all.
+        for step, (skip, blocks) in enumerate(
+            [((), ()), (("second",), ()), ((), ("late",)), (("late",), ("late",)), ((), ())]
+        ):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            run(x, skip, blocks).square().mean().backward()
+            record()
+            opt.step()
+            opt.zero_grad()
+
+    runs = _sequence_runs(rank, ws, SkippableBlocks, shard, program)
+    assert runs["eager"][0][4]["late.lin.weight"] is not None  # gathered before, not run: zeros
+    _assert_runs_equal(runs)
+
+
+def test_reduce_scatter_unused_params_of_blocks_not_run_under_the_compiled_whole_step(worlds):
+    """set_reduce_scatter_unused_params(True): blocks whose parameters a step leaves unused, and a
+    block gathered in an earlier step that this step does not run at all, get zero gradients at
+    the end of the compiled backward as at the end of eager's."""
+    worlds.run(2, _unused_blocks_compiled)

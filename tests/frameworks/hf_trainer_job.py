@@ -143,6 +143,7 @@ def _recording(trainer_cls):
     """``trainer_cls`` whose ``training_step`` (forward + backward) keeps this rank's exact loss and
     counts the c10d collectives issued in it (a dispatch mode: it sees both implementations)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     class Counter(TorchDispatchMode):
         def __init__(self, counts):
@@ -156,12 +157,25 @@ def _recording(trainer_cls):
             return func(*args, **(kwargs or {}))
 
     class Recording(trainer_cls):
-        def training_step(self, *args, **kwargs):
+        def training_step(self, model, *args, **kwargs):
             counts: dict[str, int] = {}
-            with Counter(counts):
-                loss = super().training_step(*args, **kwargs)
+            layer_calls = [0]
+            # Decoder-layer forwards in this forward + backward: activation checkpointing runs each
+            # layer's forward again in backward, however accelerate applied it.
+            hooks = [
+                m.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, layer_calls[0] + 1))
+                for m in model.modules()
+                if isinstance(m, LlamaDecoderLayer)
+            ]
+            try:
+                with Counter(counts):
+                    loss = super().training_step(model, *args, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
             self.__dict__.setdefault("step_losses", []).append(loss.detach().clone())
             self.__dict__.setdefault("step_comms", []).append(counts)
+            self.__dict__.setdefault("step_layer_calls", []).append(layer_calls[0])
             return loss
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{trainer_cls.__name__}"
@@ -173,10 +187,18 @@ def _sharding(trainer) -> dict:
     from accelerate.utils import DistributedType
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchFSDPModule
     from torch.distributed.tensor import DTensor
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model
     params = dict(model.named_parameters())
     fsdp_modules = [name for name, m in model.named_modules() if isinstance(m, TorchFSDPModule)]
+    # The FSDP unit whose parameters each decoder layer's are: the layer itself, or (accelerate
+    # 1.16 and later, under activation checkpointing) the checkpoint wrapper around it.
+    layer_units = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LlamaDecoderLayer):
+            enclosing = [u for u in fsdp_modules if u == "" or name == u or name.startswith(u + ".")]
+            layer_units[name] = max(enclosing, key=len)  # the innermost: the one whose hooks gather it
     return {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "is_fsdp_enabled": bool(trainer.is_fsdp_enabled),
@@ -184,6 +206,7 @@ def _sharding(trainer) -> dict:
         "really_fsdp": trainer.accelerator.distributed_type == DistributedType.FSDP,
         "root_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__],
         "fsdp_modules": fsdp_modules,
+        "layer_units": layer_units,
         "params": len(params),
         "dtensor_params": sum(isinstance(p, DTensor) for p in params.values()),
         "mesh_sizes": sorted({p.device_mesh.size() for p in params.values() if isinstance(p, DTensor)}),
@@ -212,6 +235,7 @@ def _record(trainer) -> dict:
         "log": logged,  # every logged value of every step (TRL adds entropy, token accuracy, DPO rewards...)
         "rank_losses": torch.stack(every_rank),
         "comm": trainer.step_comms,
+        "layer_calls": trainer.step_layer_calls,
         "global_step": trainer.state.global_step,
     }
 

@@ -185,6 +185,22 @@ def _assert_trained(result: dict, steps: int) -> None:
     assert all(c.get("c10d._reduce_scatter_base_", 0) > 0 for c in result["comm"]), result["comm"]  # FSDP's
 
 
+LAYERS = 2  # hf_trainer_job's Llama
+
+
+def _assert_activation_checkpointing(result: dict, applied: bool) -> None:
+    """Each decoder layer is an FSDP unit of its own (the layer, or the checkpoint wrapper around
+    it: accelerate 1.15 shards the wrapped layer, 1.16 the wrapper), and activation checkpointing
+    really ran, or really did not: checkpointed layers run their forward again in backward."""
+    units = result["sharding"]["layer_units"]
+    assert len(units) == LAYERS, units
+    for layer, unit in units.items():
+        assert unit in (layer, layer.removesuffix("._checkpoint_wrapped_module")) and unit, units
+        assert layer.endswith("._checkpoint_wrapped_module") == applied, units
+    forwards_per_step = LAYERS * (2 if applied else 1)
+    assert result["layer_calls"] == [forwards_per_step] * len(result["comm"]), result["layer_calls"]
+
+
 def _flat(tree, path: str = "") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{path}/{key}").items()}
@@ -214,6 +230,7 @@ def test_trainer_full_state_dict_save_model_and_resume_bitwise_like_pytorch(runs
         _assert_sharded(result["resumed"]["sharding"], impl)
         _assert_trained(result, 4)
         _assert_resumed_like_uninterrupted(result)
+        _assert_activation_checkpointing(result, applied=False)
         _assert_same(result["params"], {k: result["saved"][k] for k in result["params"]}, "saved")
         assert sorted(result["saved"]) == sorted(result["params"])
         assert {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} <= set(result["checkpoint_files"])
@@ -237,7 +254,8 @@ def test_trainer_sharded_state_dict_checkpoint_and_resume_bitwise_like_pytorch(r
         _assert_trained(result, 4)
         _assert_resumed_like_uninterrupted(result)
         assert {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"} <= set(result["checkpoint_files"])
-        assert "model.layers.0._checkpoint_wrapped_module" in result["sharding"]["fsdp_modules"]
+        _assert_activation_checkpointing(result, applied=True)
+        _assert_activation_checkpointing(result["resumed"], applied=True)
     _assert_same(theirs, ours)
     checkpoint = Path("trainer_sharded_dirs", "run", "checkpoint-2")
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):

@@ -141,6 +141,8 @@ class FTJob:
         tag = f"r{replica}i{incarnation}s{shard_rank}"
         state = torch.load(self.out / f"state_{tag}.pt")
         state["log"] = json.loads((self.out / f"log_{tag}.json").read_text())
+        after_close = self.out / f"after_close_{tag}.json"  # ft_worker.py --after-close
+        state["after_close"] = json.loads(after_close.read_text()) if after_close.exists() else None
         return state
 
     def error(self, replica: int, incarnation: int, shard_rank: int) -> str | None:

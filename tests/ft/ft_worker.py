@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--gate-at", type=int, nargs="*", default=[], help="before these steps wait for gates/go_<step>")
     ap.add_argument("--timeout", type=float, default=15.0, help="seconds a dead peer may stall a collective")
     ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) for the steps")
+    ap.add_argument("--after-close", action="store_true", help="after close(), one backward beside a model without ft")
     args = ap.parse_args()
 
     from fsdp2.ft import FaultTolerantHSDP
@@ -152,7 +153,28 @@ def main() -> None:
     torch.save(state, out / f"state_{tag}.pt")
     (out / f"log_{tag}.json").write_text(json.dumps(log))
     ft.close()
+    if args.after_close:
+        (out / f"after_close_{tag}.json").write_text(json.dumps(after_close(args, mesh, model, run, rank)))
     dist.destroy_process_group()
+
+
+def after_close(args, mesh, model: nn.Module, run, rank: int) -> dict[str, tuple[bool, float]]:
+    """The closed model's gradients against those of the same model without ft (both compiled
+    with ``--compile``): per parameter, whether they are equal bitwise, and the largest difference."""
+    twin = build_model(args.impl, mesh, args.hidden, args.wrap)
+    twin.load_state_dict(model.state_dict())
+    twin_run = torch.compile(twin, backend="aot_eager", fullgraph=True) if args.compile else twin
+    x, y = batch(args.steps, args.replica, rank)
+    for m, f in ((model, run), (twin, twin_run)):
+        m.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(f(x), y).backward()
+    return {
+        n: (
+            torch.equal(p.grad.to_local(), q.grad.to_local()),
+            (p.grad.to_local() - q.grad.to_local()).abs().max().item(),
+        )
+        for (n, p), q in zip(model.named_parameters(), twin.parameters())
+    }
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ DIE_IN_ALL_REDUCE, FIRST_REJOIN, SECOND_REJOIN = 2, 4, 6
 def _run_schedule(impl: str, workdir) -> dict:
     """Group 1 dies inside step 2's all-reduce; its replacement dies while healing at step 4;
     the next one heals at step 6. Group 0 never stops. Returns each rank's final state."""
-    common = ["--impl", impl, "--steps", str(STEPS)]
+    common = ["--impl", impl, "--steps", str(STEPS), "--after-close"]
     with FTJob(workdir) as job:
         job.launch(0, worker_args=common + ["--gate-at", "0", str(FIRST_REJOIN), str(SECOND_REJOIN)])
         job.launch(1, worker_args=common + ["--gate-at", "0", "--die-in-all-reduce", str(DIE_IN_ALL_REDUCE)])
@@ -107,15 +107,20 @@ def _run_two_groups(workdir, extra: list[str], steps: int = 3) -> dict:
         return {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
 
 
-def test_the_compiled_whole_step_equals_eager_under_torchft(tmp_path):
-    """``torch.compile(model, fullgraph=True)`` under FaultTolerantHSDP: the graph hands each
-    reduced bucket to torchft's all-reduce (the all-reduce hook) before its division, as eager."""
+@pytest.fixture(scope="module")
+def two_group_runs(tmp_path_factory):
     with ThreadPoolExecutor(2) as pool:
         runs = {
-            name: pool.submit(_run_two_groups, tmp_path / name, extra)
+            name: pool.submit(_run_two_groups, tmp_path_factory.mktemp(name), ["--after-close", *extra])
             for name, extra in (("eager", []), ("compiled", ["--compile"]))
         }
-        eager, compiled = (runs[name].result() for name in ("eager", "compiled"))
+        return {name: f.result() for name, f in runs.items()}
+
+
+def test_the_compiled_whole_step_equals_eager_under_torchft(two_group_runs):
+    """``torch.compile(model, fullgraph=True)`` under FaultTolerantHSDP: the graph hands each
+    reduced bucket to torchft's all-reduce (the all-reduce hook) before its division, as eager."""
+    eager, compiled = two_group_runs["eager"], two_group_runs["compiled"]
     for who, theirs in eager.items():
         ours = compiled[who]
         assert _commits(ours["log"]) == _commits(theirs["log"]) == [(0, True, 2), (1, True, 2), (2, True, 2)]
@@ -126,12 +131,28 @@ def test_the_compiled_whole_step_equals_eager_under_torchft(tmp_path):
         assert all(torch.equal(a[name], b[name]) for name in a)  # the groups stayed replicas
 
 
+def test_a_closed_model_trains_as_the_same_model_without_ft_bitwise(schedule_runs, two_group_runs):
+    """After ``close()`` the model's all-reduce hooks are gone: its next backward (eager or
+    compiled, fsdp2 or PyTorch's FSDP2) gives the gradients of the same model that never had
+    FaultTolerantHSDP, bitwise, and nothing is averaged across the replica groups any more."""
+    runs = {**{f"schedule {impl}": schedule_runs[impl] for impl in schedule_runs}, **two_group_runs}
+    checked = 0
+    for name, results in runs.items():
+        for who, result in results.items():
+            assert result["after_close"], (name, who)
+            for param, (equal, largest_difference) in result["after_close"].items():
+                assert equal, (name, who, param, largest_difference)
+                checked += 1
+    assert checked == 2 * 4 * 4 + 2 * 4 * 4  # runs x ranks x parameters
+
+
 BAD_JOINERS = {
     "other_model": (
         {"worker_args": ["--hidden", "34"]},
         ["'0.weight' is [34, 10]", "[33, 10] torch.float32 on the live groups"],
     ),
-    "other_world_size": ({"ranks": 1}, ["has 1 shard ranks, the live groups have 2"]),
+    # Its shard rank 2 has no peer to heal from; it is refused as its ranks 0 and 1 are.
+    "other_world_size": ({"ranks": 3}, ["has 3 shard ranks, the live groups have 2"]),
     # Same parameters, other fully_shard units: its first all-reduce would have another size.
     "other_wrapping": (
         {"worker_args": ["--wrap", "root"]},
@@ -141,7 +162,7 @@ BAD_JOINERS = {
 JOIN_STEPS, JOIN_AT = 5, 2
 
 
-def _run_with_bad_joiner(joiner: dict, workdir) -> tuple[str | None, list[int], dict]:
+def _run_with_bad_joiner(joiner: dict, workdir) -> tuple[list[str | None], list[int], dict]:
     """Groups 0 and 1 train; at step 2 a group 2 that does not match tries to join."""
     common = ["--steps", str(JOIN_STEPS)]
     with FTJob(workdir) as job:
@@ -156,7 +177,8 @@ def _run_with_bad_joiner(joiner: dict, workdir) -> tuple[str | None, list[int], 
         job.open_gate(JOIN_AT)
         codes = job.wait_group(2)
         assert job.wait_group(0) == [0, 0] and job.wait_group(1) == [0, 0], job.stderr_tails()
-        return job.error(2, 0, 0), codes, {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
+        errors = [job.error(2, 0, s) for s in range(ranks)]
+        return errors, codes, {(r, s): job.result(r, 0, s) for r in (0, 1) for s in range(2)}
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +193,12 @@ def bad_joiner_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", sorted(BAD_JOINERS))
 def test_a_bad_joiner_is_refused_and_the_live_groups_train_on(bad_joiner_runs, kind):
-    error, codes, results = bad_joiner_runs[kind]
+    errors, codes, results = bad_joiner_runs[kind]
     joiner, expected = BAD_JOINERS[kind]
     assert codes == [3] * joiner.get("ranks", 2)  # every rank of the joiner stopped with the error
-    assert "FSDPUsageError" in error and "replica group 'replica_2' cannot join" in error, error
-    assert all(part in error for part in expected), error
+    for error in errors:
+        assert "FSDPUsageError" in error and "replica group 'replica_2' cannot join" in error, errors
+        assert all(part in error for part in expected), errors
     for (replica, shard_rank), result in results.items():
         # The step the joiner entered is not committed (its all-reduce lost a member) and is retried.
         assert _commits(result["log"]) == [
@@ -307,6 +330,10 @@ def _misuse(rank: int, world_size: int) -> list[str]:
             refused(ft.begin_step)  # twice
             model(torch.ones(2, 4)).sum().backward()
             errors.append(f"committed={ft.commit_step()} step={ft.step}")
+            refused(lambda: model(torch.ones(2, 4)).sum().backward())  # between steps
+            ft.begin_step()
+            model(torch.ones(2, 4)).sum().backward()
+            errors.append(f"committed={ft.commit_step()} step={ft.step}")
         hsdp = fully_shard(
             torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
         )
@@ -316,11 +343,13 @@ def _misuse(rank: int, world_size: int) -> list[str]:
     return errors
 
 
-def test_steps_out_of_order_and_a_replicate_mesh_are_refused(worlds):
-    before, twice, step, hsdp = worlds.run(1, _misuse)[0]
+def test_steps_out_of_order_a_backward_between_steps_and_a_replicate_mesh_are_refused(worlds):
+    before, twice, step, between, next_step, hsdp = worlds.run(1, _misuse)[0]
     assert "commit_step: called between steps" in before and "begin_step()" in before
     assert "begin_step: called in a step" in twice
     assert step == "committed=True step=1"  # the refusals changed nothing: the step went on
+    assert "a backward with gradient sync ran between steps" in between and "Call begin_step()" in between
+    assert next_step == "committed=True step=2"
     assert "replicate dim" in hsdp and "1-D shard mesh" in hsdp
 
 
@@ -342,7 +371,13 @@ def managers(monkeypatch):
             pass
 
     monkeypatch.setattr(torchft.manager, "Manager", Recorded)
+    for name, value in TORCHRUN_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
     return made
+
+
+# What torchrun sets for rank 0 of a replica group of 2 ranks (where torchft finds its store).
+TORCHRUN_ENVIRONMENT = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
 
 
 def _mlp(wrap: str = "layers", fully_shard=None, mp_policy=None, ignored_params=()):
@@ -443,6 +478,36 @@ def test_parameters_no_fully_shard_averages_are_refused_before_connecting(fake_w
     frozen[2].requires_grad_(False)  # no gradient to average: accepted
     _ft(frozen).close()
     assert len(managers) == 1
+
+
+@pytest.mark.parametrize(
+    "unset, given, message",
+    [
+        (["MASTER_ADDR", "MASTER_PORT"], {}, "MASTER_ADDR is not set, MASTER_PORT is not set"),
+        (["RANK", "WORLD_SIZE"], {}, "RANK is not set, WORLD_SIZE is not set"),
+        ([], {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an int"),
+    ],
+)
+def test_a_group_without_torchruns_environment_is_refused_before_connecting(
+    fake_world, managers, monkeypatch, unset, given, message
+):
+    """A process group started with ``init_method="tcp://..."`` has no MASTER_ADDR (and so on):
+    torchft's Manager would fail on it with a bare KeyError."""
+    fake_world(2)
+    for name in unset:
+        monkeypatch.delenv(name)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        FSDPUsageError, match=f"FaultTolerantHSDP: {message}. torchft finds .* Start each replica group"
+    ):
+        _ft(_mlp())
+    assert managers == []
+    store = {"store_addr": "127.0.0.1", "store_port": 29500, "rank": 1, "world_size": 2}
+    for name in TORCHRUN_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    _ft(_mlp(), manager_kwargs=store).close()  # manager_kwargs stand in for the environment
+    assert managers[0]["store_port"] == 29500 and managers[0]["rank"] == 1
 
 
 def test_quorum_retries_default_reaches_torchfts_manager(fake_world, managers):
@@ -567,57 +632,100 @@ def test_a_joiner_of_the_same_layout_loads_the_live_state(fake_world, managers):
     assert len(ft.optimizer.state) == 4
 
 
-def _no_quorum(rank: int, world_size: int) -> list[tuple[str, bool, str]]:
-    import os
+NO_QUORUM = {  # case: (the lighthouse's --min_replicas, what the error says)
+    "too_few_groups": (
+        2,
+        "got no quorum from the lighthouse <lighthouse> within quorum_timeout=0:00:01 (min_replicas=2)",
+    ),
+    "lighthouse_down": (
+        2,
+        "got no quorum from the lighthouse <lighthouse> within quorum_timeout=0:00:01 (min_replicas=2)",
+    ),
+    # The lighthouse forms quorums of one group (as with --min_replicas 1): asked again until the deadline.
+    "lighthouse_forms_smaller_quorums": (
+        1,
+        "waited quorum_timeout=0:00:01 for a quorum of min_replicas=2 replica groups, but the lighthouse "
+        "<lighthouse> formed quorums of 1 (its --min_replicas is lower)",
+    ),
+    # Nothing listens there when the group starts: the constructor raises it.
+    "lighthouse_unreachable": (1, "could not reach the lighthouse <lighthouse> within timeout=0:00:01"),
+}
 
+
+def _no_quorum(rank: int, world_size: int) -> dict[str, tuple[str, str, float]]:
+    """One replica group of two ranks, alone, asking for a quorum of two groups (min_replicas=2)."""
+    import os
+    import time
+
+    import torch.distributed as dist
     from torch.distributed import TCPStore
     from torch.distributed.device_mesh import init_device_mesh
     from torchft._torchft import LighthouseServer
 
     from fsdp2 import fully_shard
-    from fsdp2.ft import QuorumTimeoutError
 
     os.environ.setdefault("RUST_LOG", "error")
-    results = []
-    for case in ("too_few_groups", "lighthouse_down"):
-        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
-        address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
-        ft = FaultTolerantHSDP(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            replica_id=f"solo_{case}",
-            lighthouse=address,
-            min_replicas=2,
-            quorum_timeout=timedelta(seconds=1),
-            timeout=timedelta(seconds=5),
-            manager_kwargs={
-                "store_addr": "127.0.0.1",
-                "store_port": store.port,
-                "rank": 0,
-                "world_size": 1,
-                "hostname": "localhost",
-            },
-        )
-        if case == "lighthouse_down":
-            lighthouse.shutdown()  # it dies under a running job
-        try:
-            ft.begin_step()
-            results.append(("no error", False, ""))
-        except QuorumTimeoutError as e:
-            results.append((type(e).__name__, isinstance(e, TimeoutError), str(e).replace(address, "<lighthouse>")))
-        finally:
-            ft.close()
-            if case != "lighthouse_down":
+    results = {}
+    for case, (lighthouse_min_replicas, _) in NO_QUORUM.items():
+        lighthouse = store = None
+        where: list = [None, None]
+        if rank == 0:  # the lighthouse and the group's store live here
+            lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=lighthouse_min_replicas)
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            where = ["http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1], store.port]
+            if case == "lighthouse_unreachable":
                 lighthouse.shutdown()
+        dist.broadcast_object_list(where, src=0)
+        address, port = where
+        model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (world_size,)))
+        ft = None
+        start = time.monotonic()
+        try:
+            ft = FaultTolerantHSDP(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                replica_id=f"solo_{case}",
+                lighthouse=address,
+                min_replicas=2,
+                quorum_timeout=timedelta(seconds=1),
+                timeout=timedelta(seconds=1 if case == "lighthouse_unreachable" else 10),
+                manager_kwargs={
+                    "store_addr": "127.0.0.1",
+                    "store_port": port,
+                    "rank": rank,
+                    "world_size": world_size,
+                    "hostname": "localhost",
+                },
+            )
+            if case == "lighthouse_down":
+                dist.barrier()
+                if rank == 0:
+                    lighthouse.shutdown()  # it dies under a running job
+                dist.barrier()
+            start = time.monotonic()
+            ft.begin_step()
+            results[case] = ("no error", "", time.monotonic() - start)
+        except Exception as e:  # noqa: BLE001 (the test reads it)
+            results[case] = (type(e).__name__, str(e).replace(address, "<lighthouse>"), time.monotonic() - start)
+        finally:
+            if ft is not None:
+                ft.close()
+            if rank == 0 and case not in ("lighthouse_down", "lighthouse_unreachable"):
+                lighthouse.shutdown()
+        dist.barrier()
     return results
 
 
-def test_no_quorum_says_which_lighthouse_and_how_many_groups(worlds):
-    for name, is_timeout, message in worlds.run(1, _no_quorum)[0]:
-        assert name == "QuorumTimeoutError" and is_timeout, (name, message)
-        assert (
-            "got no quorum from the lighthouse <lighthouse> within quorum_timeout=0:00:01 (min_replicas=2)" in message
-        )
-        assert "Check that torchft_lighthouse runs at that address" in message and "torchft: status:" in message
+def test_no_quorum_says_which_lighthouse_and_how_many_groups_on_every_rank(worlds):
+    """A quorum the lighthouse does not form, or forms with fewer than ``min_replicas`` groups,
+    and a lighthouse that is down: every rank of the group raises QuorumTimeoutError once the
+    timeout has passed, none trains on without committing."""
+    for rank, results in enumerate(worlds.run(2, _no_quorum, timeout=120)):
+        assert results.keys() == NO_QUORUM.keys()
+        for case, (name, message, elapsed) in results.items():
+            assert name == "QuorumTimeoutError", (rank, case, name, message)
+            assert NO_QUORUM[case][1] in message, (rank, case, message)
+            assert "torchft_lighthouse" in message and "restart this group" in message, (rank, case, message)
+            assert 1 <= elapsed < 60, (rank, case, elapsed)  # the timeout, on a busy machine
+        assert "torchft: status:" in results["too_few_groups"][1]
+        assert "--min_replicas 2" in results["lighthouse_forms_smaller_quorums"][1]

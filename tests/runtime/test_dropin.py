@@ -1078,3 +1078,64 @@ def test_torch_logs_fsdp_shows_hook_events_named_like_pytorch(tmp_path):
         events[implementation] = {line for line in lines if not line.startswith("FSDP::lazy_init")}
     assert "FSDP::pre_forward (layers.0)" in events["torch"]  # the scenario names groups at all
     assert events["fsdp2"] == events["torch"]
+
+
+# -- set_reduce_scatter_unused_params -----------------------------------------------------------------
+
+# Per step, per rank: (blocks run with their parameters unused, blocks run at all beyond the
+# always-run ones). Rank-dependent steps are the setting's reason to exist (one rank's control
+# flow leaves a block's parameters out, the other's does not).
+UNUSED_SCHEDULE = [
+    ({0: (), 1: ()}, ()),
+    ({0: (), 1: ("first",)}, ()),  # one rank leaves a block unused
+    ({0: ("second",), 1: ("second",)}, ()),  # every rank leaves it unused
+    ({0: ("first",), 1: ()}, ("late",)),  # a block gathered for the first time
+    ({0: ("late",), 1: ("late", "first")}, ("late",)),
+    ({0: (), 1: ()}, ()),  # a block gathered before and not run at all this step
+]
+
+
+def _reduce_scatter_unused(rank, ws, enabled):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tests.support.models import SkippableBlocks
+
+    # A group with a short timeout: a rank left waiting in a collective fails the test in seconds.
+    mesh = DeviceMesh.from_group(dist.new_group(timeout=datetime.timedelta(seconds=15)), "cpu")
+
+    def shard(model, fully_shard):
+        for block in (model.first, model.second, model.late):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    theirs, ours = twins(SkippableBlocks, shard)
+    theirs.set_reduce_scatter_unused_params(enabled)
+    ours.set_reduce_scatter_unused_params(enabled)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    # Without the setting a rank-dependent step would leave PyTorch's FSDP2 waiting as well.
+    schedule = [s for s in UNUSED_SCHEDULE if enabled or s[0][0] == s[0][1]]
+    for step, (skips, run) in enumerate(schedule):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model in (theirs, ours):
+            model(x, skips[rank], run).square().mean().backward()
+        for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name, a.grad is None)
+            if a.grad is not None:
+                assert torch.equal(a.grad.to_local(), b.grad.to_local()), (step, name)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        assert_same_params(theirs, ours)
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["reduced-as-zeros", "not-reduced"])
+def test_reduce_scatter_unused_params_like_pytorch(worlds, enabled):
+    """Blocks whose forward runs with their parameters unused, on one rank or on every rank, a
+    block first gathered in a later step and one not run in a step: PyTorch's FSDP2 reduces zeros
+    for every parameter of a group gathered before (so AdamW moves them by momentum) when the
+    setting is on, and nothing when it is off (then on steps every rank takes alike); equal
+    gradients (None included) and parameters."""
+    worlds.run(2, _reduce_scatter_unused, enabled)

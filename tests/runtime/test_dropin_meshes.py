@@ -440,3 +440,36 @@ def test_custom_collectives_and_all_reduce_hook_apply_to_each_group(worlds):
     assert gathered_over == scattered_over == [(0, 1, 2, 3), (0, 2)], (gathered_over, scattered_over)
     assert hooked == 2 * 2 * 2  # steps x blocks x groups
     assert len(refused) == 3
+
+
+def _reshard_to_subgroup_on_unflattened_mesh(rank, ws):
+    """reshard_after_forward=2 on a 4-rank data-parallel mesh unflattened from a flat world mesh
+    (its root names no dim of it), and on one call over that mesh and an expert mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    dp_mesh = world._unflatten(0, (1, 4), ("pp", "dp_shard"))["dp_shard"]
+
+    def shard(model, fully_shard):
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=2)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=2)
+
+    theirs, ours = twins(lambda: Llama(CFG), shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len + 1), generator=g)[rank : rank + 1]
+        counts = []
+        for model, opt in zip((theirs, ours), opts):
+            with CollectiveCounter() as comm:
+                model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+            counts.append(comm.counts)
+            opt.step()
+            opt.zero_grad()
+        assert counts[0] == counts[1], (step, counts)
+        assert_same_params(theirs, ours)
+
+
+def test_reshard_after_forward_int_on_a_mesh_unflattened_from_a_world_mesh_like_pytorch(worlds):
+    worlds.run(4, _reshard_to_subgroup_on_unflattened_mesh)

@@ -719,7 +719,7 @@ def _padding_reads_as_nan(rank, ws, with_hook):
     all-gather output's, copied out only where real rows are): poisoned with NaN here, it
     reaches no gradient, and a user's all-reduce hook still sees zeros there, as with PyTorch's
     FSDP2 (the reduce-scatter input's padding is zeroed for it)."""
-    from fsdp2.runtime.gather import KeptGatherOutput
+    from fsdp2.runtime.gather import ReusedGatherOutput
     from fsdp2.runtime.reduce import PaddedScatterInput
 
     model, ref = gpt_pair()  # 67 vocabulary rows, 3 x 36 qkv rows on 2 ranks: padded
@@ -728,7 +728,7 @@ def _padding_reads_as_nan(rank, ws, with_hook):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_all_reduce_hook(lambda output: seen.append(output.clone()))
-    original_fill, original_allocate = PaddedScatterInput.fill, KeptGatherOutput.allocate
+    original_fill, original_allocate = PaddedScatterInput.fill, ReusedGatherOutput.allocate
     poisoned = []
 
     def fill(self, grads, **kwargs):
@@ -740,7 +740,7 @@ def _padding_reads_as_nan(rank, ws, with_hook):
         poisoned.append(original_allocate(self).fill_(float("nan")))
         return self.buffer
 
-    PaddedScatterInput.fill, KeptGatherOutput.allocate = fill, allocate
+    PaddedScatterInput.fill, ReusedGatherOutput.allocate = fill, allocate
     try:
         for step in range(2):  # the kept buffers' second use: storage regrown
             tokens, targets = global_batch(step, ws)
@@ -750,7 +750,7 @@ def _padding_reads_as_nan(rank, ws, with_hook):
             for module in (model, ref):
                 module.zero_grad(set_to_none=True)
     finally:
-        PaddedScatterInput.fill, KeptGatherOutput.allocate = original_fill, original_allocate
+        PaddedScatterInput.fill, ReusedGatherOutput.allocate = original_fill, original_allocate
     assert poisoned, "no kept buffer served this step: the test poisons nothing"
     assert len(seen) == (6 if with_hook else 0)  # 3 groups, 2 steps
     assert not any(output.isnan().any() for output in seen), "the hook saw unzeroed padding"

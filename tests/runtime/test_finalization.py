@@ -249,3 +249,69 @@ def _kept_storage(rank, ws):
 
 def test_keep_unsharded_storage_keeps_the_gathered_memory_and_trains_like_pytorch(worlds):
     worlds.run(2, _kept_storage)
+
+
+# -- a finalize_backward() forgotten -----------------------------------------------------------------
+
+
+def _grads(model) -> dict:
+    """Each parameter's ``.grad`` as a user reads it: None, a reduced DTensor (its local shard), or
+    a plain tensor (a group's unreduced gradient, still registered as the module's parameter)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else ("reduced", g.to_local()) if hasattr(g, "to_local") else ("unreduced", g)
+    return out
+
+
+def _assert_same_grads(theirs: dict, ours: dict, where: str, only_kinds_alike: bool = False) -> None:
+    for name in theirs:
+        a, b = theirs[name], ours[name]
+        if only_kinds_alike and (a is None or b is None or a[0] != b[0]):
+            continue
+        assert (a is None) == (b is None), (where, name, a is None)
+        if a is not None:
+            assert a[0] == b[0] and torch.equal(a[1], b[1]), (where, name, a[0], b[0])
+
+
+def _forgotten_finalize(rank, ws, zero_grad_by):
+    theirs, ours = twins(lambda: GPT(CFG), shard_blocks_then_root)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (theirs, ours)]
+    ours.set_manual_backward_finalization(True)
+    if PYTORCH_HAS_MANUAL_FINALIZATION:
+        theirs.set_manual_backward_finalization(True)
+    elif zero_grad_by == "optimizer":
+        # PyTorch 2.15 leaves the root's group (its inputs, tokens, need no gradient) unreduced
+        # until finalize_backward(), in its unsharded parameters, which optimizer.zero_grad() does
+        # not reach: the same gradients as a root without sync in the first iteration.
+        theirs.set_requires_gradient_sync(False, recurse=False)
+    x, y = step_batch(0, rank, ws)
+    for model in (theirs, ours):
+        model.loss(x, y).backward()  # and no finalize_backward()
+    _assert_same_grads(_grads(theirs), _grads(ours), "after the first backward", only_kinds_alike=True)
+    block_grads = _grads(ours)
+    assert all(block_grads[n] is not None and block_grads[n][0] == "reduced" for n in block_grads if "blocks" in n)
+    for model, opt in zip((theirs, ours), optimizers):
+        (model if zero_grad_by == "module" else opt).zero_grad()
+    theirs.set_requires_gradient_sync(True)
+    x, y = step_batch(1, rank, ws)
+    for model in (theirs, ours):
+        model.loss(x, y).backward()
+    ours.finalize_backward()
+    if PYTORCH_HAS_MANUAL_FINALIZATION:
+        theirs.finalize_backward()
+    _assert_same_grads(_grads(theirs), _grads(ours), "after the second backward and finalize_backward()")
+    for opt in optimizers:
+        opt.step()
+    assert_same_params(theirs, ours)
+
+
+@pytest.mark.parametrize("zero_grad_by", ["module", "optimizer"])
+def test_a_forgotten_finalize_backward_is_what_pytorch_does(worlds, zero_grad_by):
+    """Manual finalization, a synced backward and no finalize_backward(), zero_grad(), the next
+    iteration: the groups reduced in the backward have their gradients in ``.grad`` right after it
+    (zero_grad() clears them: the next iteration has its batch alone); the root's group, whose
+    inputs need no gradient, waits unreduced in its unsharded parameters, which ``module.zero_grad()``
+    clears and ``optimizer.zero_grad()`` does not (its gradient joins the next reduction), as in
+    PyTorch 2.15's FSDP2 (before 2.15: the same gradients, reproduced without the method)."""
+    worlds.run(2, _forgotten_finalize, zero_grad_by)

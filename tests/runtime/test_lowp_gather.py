@@ -177,7 +177,7 @@ def test_gathered_parameters_on_2d_meshes(worlds, use_tp):
 # -- reshard_after_forward=2: keep the wire rows ---------------------------------------------------------
 
 
-def _kept_rows(rank, ws):
+def _subgroup_rows(rank, ws):
     from fsdp2 import MixedPrecisionPolicy, fully_shard
     from fsdp2.tools.comm_stats import count_comm
 
@@ -202,7 +202,7 @@ def _kept_rows(rank, ws):
     with count_comm() as forward:
         loss = model.loss(x, y)
     group = model.blocks[0]._fsdp_state.group
-    kept = [(t.dtype, t.numel() * t.element_size()) for t in group._kept_rows]
+    kept = [(t.dtype, t.numel() * t.element_size()) for t in group._subgroup_rows]
     with count_comm() as backward:
         loss.backward()
     # Backward runs the blocks in reverse: its values must be forward's, bit for bit.
@@ -220,7 +220,7 @@ def _root_gather_bytes(model):
 
 
 def test_reshard_after_forward_keeps_quantized_rows(worlds):
-    kept, forward_calls, backward_calls, forward_block_bytes, backward_bytes = worlds.run(4, _kept_rows)[0]
+    kept, forward_calls, backward_calls, forward_block_bytes, backward_bytes = worlds.run(4, _subgroup_rows)[0]
     # Kept: this rank's half of the block's gathered wire rows (values + scales), not bf16 rows.
     assert kept == [(torch.uint8, forward_block_bytes // 2 // 2)]
     assert (forward_calls, backward_calls) == (3, 2)  # root + 2 blocks; then the 2 blocks over 2 ranks

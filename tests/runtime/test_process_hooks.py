@@ -3,7 +3,7 @@
 Each case runs in a fresh interpreter: importing fsdp2 installs nothing; the first fully_shard
 installs torch.optim's global step pre-hook, nn.Module's parameter-registration hook and the guard
 on PyTorch's fully_shard; freeing the last fully_shard'ed module removes all three (the next
-fully_shard puts them back); uninstall_as_torch_fsdp() removes the guard.
+fully_shard puts them back), also after uninstall_as_torch_fsdp().
 """
 
 from __future__ import annotations
@@ -62,13 +62,22 @@ def test_installed_by_the_first_fully_shard_and_removed_with_the_last_module():
     assert seen["again"] == ALL, seen
 
 
-def test_uninstall_as_torch_fsdp_removes_the_guard_on_pytorch_fully_shard():
+def test_the_guard_on_pytorch_fully_shard_outlives_uninstall_as_torch_fsdp_while_fsdp2_modules_exist():
+    """PyTorch's fully_shard on a parent of a live fsdp2 module after uninstall_as_torch_fsdp():
+    the error that says one model takes one implementation, not a failure inside PyTorch's code."""
     seen = _probe(
         "fsdp2.install_as_torch_fsdp(); fsdp2.uninstall_as_torch_fsdp(); seen['uninstalled'] = state()\n"
-        "other = fsdp2.fully_shard(torch.nn.Linear(4, 4)); seen['again'] = state()"
+        "from torch.distributed.fsdp import fully_shard as torch_fully_shard\n"
+        "try:\n"
+        "    torch_fully_shard(torch.nn.Sequential(model, torch.nn.Linear(4, 4)))\n"
+        "except Exception as e:\n"
+        "    seen['error'] = [type(e).__name__, str(e)]\n"
+        "del model; gc.collect(); seen['freed'] = state()"
     )
-    assert seen["uninstalled"] == {**ALL, "guard": False}, seen
-    assert seen["again"] == ALL, seen
+    assert seen["uninstalled"] == ALL, seen
+    name, message = seen["error"]
+    assert name == "FSDPUsageError" and "one model must be sharded by one implementation" in message, seen
+    assert seen["freed"] == NONE, seen
 
 
 def test_a_trained_module_is_freed_eager_and_compiled():

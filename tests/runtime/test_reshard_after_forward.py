@@ -35,7 +35,7 @@ def _forward_then_backward(rank, world_size, k):
         loss = model.loss(tokens, tokens)
         group = model.blocks[0]._fsdp_state.group
         after_forward = group.state
-        kept = sum(t.numel() for t in group._kept_rows)
+        kept = sum(t.numel() for t in group._subgroup_rows)
         gathered = world_size * group.gather.gathered_numel_per_rank
         params_are_shards = all(isinstance(p, DTensor) for p in model.blocks[0].parameters())
         forward_sizes = list(gather_group_sizes)

@@ -152,3 +152,35 @@ def llama_sequence_parallel(model, tp_mesh):
             },
         )
     return model
+
+
+class SkippableBlocks(nn.Module):
+    """A root ``inp``/``head`` around blocks whose forward always runs but may leave their
+    parameters unused: ``forward(x, skip)`` passes ``x`` through each block whose name is in
+    ``skip``, so the block gathers and no gradient reaches it. ``late`` runs only when
+    ``"late"`` is in ``run`` (a block gathered for the first time in a later step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.first = _MaybeLinear()
+        self.second = _MaybeLinear()
+        self.late = _MaybeLinear()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, skip: tuple[str, ...] = (), run: tuple[str, ...] = ()) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = self.first(h, "first" in skip)
+        h = self.second(h, "second" in skip)
+        if "late" in run:
+            h = self.late(h, "late" in skip)
+        return self.head(h)
+
+
+class _MaybeLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, skip: bool) -> torch.Tensor:
+        return h * 1.0 if skip else torch.tanh(self.lin(h))
