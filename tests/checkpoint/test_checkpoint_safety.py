@@ -453,6 +453,56 @@ def test_rank_file_header_checks(tmp_path, capsys):
     assert_same_state(full_state(target), full_state(make_model(0)))
 
 
+def test_rank_file_header_over_the_limit_is_refused_unread(tmp_path, capsys, monkeypatch):
+    """A rank file whose header length is over the 100,000,000-byte limit (in a sparse file large
+    enough to hold it) is refused by its name before its header is read."""
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    data = _rank_file(path)
+    with open(data, "r+b") as f:
+        f.write((100_000_001).to_bytes(8, "little"))
+    os.truncate(data, 200_000_000)  # sparse: no disk used
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append(n) or real_pread(fd, n, at))
+    target = make_model(3)
+    match = r"rank-00000\.safetensors is not a readable safetensors file \(header length 100000001 exceeds"
+    for verify in (True, False):
+        with pytest.raises(ck.CheckpointError, match=match):
+            ck.load(path, target, verify=verify)
+    assert reads and max(reads) <= 8  # the length field, nothing of the claimed header
+    assert_same_state(full_state(target), full_state(make_model(3)))
+    assert cli.main(["verify", path]) == 1
+    assert re.search(match, capsys.readouterr().out)
+
+
+def test_save_load_verify_and_export_unpickle_nothing(tmp_path, monkeypatch):
+    """Nothing a checkpoint holds -- the manifest, a rank file's index, rank_extra, the optimizer's
+    state -- goes through pickle on the way back in."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    path = str(tmp_path / "c")
+    ck.save(path, model, opt, extra={"step": 3, "t": torch.arange(4)}, rank_extra={"rng": torch.arange(3)})
+    for module, name in [(pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load")]:
+        monkeypatch.setattr(module, name, refuse)
+    target = make_model(1)
+    target_opt = torch.optim.AdamW(target.parameters())
+    extra, rank_extra = ck.load(path, target, target_opt, return_rank_extra=True)
+    assert extra["step"] == 3 and torch.equal(extra["t"], torch.arange(4))
+    assert torch.equal(rank_extra["rng"], torch.arange(3))
+    assert_same_state(full_state(target), full_state(model))
+    assert ck.verify_checkpoint(path) == []
+    consolidate(path, str(tmp_path / "hf"))
+    ck.load_hf(str(tmp_path / "hf"), make_model(2))
+
+
 # ================================================================ data and disk hygiene
 
 
