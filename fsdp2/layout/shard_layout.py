@@ -123,11 +123,14 @@ class ShardLayout:
 
     def full_from_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
         """The full tensor from ``gathered`` (``world x padded_shard_numel``), as :meth:`copy_full_out`
-        builds it, but as a view or a new tensor instead of a copy into a given buffer."""
+        builds it, but as a view or a new tensor instead of a copy into a given buffer. Contiguous,
+        as that copy is: kernels choose their path by strides (``F.linear`` adds a strided bias
+        apart from its matmul, rounding a 16-bit result twice), so a strided view (a column of one
+        element per rank) would compute differently."""
         if self.dim == 0:
-            return gathered.reshape(-1)[: self.full_numel].view(self.full_shape)
+            return gathered.reshape(-1)[: self.full_numel].view(self.full_shape).contiguous()
         blocks = gathered.reshape(self.world, *self.padded_shard_shape).unbind(0)
-        return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_shape[self.dim])
+        return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_shape[self.dim]).contiguous()
 
     # -- reduce-scatter: full gradient -> padded slots -> shard --------------------------------
 

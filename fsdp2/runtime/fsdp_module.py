@@ -127,10 +127,11 @@ class FSDPModule(compat.TorchFSDPModule):
     # -- gradient reduction -------------------------------------------------------------------------
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps full local gradients and communicates nothing (accumulation)."""
+        """False: backward keeps full local gradients and communicates nothing (accumulation).
+        Under HSDP it sets the all-reduce across replicas as well (as PyTorch's FSDP2 does)."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.set_sync(gradient_sync=requires_gradient_sync)
+                group.set_sync(gradient_sync=requires_gradient_sync, all_reduce=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but keeps the sums here instead of all-reducing across

@@ -28,12 +28,14 @@ class ParamState(Enum):
 
 class GradDtype(Enum):
     """In which dtype autograd accumulates the unsharded parameter's gradient: where the installed
-    PyTorch's FSDP2 has it do so in a reduce dtype wider than the compute dtype
-    (compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE, torch >= 2.15), fsdp2 follows its rule exactly, since
-    it decides where the uses of a parameter are summed."""
+    PyTorch's FSDP2 has it do so in the reduce dtype (compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE,
+    torch >= 2.15), fsdp2 follows its rule exactly, since it decides where the uses of a
+    parameter are summed."""
 
-    COMPUTE = auto()  # as autograd computes it (any other case)
-    REDUCE = auto()  # always the reduce dtype: replicated under TP, its pending sum is reduced over TP in it
+    COMPUTE = auto()  # as autograd computes it (the reduce dtype is the compute dtype, or torch < 2.15)
+    # Always the reduce dtype, each use's gradient cast before it is added: a reduce dtype no wider
+    # than the compute dtype, or a wider one replicated under TP (its pending sum is reduced over TP in it).
+    REDUCE = auto()
     PER_BACKWARD = auto()  # the reduce dtype only in a backward without sync that starts a sum (choose_grad_dtype)
 
 
@@ -148,8 +150,10 @@ class ShardedParam:
         compute, reduce = self.param_dtype, self.reduce_dtype
         if not (compat.UNSHARDED_GRAD_IN_REDUCE_DTYPE and compute.is_floating_point and reduce.is_floating_point):
             return GradDtype.COMPUTE
-        if reduce.itemsize <= compute.itemsize:
+        if reduce == compute:
             return GradDtype.COMPUTE
+        if reduce.itemsize <= compute.itemsize:
+            return GradDtype.REDUCE  # PyTorch defers only the upcast to a wider dtype
         tp = self.tensor_parallel
         if tp is not None and any(isinstance(placement, Replicate) for placement in tp.placements):
             return GradDtype.REDUCE

@@ -77,18 +77,24 @@ def _compiled(program: Program) -> bool:
     return program.compiled
 
 
-def _compiled_forwards_per_backward(program: Program) -> int:
-    most = count = 0
+def _compiled_under_manual_finalization(program: Program) -> bool:
+    return program.compiled and has_ingredients(program, {"set_manual_backward_finalization(True)"})
+
+
+def _integer_reshard_after_forward(program: Program) -> bool:
+    return has_ingredients(program, {"reshard_after_forward int"})
+
+
+def _several_forwards_before_a_backward_one_compiled(program: Program) -> bool:
+    forwards = compiled = 0
     for call in program.calls:
         if isinstance(call, Forward):
-            count += 1 if call.compiled else 0
+            forwards, compiled = forwards + 1, compiled + call.compiled
+            if forwards >= 2 and compiled:
+                return True
         elif isinstance(call, Backward):
-            most, count = max(most, count), 0
-    return max(most, count)
-
-
-def _two_compiled_forwards_before_a_backward(program: Program) -> bool:
-    return _compiled_forwards_per_backward(program) >= 2
+            forwards = compiled = 0
+    return False
 
 
 def _repeated_use_after_a_backward_without_sync(program: Program) -> bool:
@@ -104,6 +110,14 @@ def _repeated_use_after_a_backward_without_sync(program: Program) -> bool:
         for c in program.calls
     )
     return (called_twice or two_forwards) and without_sync
+
+
+def _repeated_use_with_a_narrower_reduce_dtype_on_torch_2_15(program: Program) -> bool:
+    from tests.fuzz.runner import PYTORCH_HAS_MANUAL_FINALIZATION as torch_2_15
+
+    uses = ("called twice", "two forwards before one backward", "tied weights")
+    narrower = "mixed precision fp32-params-fp16-reduce"
+    return torch_2_15 and program.compiled and any(has_ingredients(program, {narrower, use}) for use in uses)
 
 
 def _reduces_in_low_precision(program: Program) -> bool:
@@ -172,6 +186,15 @@ DELIBERATE_DIFFERENCES = (
         object,
         r"AssertionError.*FSDP expects uniform original parameter dtype",
     ),
+    Refusal(
+        "mixed precision accumulation whose microbatches reach different parameters",
+        "PyTorch's FSDP2 asserts one gradient dtype in a reduce-scatter; in mixed precision a synced backward after "
+        "microbatches without sync that reached other parameters holds sums kept in the reduce dtype beside fresh "
+        "gradients in param_dtype, and fsdp2 reduces both (docs/frameworks.md: fsdp2 does more than PyTorch)",
+        "torch",
+        Backward,
+        r"AssertionError.*FSDP reduce-scatter expects uniform gradient dtype",
+    ),
     Unobserved(
         "the module's parameters around a compiled step",
         "the compiled step gathers parameters into its graph's own buffers and leaves the module's sharded DTensor "
@@ -182,13 +205,55 @@ DELIBERATE_DIFFERENCES = (
         _compiled,
         r"^parameter ",
     ),
+    Unobserved(
+        "the parameters of a module under reshard_after_forward=k between its forward and backward",
+        "PyTorch's FSDP2 registers its post-forward copies there ((Replicate(), Shard(0)) on a mesh of k ranks, in "
+        "param_dtype), an internal layout; fsdp2 keeps the module's sharded DTensors registered, as after "
+        "reshard_after_forward=True, and holds its k-rank rows in buffers of its own (docs/frameworks.md). The "
+        "sharded parameters, their gradients and the optimizer state are compared",
+        (("torch", "fsdp2"), ("torch", "fsdp2-eager")),
+        _integer_reshard_after_forward,
+        r"^parameter ",
+    ),
+    Unobserved(
+        "gradients a compiled synced backward writes before finalize_backward()",
+        "under manual finalization the compiled graph reduces every group and writes .grad when its backward ends, "
+        "where eager fsdp2, as PyTorch 2.15's FSDP2, leaves the root's group unreduced until finalize_backward() "
+        "(docs/compile.md, differences from eager). Compiled programs under manual finalization always finalize "
+        "(the generator sees to it), so the parameters and optimizer state after each step are compared",
+        (("fsdp2-eager", "fsdp2"),),
+        _compiled_under_manual_finalization,
+        r"\.grad$",
+    ),
     Tolerance(
-        "two compiled forwards before one backward",
-        "each compiled forward's graph reduces its own gradient and the reductions add up in .grad; eager reduces "
-        "their sum once: rounding, fp32 gradients within 1.5e-8 of eager's, bf16 parameters within 1e-3 "
+        "several compiled synced backwards before one finalize_backward()",
+        "under manual finalization eager fsdp2, as PyTorch 2.15's FSDP2, reduces the root's group once at "
+        "finalize_backward(), the sum of the backwards before it; the compiled graph reduces each backward's "
+        "gradient: rounding (docs/compile.md, differences from eager)",
+        (("fsdp2-eager", "fsdp2"),),
+        _compiled_under_manual_finalization,
+        atol=1e-6,
+        rtol=1e-5,
+    ),
+    Tolerance(
+        "several forwards before one backward, one of them compiled",
+        "each compiled forward's graph reduces its own gradient and the reductions add up in .grad (with an eager "
+        "forward's); eager reduces their sum once: rounding, fp32 gradients within 1.5e-8 of eager's, bf16 "
+        "parameters within 1e-3 "
         "(docs/compile.md, modules that run more than once per backward)",
         (("fsdp2-eager", "fsdp2"),),
-        _two_compiled_forwards_before_a_backward,
+        _several_forwards_before_a_backward_one_compiled,
+        atol=2e-3,
+        rtol=1e-2,
+    ),
+    Tolerance(
+        "uses of a parameter added in a narrower reduce dtype, compiled",
+        "torch 2.15: eager fsdp2, as PyTorch's FSDP2, casts each use's gradient of a parameter used more than once "
+        "in a backward to a reduce dtype narrower than the compute dtype before adding (the unsharded parameter's "
+        "grad_dtype); the compiled graph adds the uses in the compute dtype and casts their sum (grad_dtype is for "
+        "leaves only): reduce-dtype rounding (docs/compile.md)",
+        (("fsdp2-eager", "fsdp2"),),
+        _repeated_use_with_a_narrower_reduce_dtype_on_torch_2_15,
         atol=2e-3,
         rtol=1e-2,
     ),
@@ -225,10 +290,9 @@ def refusal_for(run: str, call, error: str) -> Refusal | None:
 
 
 def tolerance_for(program: Program, pair: tuple[str, str]) -> Tolerance | None:
-    for difference in DELIBERATE_DIFFERENCES:
-        if isinstance(difference, Tolerance) and pair in difference.pairs and difference.applies(program):
-            return difference
-    return None
+    """The loosest tolerance that applies (a program may have the ingredients of several)."""
+    found = [d for d in DELIBERATE_DIFFERENCES if isinstance(d, Tolerance) and pair in d.pairs and d.applies(program)]
+    return max(found, key=lambda d: (d.rtol, d.atol), default=None)
 
 
 def unobserved(program: Program, pair: tuple[str, str]) -> list[str]:
@@ -316,64 +380,7 @@ def has_ingredients(program: Program, wanted) -> bool:
 
 # name -> (what goes wrong, the ingredients of programs that have it: any one of the sets). Each is a strict xfail in
 # tests/fuzz/test_findings.py; fixing one means deleting its entry here and its xfail there.
-KNOWN_UNFIXED: dict[str, tuple[str, tuple[frozenset[str], ...]]] = {
-    "group unused on some ranks": (
-        "set_reduce_scatter_unused_params(True): a rank on which none of a group's parameters is used issues no "
-        "reduce-scatter for it, and the others wait for it (PyTorch's FSDP2 reduces zeros there)",
-        (frozenset({"set_reduce_scatter_unused_params(True)", "gate closed on some ranks"}),),
-    ),
-    "group unused on every rank": (
-        "set_reduce_scatter_unused_params(True): a group none of whose parameters is used (its gate closed, or "
-        "its module not called in that step) keeps .grad None where PyTorch's FSDP2 reduces zeros",
-        (
-            frozenset({"set_reduce_scatter_unused_params(True)", "gate closed on all ranks"}),
-            frozenset({"set_reduce_scatter_unused_params(True)", "block skipped"}),
-        ),
-    ),
-    "manual finalization": (
-        "under set_manual_backward_finalization(True) a backward with gradient sync leaves .grad unwritten until "
-        "finalize_backward() (PyTorch 2.15 writes it at the end of the backward), and a forgotten finalize carries "
-        "the reduction into the next iteration; compiled, finalize_backward() after microbatches without sync "
-        "writes no gradient at all",
-        (frozenset({"set_manual_backward_finalization(True)"}),),
-    ),
-    "integer reshard_after_forward": (
-        "reshard_after_forward=k (1 < k < shard size): between forward and backward the module's parameters are "
-        "DTensors on the whole shard mesh in its original dtype, where PyTorch's FSDP2 registers them on its "
-        "(replicate, k) post-forward mesh in param_dtype; on a mesh unflattened from a flat world mesh fully_shard "
-        "raises ValueError (tuple.index) where PyTorch trains",
-        (frozenset({"reshard_after_forward int"}),),
-    ),
-    "compiled fp16 reduction": (
-        "the compiled whole step with an fp16 reduce dtype fails in the backend compiler (BackendCompilerFailed: the "
-        "backward's outputs do not match its inputs' structure); eager trains",
-        (frozenset({"compiled forward", "fp16 reduction"}),),
-    ),
-    "compiled synced backward after eager microbatches": (
-        "a group that only an eager microbatch without sync ran gets no gradient from the compiled synced backward "
-        "that follows, and its kept sum survives zero_grad() into the next step; eager reduces it",
-        (frozenset({"compiled forward", "forward", "set_requires_gradient_sync(False)", "block skipped"}),),
-    ),
-    "gradient sync and the HSDP all-reduce": (
-        "set_requires_gradient_sync(value) sets the HSDP all-reduce too in PyTorch's FSDP2; fsdp2 keeps an earlier "
-        "set_requires_all_reduce(False), so a later synced backward writes no gradient",
-        (frozenset({"HSDP mesh", "set_requires_all_reduce(False)", "set_requires_gradient_sync(True)"}),),
-    ),
-    "compiled bf16 forward on 4 ranks": (
-        "compiled whole step, bf16 mixed precision, 4 ranks, dim 4: the compiled forward's loss differs from "
-        "eager's (bf16 rounding and more), where docs/compile.md promises bitwise",
-        (frozenset({"compiled forward", "world 4", "mixed precision bf16"}),),
-    ),
-    "reduce dtype narrower than the parameters, on torch 2.15": (
-        "torch 2.15, MixedPrecisionPolicy(reduce_dtype=torch.float16) on fp32 parameters: a parameter used more than "
-        "once in a backward (a module called twice, two forwards, a tied weight) gets gradients that differ from "
-        "PyTorch's by fp16 rounding (the uses add up in another dtype than PyTorch 2.15's)",
-        tuple(
-            frozenset({"mixed precision fp32-params-fp16-reduce", use})
-            for use in ("called twice", "two forwards before one backward", "tied weights")
-        ),
-    ),
-}
+KNOWN_UNFIXED: dict[str, tuple[str, tuple[frozenset[str], ...]]] = {}
 
 
 def known_defects(program: Program) -> list[str]:

@@ -9,11 +9,12 @@ A hang: the program runs on process groups of its own whose collectives time out
 ``HANG_S`` seconds (``COMPILED_HANG_S`` around compiled calls, where one rank may still be
 tracing); the timeout's error names the call that hung.
 
-On a torch without PyTorch 2.15's manual backward finalization the oracle is PyTorch's automatic
-finalization of the same gradients, as 2.15 defines it: a backward with gradient sync writes every
-``.grad`` at its end, and a backward without sync that the next ``finalize_backward()`` (with sync
-on) completes is, for the oracle, a synced backward (fsdp2's gradients must stay as they were
-until that finalize).
+On a torch without PyTorch 2.15's manual backward finalization the oracle of a program under
+manual finalization is PyTorch's automatic finalization of the same gradients: the backwards
+without sync that the next ``finalize_backward()`` (with sync on) completes are, for the oracle,
+one synced backward (fsdp2's gradients must stay as they were until that finalize). That is all
+it can tell: which gradients a synced backward writes before its finalize is 2.15's to say, so the
+generator draws such programs only where PyTorch's FSDP2 has the method.
 """
 
 from __future__ import annotations
@@ -526,7 +527,8 @@ def _differences(ctx: Context, runs: list[Run], index: int, call, errors: dict) 
             ]
             others = [k for k in expected if not k.endswith(".grad")]
             found += [
-                f"{actual_run.name} against {expected_run.name}: {d}" for d in compare(expected, actual, None, others)
+                f"{actual_run.name} against {expected_run.name}: {d}"
+                for d in compare(expected, actual, tolerance, others)
             ]
             continue
         found += [f"{actual_run.name} against {expected_run.name}: {d}" for d in compare(expected, actual, tolerance)]

@@ -28,11 +28,6 @@ from tests.fuzz.program import (
 PYTORCH_2_15 = hasattr(torch_fsdp.FSDPModule, "finalize_backward")  # its FSDP2's newest method
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="set_reduce_scatter_unused_params(True): the rank that used none of a group's parameters issues no "
-    "reduce-scatter for it; the other rank waits (a hang, or gloo aborts on the next collective's sizes)",
-)
 def test_a_group_unused_on_one_rank_is_reduced_like_pytorch(worlds):
     program = Program(
         model=Model(blocks=(Block(wrap=Wrap()), Block(kind="gated", wrap=Wrap()))),
@@ -46,11 +41,6 @@ def test_a_group_unused_on_one_rank_is_reduced_like_pytorch(worlds):
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="set_reduce_scatter_unused_params(True): a group none of whose parameters is used on any rank keeps "
-    ".grad None where PyTorch's FSDP2 reduces zeros",
-)
 def test_a_group_unused_on_every_rank_gets_zero_gradients_like_pytorch(worlds):
     program = Program(
         model=Model(blocks=(Block(kind="gated", wrap=Wrap()),)),
@@ -64,11 +54,6 @@ def test_a_group_unused_on_every_rank_gets_zero_gradients_like_pytorch(worlds):
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="set_reduce_scatter_unused_params(True): a group whose module is not called in a step keeps .grad "
-    "None where PyTorch's FSDP2 reduces zeros",
-)
 def test_a_group_not_run_in_a_step_gets_zero_gradients_like_pytorch(worlds):
     program = Program(
         model=Model(
@@ -93,11 +78,7 @@ def test_a_group_not_run_in_a_step_gets_zero_gradients_like_pytorch(worlds):
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="manual backward finalization: a backward with gradient sync leaves .grad unwritten until "
-    "finalize_backward(); PyTorch 2.15's FSDP2 writes it at the end of the backward",
-)
+@pytest.mark.skipif(not PYTORCH_2_15, reason="the oracle: PyTorch 2.15's FSDP2 manual finalization")
 def test_a_synced_backward_under_manual_finalization_writes_gradients_like_pytorch_2_15(worlds):
     program = Program(
         model=Model(dim=4, vocab=5, input="linear", blocks=(Block(bias=False, wrap=Wrap()),), head_bias=False),
@@ -113,11 +94,6 @@ def test_a_synced_backward_under_manual_finalization_writes_gradients_like_pytor
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reshard_after_forward=k on a mesh unflattened from a flat world mesh: fully_shard raises "
-    "ValueError (tuple.index(x): x not in tuple in dp_mesh.py); PyTorch's FSDP2 trains",
-)
 def test_integer_reshard_after_forward_on_an_unflattened_mesh(worlds):
     program = Program(
         model=Model(world_size=4, mesh="unflattened-slice", blocks=(Block(kind="linear", wrap=Wrap(reshard=2)),)),
@@ -126,13 +102,7 @@ def test_integer_reshard_after_forward_on_an_unflattened_mesh(worlds):
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reshard_after_forward=k: between forward and backward the module's parameters are DTensors "
-    "(Shard(0),) on the whole shard mesh, where PyTorch's FSDP2 registers (Replicate(), Shard(0)) on its "
-    "post-forward mesh, in param_dtype",
-)
-def test_integer_reshard_after_forward_registers_parameters_like_pytorch(worlds):
+def test_integer_reshard_after_forward_trains_like_pytorch(worlds):
     program = Program(
         model=Model(
             world_size=4,
@@ -148,11 +118,6 @@ def test_integer_reshard_after_forward_registers_parameters_like_pytorch(worlds)
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HSDP: set_requires_gradient_sync(True) also turns the all-reduce back on in PyTorch's FSDP2 (it sets "
-    "both); fsdp2 keeps an earlier set_requires_all_reduce(False), so the synced backward writes no gradient",
-)
 def test_gradient_sync_on_turns_the_hsdp_all_reduce_on_like_pytorch(worlds):
     program = Program(
         model=Model(mesh="hsdp", blocks=(Block(wrap=Wrap()),)),
@@ -169,12 +134,6 @@ def test_gradient_sync_on_turns_the_hsdp_all_reduce_on_like_pytorch(worlds):
     assert_program_passes(worlds, program)
 
 
-@pytest.mark.xfail(
-    PYTORCH_2_15,
-    strict=True,
-    reason="torch 2.15, reduce_dtype fp16 on fp32 parameters: a module called twice gets gradients that differ "
-    "from PyTorch's by fp16 rounding (its two uses add up in another dtype than PyTorch 2.15's)",
-)
 def test_uses_of_a_parameter_add_up_like_pytorch_with_a_narrower_reduce_dtype(worlds):
     program = Program(
         model=Model(
@@ -190,11 +149,6 @@ def test_uses_of_a_parameter_add_up_like_pytorch_with_a_narrower_reduce_dtype(wo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="compiled whole step under manual finalization: after microbatches without sync, sync on and "
-    "finalize_backward() leave every .grad None; eager writes them",
-)
 def test_compiled_microbatches_then_finalize_backward(worlds):
     program = Program(
         model=Model(blocks=(Block(wrap=Wrap()),)),
@@ -214,11 +168,6 @@ def test_compiled_microbatches_then_finalize_backward(worlds):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="a group only an eager microbatch without sync ran gets no gradient from the compiled synced backward "
-    "that follows (eager reduces its kept sum there)",
-)
 def test_compiled_synced_backward_after_an_eager_microbatch(worlds):
     program = Program(
         model=Model(blocks=(Block(wrap=Wrap()), Block(wrap=Wrap()))),
@@ -240,11 +189,6 @@ def test_compiled_synced_backward_after_an_eager_microbatch(worlds):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the compiled whole step with MixedPrecisionPolicy(torch.float16, torch.float16) raises "
-    "BackendCompilerFailed (the backward's outputs do not match its inputs' structure); eager trains",
-)
 def test_compiled_step_reducing_in_fp16(worlds):
     program = Program(
         model=Model(blocks=(Block(wrap=Wrap(mp="fp16")),), root=Wrap(mp="fp16")),
@@ -254,11 +198,6 @@ def test_compiled_step_reducing_in_fp16(worlds):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="compiled whole step, bf16 mixed precision, 4 ranks, dim 4 (a row of each weight per rank): the "
-    "compiled forward's loss differs from eager's (by 1.8e-5 here), where docs/compile.md promises bitwise",
-)
 def test_compiled_bf16_forward_with_a_row_per_rank_equals_eager(worlds):
     program = Program(
         model=Model(
@@ -271,5 +210,47 @@ def test_compiled_bf16_forward_with_a_row_per_rank_equals_eager(worlds):
             root=Wrap(mp="bf16"),
         ),
         calls=(Forward(compiled=True), Backward()),
+    )
+    assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_compiled_synced_backward_under_manual_finalization_equals_eager_once_finalized(worlds):
+    program = Program(
+        model=Model(dim=4, vocab=5, input="linear", blocks=(Block(bias=False, wrap=Wrap()),)),
+        calls=(
+            Setter(method="set_manual_backward_finalization", value=True),
+            Forward(compiled=True),
+            Backward(),
+            FinalizeBackward(),
+            OptimizerStep(),
+            ZeroGrad(),
+        ),
+    )
+    assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_a_compiled_and_an_eager_forward_before_one_backward_differ_by_rounding_only(worlds):
+    program = Program(
+        model=Model(
+            dim=4,
+            vocab=5,
+            input="linear",
+            blocks=(Block(kind="experts", wrap=Wrap(mp="bf16")), Block()),
+            head_bias=False,
+        ),
+        calls=(
+            Forward(compiled=True),
+            Backward(),
+            Forward(batch=1, compiled=True, closed=(("blocks.0", (0, 1)),), bypassed=("blocks.0",)),
+            Forward(batch=2),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=False),
+            Forward(batch=3, compiled=True, bypassed=("blocks.0",)),
+            Backward(),
+            OptimizerStep(),
+        ),
+        optimizer="sgd",
     )
     assert_program_passes(worlds, program)

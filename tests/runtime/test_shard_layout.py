@@ -50,6 +50,12 @@ def test_gather_then_reduce_round_trip(case):
         layout.shard_rows(gathered[layout.rank]).copy_(layout.local_slice(full))
     rebuilt = layouts[0].copy_full_out(gathered, torch.empty(world * n))
     assert torch.equal(rebuilt, full)
+    # The compiled step decodes from the parameter's columns of wider rows: the same tensor,
+    # contiguous as the copy (kernels pick their path by strides).
+    rows = torch.zeros(world, n + 3)
+    rows[:, 1 : n + 1] = gathered
+    decoded = layouts[0].full_from_rank_rows(rows[:, 1 : n + 1])
+    assert torch.equal(decoded, full) and decoded.is_contiguous()
 
     # Reduce-scatter: each rank's slot holds exactly its rows of the (summed) full tensor.
     slots = torch.full((world, n), float("nan"))
