@@ -5,7 +5,8 @@
     extra = load("ckpt/step-100", model, optimizer)   # any world size / mesh
     load_hf("Llama-3-8B/", model)                       # Hugging Face weights, each rank its shards
 
-See ``format.py`` for the on-disk layout, ``writer.py`` for the commit protocol,
+See ``format.py`` for the on-disk layout (``chunk_rule.py``: which rank file holds which box;
+``file_index.py``: what each rank file's header says of itself), ``writer.py`` for the commit protocol,
 ``directory.py`` for what saves create and delete, ``lock.py`` for one save at a time per
 directory and ``consolidate.py`` for the Hugging Face export.
 """

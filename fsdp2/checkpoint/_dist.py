@@ -2,7 +2,8 @@
 
 No tensor data and no pickled objects ever cross ranks. A one-element all-reduce doubles as
 the barrier and tells every rank whether any rank failed; only then is the failing rank's
-message (UTF-8 bytes in a tensor) broadcast, so every rank can report the real reason.
+message (UTF-8 bytes in a tensor) broadcast, so every rank can report the real reason. A save
+also sums two counts over the ranks and broadcasts rank 0's id for it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,26 @@ def first_failure(error: BaseException | str | None) -> tuple[int, str] | None:
     buffer = buffer.to(device)
     dist.broadcast(buffer, src=failed)
     return failed, buffer.cpu().numpy().tobytes().decode("utf-8", "replace")
+
+
+def sum_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise sum of every rank's ``values`` (collective; small counts, not data)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_flag_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [int(v) for v in t.cpu().tolist()]
+
+
+def broadcast_from_rank0(value: int) -> int:
+    """Rank 0's ``value`` on every rank (collective; an int64)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_flag_device())
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 def _describe(error: BaseException) -> str:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Sequence
 
 from .consolidate import DTYPES, consolidate
 from .errors import CheckpointError
+from .paths import checkpoint_file
 from .reader import read_manifest
 from .verify import verify_checkpoint
 
@@ -57,23 +59,49 @@ def _human(n: int) -> str:
 # ---------------------------------------------------------------- inspect
 
 
+def _disk_size(path: str, rel: str) -> int | None:
+    try:
+        return os.path.getsize(checkpoint_file(path, rel))
+    except (CheckpointError, OSError):
+        return None
+
+
 def cmd_inspect(args) -> int:
     m = read_manifest(args.path)
-    total = sum(f.size for f in m.files.values())
-    print(f"{args.path}: fsdp2 checkpoint, generation {m.generation}, saved by {m.world_size} rank(s)")
-    print(f"files ({len(m.files)}, {_human(total)}):")
-    for name, f in m.files.items():
-        check = f"crc32={f.crc32}" if f.crc32 is not None else f"header crc32c={f.header_crc32c}"
-        print(f"  {name}  {_human(f.size)}  {check}")
+    print(
+        f"{args.path}: fsdp2 checkpoint, format {m.version}, generation {m.generation}, saved by {m.world_size} rank(s)"
+    )
+    if m.version >= 3:  # files named by rule: their sizes are on disk, their checksums in their headers
+        m.validate_files()
+        sizes = {name: _disk_size(args.path, name) for name in m.file_names()}
+        total = sum(n for n in sizes.values() if n is not None)
+        print(f"files ({len(sizes)}, {_human(total)}):")
+        for name, size in sizes.items():
+            print(f"  {name}  {'missing' if size is None else _human(size)}")
+    else:
+        total = sum(f.size for f in m.files.values())
+        print(f"files ({len(m.files)}, {_human(total)}):")
+        for name, f in m.files.items():
+            check = f"crc32={f.crc32}" if f.crc32 is not None else f"header crc32c={f.header_crc32c}"
+            print(f"  {name}  {_human(f.size)}  {check}")
     print(f"tensors ({len(m.tensors)}):")
     for key, t in m.tensors.items():
         try:
             size = _human(t.nbytes)
         except CheckpointError:
             size = "unknown dtype"
-        print(f"  {key}  {t.dtype}{list(t.shape)}  {size}  {len(t.chunks)} chunk(s)")
+        try:
+            m.validate_entry(key)
+            chunks = m.chunks_of(key)
+        except CheckpointError as e:
+            print(f"  {key}  {t.dtype}{list(t.shape)}  {size}  {e}")
+            continue
+        layout = ""
+        if t.rule is not None:
+            layout = f"  mesh {list(t.rule.mesh.shape)} {', '.join(t.rule.placement_names()) or 'whole'}"
+        print(f"  {key}  {t.dtype}{list(t.shape)}  {size}{layout}  {len(chunks)} chunk(s)")
         if args.chunks:
-            for c in t.chunks:
+            for c in chunks:
                 print(f"      {c.file}[{c.key}] offsets={list(c.offsets)} shape={list(c.shape)}")
     optim = m.objects.get("optimizer")
     groups = optim.get("param_groups") if isinstance(optim, dict) else None
@@ -88,7 +116,9 @@ def cmd_inspect(args) -> int:
         print("optimizer: malformed entry in the manifest")
     if "extra" in m.objects:
         print(f"extra: {json.dumps(m.objects['extra'])[:400]}")
-    if isinstance(m.objects.get("rank_extra"), dict):
+    if m.rank_extra:
+        print("rank_extra: in each rank's file")
+    elif isinstance(m.objects.get("rank_extra"), dict):
         print(f"rank_extra: saved by {len(m.objects['rank_extra'])} rank(s)")
     return 0
 

@@ -88,7 +88,7 @@ def consolidate(
     entries = _entries(manifest, include_all)
 
     with _staging_folder(out) as staging:
-        index = _write_shards(path, staging, entries, max_shard_size, out_dtype)
+        index = _write_shards(path, manifest, staging, entries, max_shard_size, out_dtype)
         for source, name in copies:
             final = os.path.join(out, name)
             if os.path.exists(final) and os.path.samefile(source, final) and out_dtype is None:
@@ -158,43 +158,49 @@ def _check_output(path: str, out: str, overwrite: bool) -> set[str]:
     return weights
 
 
-def _entries(manifest: Manifest, include_all: bool) -> list[tuple[str, TensorEntry]]:
-    """(output name, entry) of every tensor to write, tied aliases left out."""
+def _entries(manifest: Manifest, include_all: bool) -> list[tuple[str, str, TensorEntry]]:
+    """(output name, checkpoint key, entry) of every tensor to write, tied aliases left out."""
     ties = manifest.objects.get("tied_weights", [])
     if not (isinstance(ties, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in ties)):
         raise CheckpointError("the manifest's tied_weights are malformed; the checkpoint is damaged")
     aliases = {f"model/{name}" for group in ties for name in group[1:]}
     keys = sorted(k for k in manifest.tensors if k not in aliases and (include_all or k.startswith("model/")))
-    return [(k if include_all else k.removeprefix("model/"), manifest.tensors[k]) for k in keys]
+    return [(k if include_all else k.removeprefix("model/"), k, manifest.tensors[k]) for k in keys]
 
 
 # ---------------------------------------------------------------- writing
 
 
-def _assemble(entry: TensorEntry, handle) -> torch.Tensor:
+def _assemble(manifest: Manifest, key: str, handle) -> torch.Tensor:
     """The full tensor, filled chunk by chunk from the rank files."""
+    entry = manifest.tensors[key]
     out = torch.empty(entry.shape, dtype=entry.torch_dtype)
-    for c in entry.chunks:
+    for c in manifest.chunks_of(key):
         part = handle(c.file).get_tensor(c.key)
         out[c.region.slices()] = part
         del part
     return out
 
 
-def _plan_output_files(entries: list[tuple[str, TensorEntry]], max_bytes: int) -> list[list]:
+def _plan_output_files(entries: list[tuple[str, str, TensorEntry]], max_bytes: int) -> list[list]:
     groups: list[list] = [[]]
     size = 0
-    for name, entry in entries:
+    for name, key, entry in entries:
         if groups[-1] and size + entry.nbytes > max_bytes:
             groups.append([])
             size = 0
-        groups[-1].append((name, entry))
+        groups[-1].append((name, key, entry))
         size += entry.nbytes
     return groups
 
 
 def _write_shards(
-    path: str, out: str, entries: list[tuple[str, TensorEntry]], max_shard_size: int, out_dtype: torch.dtype | None
+    path: str,
+    manifest: Manifest,
+    out: str,
+    entries: list[tuple[str, str, TensorEntry]],
+    max_shard_size: int,
+    out_dtype: torch.dtype | None,
 ) -> dict:
     """The shard files and the index, written into the (fresh, empty) folder ``out``."""
     from safetensors import safe_open
@@ -206,7 +212,9 @@ def _write_shards(
     weight_map, total = {}, 0
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(
-            ByteProgress("consolidate", path, sum(TensorSpec(n, target_dtype(e), e.shape).nbytes for n, e in entries))
+            ByteProgress(
+                "consolidate", path, sum(TensorSpec(n, target_dtype(e), e.shape).nbytes for n, _, e in entries)
+            )
         )
         handles = {}
 
@@ -217,11 +225,11 @@ def _write_shards(
 
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            specs = [TensorSpec(n, target_dtype(e), e.shape) for n, e in group]
+            specs = [TensorSpec(n, target_dtype(e), e.shape) for n, _, e in group]
             writer = SafetensorsStreamWriter(os.path.join(out, fname), specs, metadata={"format": "pt"})
             try:
-                for (name, entry), spec in zip(group, specs):
-                    writer.write(_assemble(entry, handle).to(spec.dtype))  # one full tensor in RAM at a time
+                for (name, key, _), spec in zip(group, specs):
+                    writer.write(_assemble(manifest, key, handle).to(spec.dtype))  # one full tensor in RAM at a time
                     weight_map[name] = fname
                     total += spec.nbytes
                     progress.advance(spec.nbytes)

@@ -59,7 +59,9 @@ class CheckpointDir:
         if not os.path.lexists(os.path.join(self.path, MANIFEST_NAME)):
             return None
         text = read_checkpoint_text(self.path, MANIFEST_NAME)
-        return Manifest.from_json(text, os.path.join(self.path, MANIFEST_NAME))
+        manifest = Manifest.from_json(text, os.path.join(self.path, MANIFEST_NAME))
+        manifest.json_bytes = len(text.encode())
+        return manifest
 
     def leftovers(self) -> list[str]:
         """Names of unpublished save data: what an interrupted save leaves behind."""
@@ -115,7 +117,7 @@ class CheckpointDir:
         try:
             if previous is not None and previous.generation != keep:
                 old = generation_dir(previous.generation)
-                listed = {name.split("/", 1)[1] for name in previous.files if name.startswith(old + "/")}
+                listed = {name.split("/", 1)[1] for name in previous.file_names() if name.startswith(old + "/")}
                 self._remove_generation(old, listed)
             self.clear_leftovers(keep=generation_dir(keep))
         except OSError as e:  # the new checkpoint is published; stale data only costs disk

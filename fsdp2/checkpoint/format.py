@@ -9,39 +9,46 @@ A checkpoint is a directory::
         rank-00001.safetensors
         ...
 
-``manifest.json`` (format version 2)::
+``manifest.json`` (format version 3) says what the checkpoint holds and by which rule each
+tensor's chunks are spread over the rank files, never chunk by chunk, so it is as long for 16,384
+ranks as for 2::
 
     {
-      "format": "fsdp2-checkpoint", "version": 2, "generation": 3,
-      "world_size": 4,                          # of the saving job (informational)
+      "format": "fsdp2-checkpoint", "version": 3, "generation": 3,
+      "world_size": 4,                          # rank files gen-000003/rank-00000 .. 00003.safetensors
       "hash": "crc32c",
-      "files": {"gen-000003/rank-00000.safetensors": {"size": 123, "header_crc32c": "89abcdef"}},
+      "save_id": "0f1e2d3c4b5a6978",            # every rank file of this save carries it
+      "rank_extra": false,                      # whether rank files hold per-rank extras
+      "meshes": [{"shape": [], "start": 0, "strides": []},      # rank 0 alone: plain tensors
+                 {"shape": [2, 2], "start": 0, "strides": [2, 1]}],
       "tensors": {
-        "model/fc.weight": {
-          "shape": [7, 16], "dtype": "float32",
-          "chunks": [{"file": "gen-000003/rank-00000.safetensors",
-                      "key": "model/fc.weight", "offsets": [0, 0], "shape": [2, 16],
-                      "block_elems": 32768, "crc32c": "0123abcd..."}, ...]
-        }, ...
+        "model/fc.weight": {"shape": [7, 16], "dtype": "float32", "mesh": 1, "placements": ["R", "S(0)"]},
+        "optim/state/fc.weight/step": {"shape": [], "dtype": "float32", "mesh": 0, "placements": []},
+        ...
       },
       "objects": {"optimizer": {...}, "extra": {...}}   # JSON; tensors as {"__tensor__": key}
     }
 
-Integrity, version 2: the bytes of each chunk are cut into blocks (``integrity.BlockGrid``) and
-the chunk lists the CRC32C of every block (8 hex digits each, concatenated); each file lists
-the CRC32C of its safetensors header. A loading rank reads the blocks holding the bytes it
-owns and checks exactly those, in the same pass as it reads them.
+``chunk_rule.py`` turns a mesh and placements into the chunks (which rank's file holds which box
+of the tensor); each rank file's header lists its own chunks' offsets and block checksums
+(``file_index.py``), so a loading rank reads the manifest and the headers of the files it reads,
+nothing else.
+
+Integrity: the bytes of each chunk are cut into blocks (``integrity.BlockGrid``) and the file's
+index lists the CRC32C of every block (8 hex digits each, concatenated); the header carries the
+CRC32C of itself. A loading rank reads the blocks holding the bytes it owns and checks exactly
+those, in the same pass as it reads them.
 
 The trade-off is the block size. A rank that owns part of a block must read all of it to check
 it, so with verification on, bytes read exceed bytes owned by less than one block at each end
-of a needed row range; smaller blocks mean less excess but a longer manifest and more hashing
+of a needed row range; smaller blocks mean less excess but a longer index and more hashing
 calls. Blocks are a power of two of whole dim-0 rows with edges at multiples of that count in
 *global* row indices (rows larger than a block are cut into pieces), sized per chunk: about 16
 blocks per chunk, between 64 KiB and 1 MiB (larger only for chunks over 4 GiB, which get at most
 4096). Each block is a hash call on every verified read, and Python work around it: checkpoints
 written by earlier versions have 4-16 KiB to 128 KiB blocks, about 64 per chunk, and take ~10%
-longer to verify (benchmarks/RESULTS.md); readers take any block size the manifest lists. The
-manifest grows by 8 hex digits per block, 8 bytes per MiB of large tensors. Consequences:
+longer to verify (benchmarks/RESULTS.md); readers take any block size a file or manifest lists.
+Consequences:
 
 - a load on the saving layout, and any reshard whose dim-0 splits fall on multiples of the
   block (power-of-two world sizes dividing power-of-two-friendly row counts), reads exactly
@@ -53,8 +60,11 @@ manifest grows by 8 hex digits per block, 8 bytes per MiB of large tensors. Cons
   checkpoint saved without it) reads and checks whole rows;
 - ``verify=False`` reads exactly the owned bytes (column ranges as one read per row run).
 
-Version 1 (still loaded and verified): files carry ``"crc32"`` (zlib CRC-32 of the whole
-file) and chunks no checksums, so verifying reads every byte of every file a rank touches.
+Earlier versions, still loaded and verified: version 2 lists every chunk in the manifest
+(``"tensors": {key: {"shape", "dtype", "chunks": [{"file", "key", "offsets", "shape",
+"block_elems", "crc32c"}]}}``) and every file (``"files": {name: {"size", "header_crc32c"}}``);
+version 1 is version 2 without block checksums, its files carrying ``"crc32"`` (zlib CRC-32 of the
+whole file), so verifying reads every byte of every file a rank touches.
 
 Nothing here is ever unpickled: the manifest is JSON and tensor bytes are read with
 safetensors, so opening an untrusted checkpoint cannot run code.
@@ -71,12 +81,13 @@ import torch
 
 from fsdp2.layout.regions import Region
 
+from .chunk_rule import MAX_WORLD_SIZE, ChunkRule, MeshRanks, check_rule, rule_from_json
 from .errors import CheckpointError
 from .integrity import HASH_NAME, BlockGrid, from_hex, hex_count
 
 FORMAT_NAME = "fsdp2-checkpoint"
-FORMAT_VERSION = 2  # written; 1 is still read (per-file CRC-32)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # written; 1 (per-file CRC-32) and 2 (chunks listed in the manifest) are still read
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 MAX_OBJECT_DEPTH = 128  # nesting of "objects"; deeper would exhaust Python's recursion limit
 
@@ -196,6 +207,13 @@ class Chunk:
             grid = self._grid = BlockGrid.of(self.offsets, self.shape, itemsize, self.block_elems)
         return grid
 
+    def with_checksums(self, block_elems: int, crc32c: str, grid: BlockGrid | None = None) -> "Chunk":
+        """This chunk with its block size and checksums (format 3: from its file's index, whose check
+        built ``grid`` already)."""
+        chunk = Chunk(self.file, self.key, self.offsets, self.shape, block_elems, crc32c)
+        chunk._grid = grid
+        return chunk
+
     def checksums(self) -> list[int] | None:
         """The block checksums (a list the caller must not change)."""
         if self._checksums is None and self.crc32c is not None:
@@ -224,9 +242,13 @@ class Chunk:
 
 @dataclass
 class TensorEntry:
+    """A saved tensor: its shape and dtype, and where its chunks are: by ``rule`` (format 3) or
+    listed in ``chunks`` (formats 1 and 2)."""
+
     shape: tuple[int, ...]
     dtype: str
     chunks: list[Chunk] = field(default_factory=list)
+    rule: ChunkRule | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -264,23 +286,55 @@ class FileEntry:
         return cls(_count(d["size"]), None if crc is None else _hex(crc), None if header is None else _hex(header))
 
 
+def _rows(items: dict) -> str:
+    """One line per entry: readable with less/grep, still plain JSON."""
+    rows = [f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in sorted(items.items())]
+    return "{\n" + ",\n".join(rows) + "\n }" if rows else "{}"
+
+
 @dataclass
 class Manifest:
     generation: int
     world_size: int
-    files: dict[str, FileEntry]
+    files: dict[str, FileEntry]  # formats 1 and 2; format 3 names its files by rule (file_names)
     tensors: dict[str, TensorEntry]
     objects: dict
     version: int = FORMAT_VERSION
+    save_id: str = ""  # format 3: the id every rank file of this save carries
+    rank_extra: bool = False  # format 3: rank files hold per-rank extras
+    json_bytes: int = field(default=0, compare=False)  # bytes of manifest.json this was read from
+
+    # -- files and chunks, any version ------------------------------------------------------------
+
+    def rank_file(self, rank: int) -> str:
+        """Format 3: the file rank ``rank`` wrote, relative to the checkpoint directory."""
+        return f"{generation_dir(self.generation)}/{rank_file_name(rank)}"
+
+    def file_names(self) -> list[str]:
+        """Every data file of the checkpoint, relative to its directory."""
+        if self.version >= 3:
+            return [self.rank_file(rank) for rank in range(self.world_size)]
+        return list(self.files)
+
+    def chunks_in(self, key: str, region: Region) -> list[Chunk]:
+        """The stored chunks of ``key`` that meet ``region`` (a non-empty box). Format 3's come
+        without block checksums: those are in each file's own index (``file_index.py``)."""
+        entry = self.tensors[key]
+        if entry.rule is None:
+            return [c for c in entry.chunks if c.region.intersect(region) is not None]
+        return [
+            Chunk(self.rank_file(rank), key, box.offsets, box.shape)
+            for rank, box in entry.rule.overlapping(entry.shape, region)
+        ]
+
+    def chunks_of(self, key: str) -> list[Chunk]:
+        """Every stored chunk of ``key`` (for format 3, computed: one per writing rank)."""
+        entry = self.tensors[key]
+        return self.chunks_in(key, Region.whole(entry.shape)) if math.prod(entry.shape) else []
+
+    # -- JSON ---------------------------------------------------------------------------------------
 
     def to_json(self) -> str:
-        # One line per file and per tensor: readable with less/grep, still plain JSON.
-        def block(items: dict) -> str:
-            rows = [
-                f"  {json.dumps(k)}: {json.dumps(v.to_json(), separators=(',', ':'))}" for k, v in sorted(items.items())
-            ]
-            return "{\n" + ",\n".join(rows) + "\n }" if rows else "{}"
-
         head = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -289,11 +343,30 @@ class Manifest:
         }
         if self.version >= 2:
             head["hash"] = HASH_NAME
+        if self.version >= 3:
+            head.update(save_id=self.save_id, rank_extra=self.rank_extra)
+            meshes: dict[str, int] = {}  # a mesh's JSON -> its index: tensors sharing a mesh share one entry
+            tensors = {}
+            for key, entry in self.tensors.items():
+                mesh = json.dumps(entry.rule.mesh.to_json(), separators=(",", ":"))
+                tensors[key] = {
+                    "shape": list(entry.shape),
+                    "dtype": entry.dtype,
+                    "mesh": meshes.setdefault(mesh, len(meshes)),
+                    "placements": entry.rule.placement_names(),
+                }
+            body = (
+                ' "meshes": [\n' + ",\n".join(f"  {m}" for m in meshes) + "\n ],\n" if meshes else ' "meshes": [],\n'
+            ) + f' "tensors": {_rows(tensors)},\n'
+        else:
+            body = (
+                f' "files": {_rows({k: v.to_json() for k, v in self.files.items()})},\n'
+                f' "tensors": {_rows({k: v.to_json() for k, v in self.tensors.items()})},\n'
+            )
         return (
             "{\n"
             + "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in head.items())
-            + f' "files": {block(self.files)},\n'
-            + f' "tensors": {block(self.tensors)},\n'
+            + body
             + f' "objects": {json.dumps(self.objects)}\n}}\n'
         )
 
@@ -301,7 +374,7 @@ class Manifest:
     def from_json(cls, text: str, where: str = "manifest") -> "Manifest":
         try:
             d = json.loads(text)
-            if d.get("format") != FORMAT_NAME:
+            if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
                 raise CheckpointError(f"{where} is not an fsdp2 checkpoint manifest")
             version = d.get("version")
             if version not in READABLE_VERSIONS:
@@ -311,13 +384,20 @@ class Manifest:
                 )
             if version >= 2 and d.get("hash") != HASH_NAME:
                 raise CheckpointError(f"{where} uses checksum {d.get('hash')!r}; this fsdp2 knows {HASH_NAME!r}")
-            return cls(
+            common = dict(
                 generation=_count(d["generation"]),
                 world_size=_count(d["world_size"]),
-                files={k: FileEntry.from_json(v) for k, v in d["files"].items()},
-                tensors={k: TensorEntry.from_json(v) for k, v in d["tensors"].items()},
                 objects=_objects(d.get("objects", {})),
                 version=int(version),
+            )
+            if version >= 3:
+                return cls(
+                    files={}, tensors=_rule_tensors(d), save_id=_save_id(d["save_id"]), rank_extra=_flag(d), **common
+                )
+            return cls(
+                files={k: FileEntry.from_json(v) for k, v in d["files"].items()},
+                tensors={k: TensorEntry.from_json(v) for k, v in d["tensors"].items()},
+                **common,
             )
         except CheckpointError:
             raise
@@ -326,7 +406,18 @@ class Manifest:
         except RecursionError:
             raise CheckpointError(f"{where} is malformed (nested too deeply)") from None
 
+    # -- validation ---------------------------------------------------------------------------------
+
     def validate_files(self) -> None:
+        """Formats 1 and 2: every listed file inside the directory, with its checksum. Format 3
+        names its files itself (``gen-NNNNNN/rank-NNNNN.safetensors``), from integers."""
+        if self.version >= 3:
+            if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+                raise CheckpointError(
+                    f"the manifest's world size {self.world_size} is not between 1 and {MAX_WORLD_SIZE}; "
+                    "the manifest is damaged"
+                )
+            return
         for name, entry in self.files.items():
             # An untrusted manifest must not make us read outside the checkpoint directory.
             parts = name.replace("\\", "/").split("/")
@@ -340,17 +431,55 @@ class Manifest:
                 )
 
     def validate(self, keys: Iterable[str] | None = None) -> None:
-        """Check file names, that every chunk names a listed file and chunks tile their tensor."""
+        """Check file names and how chunks cover each tensor (:meth:`validate_entry`)."""
         self.validate_files()
         for key in self.tensors if keys is None else keys:
-            entry = self.tensors[key]
-            dtype_from_name(entry.dtype)
-            for c in entry.chunks:
-                if c.file not in self.files:
-                    raise CheckpointError(f"chunk of {key!r} refers to unlisted file {c.file!r}")
-                if self.version >= 2:
-                    _check_chunk_checksums(key, entry, c)
-            check_tiling(key, entry.shape, [c.region for c in entry.chunks])
+            self.validate_entry(key)
+
+    def validate_entry(self, key: str) -> None:
+        """Format 3: the tensor's rule describes it on this world; formats 1 and 2: every chunk
+        names a listed file and the chunks tile the tensor. (File names: :meth:`validate_files`.)"""
+        entry = self.tensors[key]
+        dtype_from_name(entry.dtype)
+        if entry.rule is not None:
+            check_rule(key, entry.rule, entry.shape, self.world_size)
+            return
+        for c in entry.chunks:
+            if c.file not in self.files:
+                raise CheckpointError(f"chunk of {key!r} refers to unlisted file {c.file!r}")
+            if self.version >= 2:
+                _check_chunk_checksums(key, entry, c)
+        check_tiling(key, entry.shape, [c.region for c in entry.chunks])
+
+
+def _rule_tensors(d: dict) -> dict[str, TensorEntry]:
+    """Format 3's tensors, each with its rule (meshes shared through the "meshes" table)."""
+    meshes = d["meshes"]
+    if not isinstance(meshes, list):
+        raise ValueError("meshes is not a list")
+    meshes = [MeshRanks.from_json(m) for m in meshes]
+    tensors = {}
+    for key, t in d["tensors"].items():
+        mesh = t["mesh"]
+        if type(mesh) is not int or not 0 <= mesh < len(meshes):
+            raise ValueError(f"tensor {key!r} names mesh {mesh!r}, not one of the {len(meshes)} listed")
+        tensors[key] = TensorEntry(
+            _sizes(t["shape"]), str(t["dtype"]), rule=rule_from_json(meshes[mesh], t["placements"], key)
+        )
+    return tensors
+
+
+def _save_id(value) -> str:
+    if not isinstance(value, str) or not value or value.strip("0123456789abcdef"):
+        raise ValueError(f"save_id {value!r} is not a string of hex digits")
+    return value
+
+
+def _flag(d: dict) -> bool:
+    value = d.get("rank_extra", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"rank_extra is {value!r}, not true or false")
+    return value
 
 
 def _count(value) -> int:
@@ -375,16 +504,21 @@ def _sizes(values) -> tuple[int, ...]:
     return tuple(_count(v) for v in values)
 
 
+def check_depth(value, limit: int) -> None:
+    """``ValueError`` if the JSON value ``value`` nests dicts and lists deeper than ``limit``."""
+    level, depth = [value] if isinstance(value, (dict, list)) else [], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise ValueError(f"objects are nested deeper than {limit} levels")
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+
+
 def _objects(objects) -> dict:
     """The manifest's "objects", after checking it is a dict nested at most MAX_OBJECT_DEPTH deep."""
     if not isinstance(objects, dict):
         raise ValueError(f"objects is a {type(objects).__name__}, not a dict")
-    level, depth = [objects], 0
-    while level:
-        depth += 1
-        if depth > MAX_OBJECT_DEPTH:
-            raise ValueError(f"objects are nested deeper than {MAX_OBJECT_DEPTH} levels")
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    check_depth(objects, MAX_OBJECT_DEPTH)
     return objects
 
 

@@ -1,11 +1,17 @@
 """``load``: each rank reads just the byte ranges its target shards need.
 
 Reshard-on-load works because both sides are described as boxes in the global
-tensor: the manifest lists the saved chunks, and each rank computes the box it owns
+tensor: the manifest gives the saved chunks (format 3: by each tensor's rule,
+``chunk_rule.py``; earlier formats list them), and each rank computes the box it owns
 from its *target* DTensors (any mesh, any world size, or a plain tensor = the
 whole box). A rank reads ``chunk ∩ box`` for every overlapping chunk, widened to the
 edges of the checksummed blocks it touches (``tensor_reader.py``, several threads, checked
 in the same pass), so bytes read ≈ bytes owned.
+
+A load plans from metadata alone (:func:`plan_load`): the manifest, then the headers of the
+files holding the chunks it needs, whose indexes give those chunks' block checksums
+(``file_index.py``). So the metadata a rank reads grows with what it loads, not with the
+number of ranks that saved.
 
 Failure safety: everything is checked, read into fresh tensors and decoded (optimizer
 state, ``extra``) first, and all ranks agree that this succeeded, before any model
@@ -32,7 +38,8 @@ from fsdp2.layout.regions import LayoutError, Region, local_region
 from fsdp2.tools.progress import ByteProgress
 
 from .directory import CheckpointDir
-from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, safetensors_dtype
+from .file_index import FileIndex, check_seal, chunk_record
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, dtype_name, safetensors_dtype
 from .integrity import checksum
 from .paths import checkpoint_file
 from .safetensors_io import file_crc32
@@ -56,6 +63,7 @@ class LoadStats:
     bytes_owned: int = 0  # bytes of the target shards this rank filled
     bytes_verified: int = 0  # bytes checksummed: those read (format 2), whole files (format 1)
     files_read: list[str] = field(default_factory=list)
+    metadata_bytes: int = 0  # manifest.json and the headers of the files read
     seconds: float = 0.0
     # With strict=False: model keys the checkpoint lacks (left as they were) and checkpoint
     # keys the model lacks (ignored), as nn.Module.load_state_dict reports them.
@@ -91,12 +99,15 @@ def read_manifest(path: str) -> Manifest:
 
 @dataclass
 class _Target:
-    """A box of one saved tensor that this rank needs, and the fresh buffer for it."""
+    """A box of one saved tensor that this rank needs, the stored chunks that hold it and, once
+    planned, where their bytes are; the fresh buffer comes only when reading."""
 
     key: str
     entry: TensorEntry
     region: Region
-    buffer: torch.Tensor
+    chunks: list[Chunk]
+    sources: list[tuple[StoredChunk, Region]] = field(default_factory=list)
+    buffer: torch.Tensor | None = None
 
 
 def _target_region(value: torch.Tensor) -> Region | None:
@@ -107,13 +118,15 @@ def _target_region(value: torch.Tensor) -> Region | None:
 
 
 class _Plan:
-    """Everything one rank will read, decided before touching any file."""
+    """Everything one rank will read, decided from metadata before any tensor byte is read."""
 
-    def __init__(self, path: str, manifest: Manifest):
-        self.path, self.manifest = path, manifest
+    def __init__(self, path: str, manifest: Manifest, files: OpenFiles, verify: bool):
+        self.path, self.manifest, self.files, self.verify = path, manifest, files, verify
         self.targets: dict[str, _Target] = {}
         # optimizer state keys to rebuild as DTensors laid out like these templates
         self.dtensor_templates: dict[str, DTensor] = {}
+        self._indexes: dict[str, FileIndex] = {}
+        manifest.validate_files()
 
     def entry(self, key: str, hint: str) -> TensorEntry:
         entry = self.manifest.tensors.get(key)
@@ -124,16 +137,37 @@ class _Plan:
     def add(self, key: str, entry: TensorEntry, region: Region | None) -> None:
         if region is None:
             return
-        buffer = fresh_memory.empty(region.shape, entry.torch_dtype)
-        self.targets[key] = _Target(key, entry, region, buffer)
+        if key in self.manifest.tensors:
+            self.manifest.validate_entry(key)  # a rule or chunk list is trusted only once checked
+        chunks = self.manifest.chunks_in(key, region) if region.numel else []
+        self.targets[key] = _Target(key, entry, region, chunks)
 
     def needed_files(self) -> list[str]:
-        files = set()
-        for t in self.targets.values():
-            for c in t.entry.chunks:
-                if t.region.numel and c.region.intersect(t.region) is not None:
-                    files.add(c.file)
-        return sorted(files)
+        return sorted({c.file for t in self.targets.values() for c in t.chunks})
+
+    def index(self, rel: str) -> FileIndex:
+        """Format 3: the index in ``rel``'s header, checked (once per file) against the header's own
+        checksum (when verifying) and the manifest's save id."""
+        index = self._indexes.get(rel)
+        if index is None:
+            header = self.files.header(rel)
+            if self.verify:
+                check_seal(header)
+            index = FileIndex.of_header(header)
+            if index.save_id != self.manifest.save_id:
+                raise CheckpointError(
+                    f"{header.path} belongs to another save (id {index.save_id}, the manifest's is "
+                    f"{self.manifest.save_id}); restore this save's file or load an earlier checkpoint"
+                )
+            self._indexes[rel] = index
+        return index
+
+    def with_checksums(self, chunk: Chunk) -> Chunk:
+        """Format 3: ``chunk`` (placed by its tensor's rule) with the block checksums its file's index
+        lists, after checking that the file holds that box."""
+        full = self.files.full_path(chunk.file)
+        record = chunk_record(self.index(chunk.file), full, chunk.key, chunk.offsets, chunk.shape)
+        return chunk.with_checksums(record.block_elems, record.crc32c, record.grid)
 
 
 def _check_like(path: str, key: str, entry: TensorEntry, value: torch.Tensor) -> None:
@@ -185,7 +219,10 @@ def _plan_model(plan: _Plan, model: nn.Module, strict: bool, stats: LoadStats) -
         key = model_key(fqn)
         entry = plan.manifest.tensors[key]
         _check_like(plan.path, key, entry, value)
-        plan.add(key, entry, _target_region(value))
+        region = _target_region(value)
+        if region is None:
+            continue  # a DTensor on a mesh without this rank: it holds nothing of it
+        plan.add(key, entry, region)
         loaded[fqn] = value
     return loaded
 
@@ -311,24 +348,46 @@ def _plan_objects(plan: _Plan, encoded: Any, where: str) -> Any:
 
 def _plan_rank_extra(plan: _Plan, rank: int, world: int) -> Any:
     """This rank's saved ``rank_extra`` (encoded), or None if there is none for it."""
-    saved = plan.manifest.objects.get("rank_extra")
-    if saved is None:
+    manifest = plan.manifest
+    saved = manifest.rank_extra if manifest.version >= 3 else manifest.objects.get("rank_extra")
+    if not saved:
         return None
-    if not isinstance(saved, dict):
+    if manifest.version < 3 and not isinstance(saved, dict):
         raise _malformed(plan.path, "rank_extra")
-    if plan.manifest.world_size != world:
+    if manifest.world_size != world:
         warnings.warn(
-            f"{plan.path} was saved by {plan.manifest.world_size} ranks and is loaded by {world}: "
+            f"{plan.path} was saved by {manifest.world_size} ranks and is loaded by {world}: "
             "per-rank extras cannot be matched to ranks, so load returns None for them",
             stacklevel=4,
         )
         return None
-    return _plan_objects(plan, saved.get(str(rank)), f"rank_extra of rank {rank}")
+    if manifest.version < 3:
+        return _plan_objects(plan, saved.get(str(rank)), f"rank_extra of rank {rank}")
+    # Format 3: in this rank's own file, object and tensors, listed by that file's index.
+    rel = manifest.rank_file(rank)
+    index = plan.index(rel)
+    encoded = index.rank_extra
+    header = plan.files.header(rel)
+    for key in tensor_refs(encoded, f"{plan.path}: rank_extra of rank {rank}"):
+        info = header.tensors.get(key)
+        record = index.chunks.get(key)
+        if info is None or record is None or any(record.offsets) or info.dtype is None:
+            raise CheckpointError(
+                f"{header.path}: rank_extra refers to {key!r}, which the file does not hold whole; the "
+                "file is damaged, restore it or load an earlier checkpoint"
+            )
+        entry = TensorEntry(info.shape, dtype_name(info.dtype))
+        chunks = [Chunk(rel, key, record.offsets, info.shape)] if entry.nbytes else []
+        plan.targets[key] = _Target(key, entry, Region.whole(info.shape), chunks)
+    return encoded
 
 
 def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats) -> None:
-    """Cheap checks of every file before reading; format 1 also checks whole-file CRC-32s here
-    (format 2 checks each block as it is read, in ``_read_targets``)."""
+    """Formats 1 and 2: each file's size against the manifest's before reading; format 1 also checks
+    whole-file CRC-32s here (format 2 checks each block as it is read, in ``_read_targets``).
+    Format 3 lists no files: a file's header says what it holds and must cover it exactly."""
+    if plan.manifest.version >= 3:
+        return
     for rel in files:
         full = checkpoint_file(plan.path, rel)  # a regular file inside the checkpoint, or raises
         expected = plan.manifest.files[rel]
@@ -348,18 +407,22 @@ def _verify_files(plan: _Plan, files: list[str], verify: bool, stats: LoadStats)
                 )
 
 
-def _check_headers(plan: _Plan, files: OpenFiles, names: list[str]) -> None:
-    """Compare each file's safetensors header with the CRC32C the manifest lists (format 2), once
-    per file: the header lists every tensor of the file, so checking it per chunk would cost
-    (tensors in the file)^2."""
+def _check_headers(plan: _Plan, names: list[str]) -> None:
+    """Check each file's safetensors header once per file, before any chunk of it is used (the
+    header lists every tensor of the file, so checking it per chunk would cost (tensors in the
+    file)^2): format 3 against the checksum it carries and the manifest's save id, format 2 against
+    the CRC32C the manifest lists (when verifying)."""
     for rel in names:
-        expected = plan.manifest.files[rel].header_crc32c
-        if expected is None:
+        if plan.manifest.version >= 3:
+            plan.index(rel)
             continue
-        crc = f"{checksum(files.header(rel).raw):08x}"
+        expected = plan.manifest.files[rel].header_crc32c
+        if expected is None or not plan.verify:
+            continue
+        crc = f"{checksum(plan.files.header(rel).raw):08x}"
         if crc != expected:
             raise CheckpointError(
-                f"{files.full_path(rel)} is corrupted (crc32c of its header {crc}, manifest "
+                f"{plan.files.full_path(rel)} is corrupted (crc32c of its header {crc}, manifest "
                 f"says {expected}); restore the file or load an earlier checkpoint"
             )
 
@@ -388,24 +451,75 @@ def stored_chunk(files: OpenFiles, entry: TensorEntry, chunk: Chunk, verify: boo
     )
 
 
-def _read_targets(plan: _Plan, files_needed: list[str], verify: bool, stats: LoadStats) -> None:
-    """One pass: each rank reads the blocks holding its boxes, checks them, fills its buffers."""
-    with OpenFiles(plan.path) as files:
-        if verify:
-            _check_headers(plan, files, files_needed)
-        reads = ReadPass(verify=verify)
-        for t in plan.targets.values():
-            for chunk in t.entry.chunks:
-                part = chunk.region.intersect(t.region) if t.region.numel else None
-                if part is None:
-                    continue
-                source = stored_chunk(files, t.entry, chunk, verify)
-                reads.add(source, part, t.buffer[part.slices_within(t.region)])
-            stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
-        with ByteProgress("load", plan.path, reads.nbytes) as progress:
-            counts = reads.run(progress)
+def _locate(plan: _Plan, stats: LoadStats) -> None:
+    """Where every needed chunk's bytes are (and their block checksums), from the headers of the
+    files that hold them; every header and every chunk's entry in it checked first."""
+    names = plan.needed_files()
+    stats.files_read = names
+    _verify_files(plan, names, plan.verify, stats)
+    _check_headers(plan, names)
+    v3 = plan.manifest.version >= 3
+    for t in plan.targets.values():
+        for chunk in t.chunks:
+            part = chunk.region.intersect(t.region)
+            if part is None:
+                continue
+            if v3:
+                chunk = plan.with_checksums(chunk)
+            t.sources.append((stored_chunk(plan.files, t.entry, chunk, plan.verify), part))
+
+
+def _read_targets(plan: _Plan, stats: LoadStats) -> None:
+    """One pass: each rank reads the blocks holding its boxes, checks them, fills fresh buffers."""
+    reads = ReadPass(verify=plan.verify)
+    for t in plan.targets.values():
+        t.buffer = fresh_memory.empty(t.region.shape, t.entry.torch_dtype)
+        for source, part in t.sources:
+            reads.add(source, part, t.buffer[part.slices_within(t.region)])
+        stats.bytes_owned += t.buffer.numel() * t.buffer.element_size()
+    with ByteProgress("load", plan.path, reads.nbytes) as progress:
+        counts = reads.run(progress)
     stats.bytes_read += counts.bytes_read
     stats.bytes_verified += counts.bytes_verified
+
+
+@dataclass
+class _Planned:
+    """What :func:`plan_load` decided: the plan and the encoded objects the load will decode."""
+
+    plan: _Plan
+    model_sd: dict[str, torch.Tensor]
+    saved_optimizer: dict | None
+    encoded_extra: Any
+    encoded_rank_extra: Any
+
+
+def plan_load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    files: OpenFiles,
+    *,
+    verify: bool = True,
+    strict: bool = True,
+    return_rank_extra: bool = False,
+    stats: LoadStats | None = None,
+) -> _Planned:
+    """The metadata half of ``load`` on this rank: read and check the manifest, decide the box of every
+    tensor to fill, find the stored chunks that hold it, and read and check the headers of their files
+    (through ``files``) for where their bytes are. No tensor byte is read, no buffer allocated, nothing
+    modified, so a model still on the meta device can be planned (the scale benchmark does)."""
+    stats = stats if stats is not None else LoadStats()
+    rank, world = _dist.rank_and_world()
+    manifest = read_manifest(path)
+    plan = _Plan(path, manifest, files, verify)
+    model_sd = _plan_model(plan, model, strict, stats)
+    saved_optim = _plan_optimizer(plan, model, optimizer) if optimizer is not None else None
+    encoded_extra = _plan_objects(plan, manifest.objects.get("extra"), "extra")
+    encoded_rank_extra = _plan_rank_extra(plan, rank, world) if return_rank_extra else None
+    _locate(plan, stats)
+    stats.metadata_bytes = manifest.json_bytes + files.header_bytes()
+    return _Planned(plan, model_sd, saved_optim, encoded_extra, encoded_rank_extra)
 
 
 @dataclass
@@ -457,23 +571,31 @@ def _load(
 ) -> Any:
     stats = stats if stats is not None else LoadStats()
     start = time.perf_counter()
-    rank, world = _dist.rank_and_world()
     error: BaseException | None = None
     try:
         reshard_model(model)
         _refuse_meta(path, model)
-        manifest = read_manifest(path)
-        plan = _Plan(path, manifest)
-        model_sd = _plan_model(plan, model, strict, stats)
-        saved_optim = _plan_optimizer(plan, model, optimizer) if optimizer is not None else None
-        encoded_extra = _plan_objects(plan, manifest.objects.get("extra"), "extra")
-        encoded_rank_extra = _plan_rank_extra(plan, rank, world) if return_rank_extra else None
-        manifest.validate(plan.targets.keys())
-        files = plan.needed_files()
-        stats.files_read = files
-        _verify_files(plan, files, verify, stats)
-        _read_targets(plan, files, verify, stats)
-        restored = _restore(plan, model, model_sd, optimizer, saved_optim, encoded_extra, encoded_rank_extra)
+        with OpenFiles(path) as files:
+            planned = plan_load(
+                path,
+                model,
+                optimizer,
+                files,
+                verify=verify,
+                strict=strict,
+                return_rank_extra=return_rank_extra,
+                stats=stats,
+            )
+            _read_targets(planned.plan, stats)
+        restored = _restore(
+            planned.plan,
+            model,
+            planned.model_sd,
+            optimizer,
+            planned.saved_optimizer,
+            planned.encoded_extra,
+            planned.encoded_rank_extra,
+        )
     except CheckpointError as e:
         error = e
     except Exception as e:  # anything unforeseen still goes through the all-ranks agreement

@@ -18,7 +18,7 @@ import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -54,36 +54,56 @@ def tensor_bytes(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The header of a safetensors file holding ``specs`` end to end: 8-byte length, JSON (with
+    ``metadata`` first, as ``__metadata__``), spaces up to a multiple of 8."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": safetensors_dtype(spec.dtype),
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(blob)) + blob
+
+
 class SafetensorsStreamWriter:
     """Write a safetensors file tensor by tensor, in the order of ``specs``.
 
     The header (names, dtypes, shapes, offsets) is known up front, so tensors can be
     produced one at a time (e.g. assembled from slices) and dropped after writing.
     ``header_crc`` is the CRC32C of the header; ``write`` returns the block checksums.
+    Metadata known only once the data is written (checksums) goes in with
+    :meth:`rewrite_header`, as long as it has the length of the metadata given first.
     """
 
     def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None):
-        header: dict = {}
-        if metadata:
-            header["__metadata__"] = metadata
-        offset = 0
-        for spec in specs:
-            header[spec.name] = {
-                "dtype": safetensors_dtype(spec.dtype),
-                "shape": list(spec.shape),
-                "data_offsets": [offset, offset + spec.nbytes],
-            }
-            offset += spec.nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
+        header = safetensors_header(specs, metadata)
         self._specs = list(specs)
         self._next = 0
         self._hasher: ThreadPoolExecutor | None = None
         self._file = open(path, "wb")
         self.size = 0
-        header = struct.pack("<Q", len(blob)) + blob
         self.header_crc = checksum(header)
+        self._header_len = len(header)
         self._write(header)
+
+    def rewrite_header(self, metadata: dict[str, str], finish: Callable[[bytes], bytes] | None = None) -> None:
+        """Write the header again, now with ``metadata`` (then passed through ``finish``), over the first one."""
+        header = safetensors_header(self._specs, metadata)
+        if finish is not None:
+            header = finish(header)
+        if len(header) != self._header_len:
+            raise ValueError(f"the new header has {len(header)} bytes, the one written {self._header_len}")
+        self._file.flush()
+        os.pwrite(self._file.fileno(), header, 0)
+        self.header_crc = checksum(header)
 
     def _write(self, data) -> None:
         self._file.write(data)
@@ -243,6 +263,8 @@ def parse_header_json(blob: bytes, data_bytes: int) -> tuple[dict[str, tuple[str
                 f"{covered}: tensors must lie end to end, without overlap or gap"
             )
         covered = end
+    if covered > data_bytes:
+        raise ValueError(f"the tensors need {covered} data bytes but the file holds {data_bytes}: it is truncated")
     if covered != data_bytes:
         raise ValueError(f"the tensors cover {covered} data bytes but the file holds {data_bytes}")
     return tensors, metadata

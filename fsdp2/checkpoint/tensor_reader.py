@@ -98,6 +98,10 @@ class OpenFiles:
             self._fds[rel] = open_checkpoint_file(self.root, rel, self._links_may_leave_root)
         return self._fds[rel]
 
+    def header_bytes(self) -> int:
+        """Bytes of the headers read so far."""
+        return sum(len(h.raw) for h in self._headers.values())
+
     def header(self, rel: str) -> SafetensorsHeader:
         if rel not in self._headers:
             fd, size = self.open(rel)

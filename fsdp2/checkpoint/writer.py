@@ -7,16 +7,21 @@ Commit protocol (why a reader never sees a half-written checkpoint):
    (lock.py), clears what interrupted saves left and creates ``PATH/gen-g.partial/``
    (directory.py); barrier.
 2. Each rank writes ``rank-XXXXX.safetensors`` (its local shards, replicas written
-   once) and a JSON sidecar with the file's size, header checksum and chunk list
-   (with each chunk's block checksums, integrity.py) into the staging dir, each fsynced.
+   once) into the staging dir, its header indexing its chunks with their block checksums
+   (file_index.py, integrity.py), and fsyncs it. The rank at coordinate 0 of a tensor's
+   mesh describes the tensor's layout (chunk_rule.py): rank 0 for every mesh holding it,
+   which is every mesh of FSDP, HSDP and TP + FSDP; another describing rank writes its
+   descriptions to a JSON sidecar, ``rank-XXXXX.json``.
 3. Barrier that also tells every rank whether all writes succeeded. If one failed
    (a full disk, or any other error a rank raised between steps 1 and 3), rank 0 deletes
-   the staging dir: the disk is not left full, the lock is released.
-4. Rank 0 reads the sidecars, checks that chunks tile every tensor, renames
-   ``gen-g.partial`` -> ``gen-g``, writes ``manifest.json.tmp``, fsyncs it and
-   atomically ``os.replace``s it over ``manifest.json``. That rename is the commit:
-   before it the old manifest (and its ``gen-(g-1)`` data, untouched) is the
-   checkpoint; after it the new one is. Only then is the old generation deleted.
+   the staging dir: the disk is not left full, the lock is released. A sum over ranks
+   then tells rank 0 how many sidecars there are (usually none).
+4. Rank 0 merges its own descriptions and the sidecars' (one entry per tensor, whatever
+   the world size), checks them, renames ``gen-g.partial`` -> ``gen-g``, writes
+   ``manifest.json.tmp``, fsyncs it and atomically ``os.replace``s it over
+   ``manifest.json``. That rename is the commit: before it the old manifest (and its
+   ``gen-(g-1)`` data, untouched) is the checkpoint; after it the new one is. Only then
+   is the old generation deleted.
 5. Final barrier, so ``save`` returns on every rank after the checkpoint is visible.
    Every failure is reported on every rank with the failing rank's reason.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -41,7 +47,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _dist, gc_pause
 from .errors import CheckpointError
@@ -49,10 +55,13 @@ from fsdp2 import compat
 from fsdp2.layout.regions import LayoutError, Region, local_region
 from fsdp2.tools.progress import SILENT, ByteProgress
 
+from .chunk_rule import ChunkRule, MeshRanks, rule_from_json
 from .directory import CheckpointDir
-from .format import Chunk, FileEntry, Manifest, TensorEntry, dtype_name, generation_dir, rank_file_name
+from .file_index import ChunkRecord, FileIndex, new_save_id, save_id_text, seal
+from .format import Manifest, TensorEntry, dtype_name, rank_file_name
 from .integrity import BlockGrid, to_hex
 from .lock import SaveLock
+from .paths import read_checkpoint_text
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec
 from .staging import SnapshotStaging, process_staging
 from .state import first_meta_tensor, flatten, reshard_model
@@ -113,105 +122,178 @@ def _owned_region(value: torch.Tensor, rank: int) -> Region | None:
         raise CheckpointError(f"cannot save a DTensor: {e}") from None
 
 
-def plan_local_shards(tensors: dict[str, torch.Tensor], rank: int) -> tuple[list[LocalShard], dict]:
-    """This rank's shards to write, and (shape, dtype) of every tensor it knows of."""
-    shards, known = [], {}
+@dataclass(frozen=True)
+class Described:
+    """A tensor as the manifest lists it: shape, dtype and the rule placing its chunks."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    rule: ChunkRule
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "mesh": self.rule.mesh.to_json(),
+            "placements": self.rule.placement_names(),
+        }
+
+    @classmethod
+    def from_json(cls, key: str, d: dict) -> "Described":
+        return cls(tuple(d["shape"]), d["dtype"], rule_from_json(MeshRanks.from_json(d["mesh"]), d["placements"], key))
+
+
+class _Describer:
+    """The rules of the tensors this rank describes: plain ones on rank 0, a DTensor on the rank at
+    coordinate 0 of the copy of its mesh that is written. Mesh ranks are derived once per mesh."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._meshes: dict[int, tuple[object, MeshRanks]] = {}
+
+    def rule(self, value: torch.Tensor) -> ChunkRule | None:
+        if not isinstance(value, DTensor):
+            return ChunkRule.whole_on_rank0() if self.rank == 0 else None
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None or any(coordinate) or not _first_among_sibling_meshes(mesh):
+            return None
+        known = self._meshes.get(id(mesh))
+        if known is None or known[0] is not mesh:  # the mesh itself is kept, so its id stays its own
+            known = self._meshes[id(mesh)] = (mesh, MeshRanks.of(mesh.mesh))
+        placements = []
+        for p in value.placements:
+            if isinstance(p, Replicate):
+                placements.append(p)
+            elif isinstance(p, compat.StridedShard):
+                placements.append(compat.StridedShard(p.dim % value.ndim, split_factor=p.split_factor))
+            elif type(p) is Shard:
+                placements.append(Shard(p.dim % value.ndim))
+            else:
+                raise CheckpointError(f"cannot save a DTensor with placement {p!r}; redistribute it first")
+        return ChunkRule(known[1], tuple(placements))
+
+
+def plan_local_shards(tensors: dict[str, torch.Tensor], rank: int) -> tuple[list[LocalShard], dict[str, Described]]:
+    """This rank's shards to write, and the tensors it describes (``_Describer``)."""
+    shards, described = [], {}
+    describer = _Describer(rank)
     for key, value in sorted(tensors.items()):
-        known[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+        rule = describer.rule(value)
+        if rule is not None:
+            described[key] = Described(tuple(value.shape), dtype_name(value.dtype), rule)
         region = _owned_region(value, rank)
         if region is None or region.numel == 0:
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
         shards.append(LocalShard(key, tuple(value.shape), value.dtype, region, local.detach()))
-    return shards, known
+    return shards, described
 
 
-def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[LocalShard], dict]:
-    """This rank's own ``rank_extra`` tensors: written whole, by this rank."""
-    shards, known = [], {}
-    for key, value in sorted(tensors.items()):
-        known[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
-        if value.numel():
-            shards.append(LocalShard(key, tuple(value.shape), value.dtype, Region.whole(value.shape), value.detach()))
-    return shards, known
+def plan_rank_tensors(tensors: dict[str, torch.Tensor]) -> list[LocalShard]:
+    """This rank's own ``rank_extra`` tensors: written whole, by this rank, into its own file only
+    (empty ones too: the file is where their shape and dtype are kept)."""
+    for key, value in tensors.items():
+        dtype_name(value.dtype)  # raises for dtypes safetensors cannot store
+    return [
+        LocalShard(key, tuple(v.shape), v.dtype, Region.whole(v.shape), v.detach())
+        for key, v in sorted(tensors.items())
+    ]
 
 
-def _write_rank_file(
-    staging: str, rank: int, shards: list[LocalShard], known: dict, rank_object, progress: ByteProgress = SILENT
-) -> None:
-    name = rank_file_name(rank)
-    writer = SafetensorsStreamWriter(
-        os.path.join(staging, name), [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards]
-    )
-    chunks = []
-    try:
-        for s in shards:
-            itemsize = s.dtype.itemsize
+def rank_file_index(shards: list[LocalShard], save_id: str, rank_object) -> tuple[FileIndex, dict[str, BlockGrid]]:
+    """The index of a rank file holding ``shards``, its checksums still placeholders (as long as the
+    real ones), and each non-empty shard's block grid."""
+    grids, records = {}, {}
+    for s in shards:
+        itemsize = s.dtype.itemsize
+        if s.region.numel:
             grid = BlockGrid.of(
                 s.region.offsets, s.region.shape, itemsize, BlockGrid.choose_block_elems(s.region.shape, itemsize)
             )
+            grids[s.key] = grid
+            records[s.key] = ChunkRecord(s.region.offsets, grid.block_elems, "0" * 8 * grid.count)
+        else:
+            records[s.key] = ChunkRecord(s.region.offsets, 1, "")
+    return FileIndex(save_id, records, rank_object), grids
+
+
+def _write_rank_file(
+    staging: str, rank: int, shards: list[LocalShard], save_id: str, rank_object, progress: ByteProgress = SILENT
+) -> None:
+    """The rank file: its shards, streamed and checksummed block by block, then its header
+    rewritten in place with the index of their offsets and checksums (same length: only
+    placeholder digits change) and sealed with its own checksum."""
+    index, grids = rank_file_index(shards, save_id, rank_object)
+    writer = SafetensorsStreamWriter(
+        os.path.join(staging, rank_file_name(rank)),
+        [TensorSpec(s.key, s.dtype, s.region.shape) for s in shards],
+        metadata=index.metadata(),
+    )
+    try:
+        for s in shards:
+            grid = grids.get(s.key)
             crcs = writer.write(s.data, grid)
             progress.advance(s.nbytes)
-            chunks.append(
-                {
-                    "key": s.key,
-                    "offsets": list(s.region.offsets),
-                    "shape": list(s.region.shape),
-                    "block_elems": grid.block_elems,
-                    "crc32c": to_hex(crcs),
-                }
-            )
+            if grid is not None:
+                index.chunks[s.key] = ChunkRecord(s.region.offsets, grid.block_elems, to_hex(crcs))
+        writer.rewrite_header(index.metadata(), seal)
         writer.close(fsync=True)
     except BaseException:
         writer.abort()  # close it, so deleting the partial file frees the space
         raise
-    sidecar = {
-        "file": name,
-        "size": writer.size,
-        "header_crc32c": f"{writer.header_crc:08x}",
-        "tensors": known,
-        "chunks": chunks,
-        "rank_extra": rank_object,
-    }
+
+
+_SIDECAR = re.compile(r"rank-(\d{5,})\.json")
+
+
+def _write_sidecar(staging: str, rank: int, described: dict[str, Described]) -> None:
+    """A describing rank other than 0: its tensors' descriptions, for rank 0's manifest."""
     tmp = os.path.join(staging, f"rank-{rank:05d}.json.tmp")
     with open(tmp, "w") as f:
-        json.dump(sidecar, f)
+        json.dump({"tensors": {k: d.to_json() for k, d in described.items()}}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(staging, f"rank-{rank:05d}.json"))
 
 
-def _build_manifest(staging: str, generation: int, world: int, objects: dict) -> Manifest:
-    gen = generation_dir(generation)
-    files, tensors, rank_extras = {}, {}, {}
-    for rank in range(world):
-        sidecar_path = os.path.join(staging, f"rank-{rank:05d}.json")
-        with open(sidecar_path) as f:
-            side = json.load(f)
-        rel = f"{gen}/{side['file']}"
-        files[rel] = FileEntry(int(side["size"]), header_crc32c=side["header_crc32c"])
-        for key, meta in side["tensors"].items():
-            entry = tensors.setdefault(key, TensorEntry(tuple(meta["shape"]), meta["dtype"]))
-            if list(entry.shape) != meta["shape"] or entry.dtype != meta["dtype"]:
-                raise CheckpointError(
-                    f"ranks disagree about {key!r}: {entry.shape}/{entry.dtype} vs "
-                    f"{meta['shape']}/{meta['dtype']} (rank {rank})"
-                )
-        for c in side["chunks"]:
-            tensors[c["key"]].chunks.append(
-                Chunk(rel, c["key"], tuple(c["offsets"]), tuple(c["shape"]), int(c["block_elems"]), c["crc32c"])
-            )
-        if side.get("rank_extra") is not None:
-            rank_extras[str(rank)] = side["rank_extra"]
-    if rank_extras:
-        objects = {**objects, "rank_extra": rank_extras}
-    manifest = Manifest(generation, world, files, tensors, objects)
-    manifest.validate()  # every tensor exactly tiled, or we refuse to publish
+def _read_sidecars(staging: str, expected: int) -> dict[str, dict[str, Described]]:
+    """Rank 0: the sidecars of the other describing ranks, by file name (``expected`` of them)."""
+    names = sorted(e.name for e in os.scandir(staging) if _SIDECAR.fullmatch(e.name))
+    if len(names) != expected:
+        raise CheckpointError(f"{staging} holds {len(names)} layout sidecars, {expected} ranks wrote one")
+    out = {}
+    for name in names:
+        try:
+            side = json.loads(read_checkpoint_text(staging, name))
+            out[name] = {k: Described.from_json(k, d) for k, d in side["tensors"].items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{os.path.join(staging, name)} is malformed ({e})") from None
+    return out
+
+
+def build_manifest(
+    staging: str,
+    generation: int,
+    world: int,
+    objects: dict,
+    described: dict[str, Described],
+    sidecars: int,
+    save_id: str,
+    rank_extra: bool,
+) -> Manifest:
+    """Rank 0's commit: one entry per tensor, from its own descriptions and the ``sidecars`` other
+    ranks wrote into ``staging`` (none are read when there are none)."""
+    merged = dict(described)
+    for name, others in _read_sidecars(staging, sidecars).items() if sidecars else ():
+        for key, d in others.items():
+            mine = merged.setdefault(key, d)
+            if mine != d:
+                raise CheckpointError(f"ranks disagree about {key!r}: {mine.to_json()} vs {d.to_json()} (from {name})")
+    tensors = {k: TensorEntry(d.shape, d.dtype, rule=d.rule) for k, d in sorted(merged.items())}
+    manifest = Manifest(generation, world, {}, tensors, objects, save_id=save_id, rank_extra=rank_extra)
+    manifest.validate()  # every rule describes its tensor on this world, or we refuse to publish
     return manifest
-
-
-def _sidecar_names(world: int) -> list[str]:
-    return [f"rank-{rank:05d}.json" for rank in range(world)]
 
 
 class _Stage(Enum):
@@ -261,7 +343,7 @@ class _SaveJob:
         self,
         directory: CheckpointDir,
         shards: list[LocalShard],
-        known: dict,
+        described: dict[str, Described],
         objects: dict | None,
         rank_object,
         rank: int,
@@ -269,9 +351,12 @@ class _SaveJob:
         generation: int,
         previous: Manifest | None,
         lock: SaveLock | None,
+        save_id: str,
     ):
-        self.directory, self.shards, self.known, self.objects = directory, shards, known, objects
-        self.rank_object = rank_object
+        self.directory, self.shards, self.described, self.objects = directory, shards, described, objects
+        self.rank_object, self.save_id = rank_object, save_id
+        # Whether this rank leaves rank 0 a sidecar of descriptions (only a describing rank other than 0).
+        self.writes_sidecar = rank != 0 and bool(described)
         self.rank, self.world, self.generation, self.previous = rank, world, generation, previous
         self.lock = lock  # rank 0 only
         self.path = directory.path
@@ -284,7 +369,9 @@ class _SaveJob:
         try:
             if self.snapshot is not None:
                 self.snapshot.wait_copied()
-            _write_rank_file(self.staging, self.rank, self.shards, self.known, self.rank_object, progress)
+            _write_rank_file(self.staging, self.rank, self.shards, self.save_id, self.rank_object, progress)
+            if self.writes_sidecar:
+                _write_sidecar(self.staging, self.rank, self.described)
         except BaseException as e:  # reported to all ranks in commit()
             self.error = e
         self.shards = []  # drop snapshots as soon as they are on disk
@@ -323,10 +410,11 @@ class _SaveJob:
                 f"writing {self.staging} failed on rank {rank}: {reason}; nothing was "
                 "published, the previous checkpoint is intact"
             ) from self.error
+        sidecars, rank_extras = _dist.sum_over_ranks([int(self.writes_sidecar), int(self.rank_object is not None)])
         publish_error = None
         if self.rank == 0:
             try:
-                self._publish()
+                self._publish(sidecars, rank_extras > 0)
             except BaseException as e:
                 publish_error = e
                 self.directory.discard(self.generation)
@@ -337,11 +425,22 @@ class _SaveJob:
                 "published, the previous checkpoint is intact"
             ) from publish_error
 
-    def _publish(self) -> None:
+    def _publish(self, sidecars: int, rank_extra: bool) -> None:
         """Rank 0. Raises only before the commit point (so a failure means nothing was published)."""
-        manifest = _build_manifest(self.staging, self.generation, self.world, self.objects or {})
-        for name in _sidecar_names(self.world):
-            os.remove(os.path.join(self.staging, name))
+        manifest = build_manifest(
+            self.staging,
+            self.generation,
+            self.world,
+            self.objects or {},
+            self.described,
+            sidecars,
+            self.save_id,
+            rank_extra,
+        )
+        if sidecars:
+            for entry in list(os.scandir(self.staging)):
+                if _SIDECAR.fullmatch(entry.name):
+                    os.remove(entry.path)
         self.directory.promote(self.generation)
         self.directory.stage_manifest(manifest)
         _maybe_crash("before_publish", 0)
@@ -465,7 +564,7 @@ def _prepare(
     lock = SaveLock(path) if rank == 0 else None
     prepare_error, locked = None, False
     generation, previous = 0, None
-    shards, known, objects, rank_object = [], {}, None, None
+    shards, described, objects, rank_object = [], {}, None, None
     try:
         reshard_model(model)
         meta = first_meta_tensor(model)
@@ -475,9 +574,8 @@ def _prepare(
                 "materialize the model (to_empty + initialization or a load) first"
             )
         flat = flatten(model, optimizer, extra, rank_extra, rank)
-        shards, known = plan_local_shards(flat.tensors, rank)
-        own_shards, own_known = plan_rank_tensors(flat.rank_tensors)
-        shards, known = shards + own_shards, {**known, **own_known}
+        shards, described = plan_local_shards(flat.tensors, rank)
+        shards += plan_rank_tensors(flat.rank_tensors)
         objects = json.loads(json.dumps(flat.objects)) if rank == 0 else None  # snapshot, JSON-checked
         rank_object = json.loads(json.dumps(flat.rank_object)) if flat.rank_object is not None else None
         previous = directory.manifest()
@@ -507,6 +605,19 @@ def _prepare(
         raise CheckpointError(
             f"could not prepare {path} for saving{where}: {reason}; nothing was changed"
         ) from prepare_error
+    # One id for the save, drawn by rank 0: every rank file carries it, so a file from another save
+    # (same names, same shapes) is told apart at load.
+    save_id = save_id_text(_dist.broadcast_from_rank0(new_save_id() if rank == 0 else 0))
     return _SaveJob(
-        directory, shards, known, objects, rank_object, rank, world, generation, previous, lock if locked else None
+        directory,
+        shards,
+        described,
+        objects,
+        rank_object,
+        rank,
+        world,
+        generation,
+        previous,
+        lock if locked else None,
+        save_id,
     )

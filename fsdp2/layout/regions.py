@@ -78,7 +78,7 @@ def shard_region(
     """
     offsets = [0] * len(global_shape)
     shape = list(global_shape)
-    for mesh_dim in _split_order(placements, mesh_shape, len(global_shape)):
+    for mesh_dim in split_order(placements, mesh_shape, len(global_shape)):
         d = placements[mesh_dim].dim % len(global_shape)
         start, length = chunk_extent(shape[d], mesh_shape[mesh_dim], coordinate[mesh_dim])
         offsets[d] += start
@@ -86,7 +86,7 @@ def shard_region(
     return Region(tuple(offsets), tuple(shape))
 
 
-def _split_order(placements: Sequence, mesh_shape: Sequence[int], ndim: int) -> list[int]:
+def split_order(placements: Sequence, mesh_shape: Sequence[int], ndim: int) -> list[int]:
     """Mesh dims in the order their splits apply.
 
     ``Shard`` dims split in mesh order. ``_StridedShard(d, split_factor=f)`` (fully_shard on a

@@ -16,6 +16,13 @@ import torch
 import torch.nn as nn
 
 
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+# Saved by the code of format 1 (whole-file CRC-32s) and of format 2 (chunks and block checksums listed
+# in the manifest), on 2 ranks; each with ``<name>.expected.safetensors``, the full tensors.
+V1_FIXTURE = os.path.join(DATA, "ckpt_v1")
+V2_FIXTURE = os.path.join(DATA, "ckpt_v2")
+
+
 def make_model(seed: int = 0) -> nn.Module:
     """Small MLP whose dims (7, 5) shard unevenly, with empty shards on 4+ ranks."""
     torch.manual_seed(seed)
@@ -68,22 +75,62 @@ def flip_byte(path, offset):
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-def byte_of(path, key, row):
-    """File and absolute offset of the first byte of ``row`` of the chunk of ``key`` holding it."""
+def stored_chunks(path, key):
+    """``[(file, offsets, shape)]`` of every stored chunk of ``key``, as the manifest places them
+    (listed, or by the tensor's rule)."""
+    from fsdp2.checkpoint.reader import read_manifest
+
+    return [(c.file, list(c.offsets), list(c.shape)) for c in read_manifest(path).chunks_of(key)]
+
+
+def file_header(full):
+    """The parsed safetensors header of ``full``: ``(tensors, metadata)``."""
     from fsdp2.checkpoint.safetensors_io import read_header
 
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    for c in manifest["tensors"][key]["chunks"]:
-        if c["offsets"][0] <= row < c["offsets"][0] + c["shape"][0]:
-            full = os.path.join(path, c["file"])
-            fd = os.open(full, os.O_RDONLY)
-            try:
-                info = read_header(fd, full, os.path.getsize(full)).tensors[c["key"]]
-            finally:
-                os.close(fd)
-            row_bytes = (info.end - info.begin) // c["shape"][0]
-            return full, info.begin + (row - c["offsets"][0]) * row_bytes
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        header = read_header(fd, full, os.path.getsize(full))
+    finally:
+        os.close(fd)
+    return header.tensors, header.metadata
+
+
+def file_index(full) -> dict:
+    """The fsdp2 index a format-3 rank file carries in its header, as JSON."""
+    return json.loads(file_header(full)[1]["fsdp2.index"])
+
+
+def rewrite_rank_file(full, edit) -> None:
+    """Rewrite the format-3 rank file ``full`` with ``edit(tensors, index)`` applied to its header's JSON
+    (tensor entries and the fsdp2 index, in place; a string it returns replaces the index's text),
+    then sealed with a correct header checksum: a crafted file, as someone who knows the format
+    could make one."""
+    import struct
+
+    from fsdp2.checkpoint.file_index import seal
+
+    with open(full, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    metadata = header.pop("__metadata__")
+    index = json.loads(metadata["fsdp2.index"])
+    text = edit(header, index)
+    metadata["fsdp2.index"] = text if isinstance(text, str) else json.dumps(index, separators=(",", ":"))
+    blob = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(full, "wb") as f:
+        f.write(seal(struct.pack("<Q", len(blob)) + blob) + data[8 + length :])
+
+
+def byte_of(path, key, row):
+    """File and absolute offset of the first byte of ``row`` of the chunk of ``key`` holding it."""
+    for file, offsets, shape in stored_chunks(path, key):
+        if offsets[0] <= row < offsets[0] + shape[0]:
+            full = os.path.join(path, file)
+            info = file_header(full)[0][key]
+            row_bytes = (info.end - info.begin) // shape[0]
+            return full, info.begin + (row - offsets[0]) * row_bytes
     raise AssertionError(key)
 
 

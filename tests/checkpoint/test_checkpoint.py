@@ -13,11 +13,14 @@ import torch.nn as nn
 from tests.checkpoint.ckpt_helpers import (
     assert_same_state,
     checksum_blocks,
+    file_header,
+    file_index,
     full_state,
     make_model,
     mesh_1d,
     mesh_2d,
     shard,
+    stored_chunks,
 )
 
 
@@ -169,11 +172,22 @@ def test_files_hold_only_local_shards(saved_on_4):
     path, _ = saved_on_4
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
+    assert manifest["world_size"] == 4
     weight = manifest["tensors"]["model/2.weight"]  # 5 rows on 4 ranks: 2, 2, 1, 0
-    assert weight["shape"] == [5, 7]
-    assert sorted((c["offsets"][0], c["shape"][0]) for c in weight["chunks"]) == [(0, 2), (2, 2), (4, 1)]
-    assert len({c["file"] for c in weight["chunks"]}) == 3
+    assert weight == {"shape": [5, 7], "dtype": "float32", "mesh": weight["mesh"], "placements": ["S(0)"]}  # no list
+    assert manifest["meshes"][weight["mesh"]] == {"shape": [4], "start": 0, "strides": [1]}
+    chunks = stored_chunks(path, "model/2.weight")
+    assert [(f, o[0], s[0]) for f, o, s in chunks] == [
+        (f"gen-000001/rank-0000{r}.safetensors", start, rows) for r, start, rows in [(0, 0, 2), (1, 2, 2), (2, 4, 1)]
+    ]
+    # Each file holds and indexes its own chunk; rank 3's row range is empty, so it stores none.
+    for rank, offsets in [(0, [0, 0]), (1, [2, 0]), (2, [4, 0])]:
+        full = os.path.join(path, f"gen-000001/rank-0000{rank}.safetensors")
+        assert file_index(full)["chunks"]["model/2.weight"]["offsets"] == offsets
+    assert "model/2.weight" not in file_header(os.path.join(path, "gen-000001/rank-00003.safetensors"))[0]
+    assert sorted(os.listdir(os.path.join(path, "gen-000001"))) == [".fsdp2-generation"] + [
+        f"rank-0000{r}.safetensors" for r in range(4)
+    ]
     assert not [n for n in os.listdir(path) if n.endswith(".partial")]
 
 
@@ -197,11 +211,15 @@ def test_hsdp_2x2_save_loads_on_1d_meshes(worlds, tmp_path):
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
     # Replica group 1 (ranks 2, 3) holds the same shards as group 0: written once.
-    for entry in manifest["tensors"].values():
-        assert {c["file"].split("/")[1] for c in entry["chunks"]} <= {
+    assert manifest["meshes"] == [{"shape": [2, 2], "start": 0, "strides": [2, 1]}]
+    for key, entry in manifest["tensors"].items():
+        assert entry["placements"] == ["R", "S(0)"]
+        assert {f.split("/")[1] for f, _, _ in stored_chunks(path, key)} <= {
             "rank-00000.safetensors",
             "rank-00001.safetensors",
         }
+    for rank in (2, 3):
+        assert file_header(os.path.join(path, f"gen-000001/rank-0000{rank}.safetensors"))[0] == {}
     for load_ws in (2, 3):
         assert_same_state(worlds.run(load_ws, _load_sharded, path)[0]["state"], saved[0]["state"])
 

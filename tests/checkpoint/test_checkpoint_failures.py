@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import OrderedDict
 
 import pytest
@@ -15,7 +16,16 @@ import torch
 import torch.nn as nn
 
 import fsdp2.checkpoint as ck
-from tests.checkpoint.ckpt_helpers import assert_same_state, full_state, load_outcome, make_model, mesh_1d, shard
+from tests.checkpoint.ckpt_helpers import (
+    V2_FIXTURE,
+    assert_same_state,
+    full_state,
+    load_outcome,
+    make_model,
+    mesh_1d,
+    rewrite_rank_file,
+    shard,
+)
 
 
 def _snapshot(model, opt):
@@ -44,9 +54,7 @@ def saved(tmp_path):
 
 
 def _data_file(path):
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    return os.path.join(path, next(iter(manifest["files"])))
+    return os.path.join(path, "gen-000001", "rank-00000.safetensors")
 
 
 def _expect_failure(path, model, opt, match, **kw):
@@ -83,22 +91,28 @@ def test_truncated_file(saved):
     path, target, opt = saved
     data = _data_file(path)
     os.truncate(data, os.path.getsize(data) - 100)
-    _expect_failure(path, target, opt, r"rank-00000\.safetensors is \d+ bytes.*truncated", verify=False)
+    _expect_failure(path, target, opt, r"rank-00000\.safetensors is not a readable .* it is truncated", verify=False)
 
 
 def test_key_missing_from_file(saved):
     path, target, opt = saved
-    manifest_path = os.path.join(path, "manifest.json")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    manifest["tensors"]["model/2.weight"]["chunks"][0]["key"] = "model/renamed"
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f)
-    _expect_failure(path, target, opt, r"rank-00000\.safetensors, key 'model/renamed': missing from the file")
+
+    def rename(tensors, index):
+        tensors["model/renamed"] = tensors.pop("model/2.weight")
+        index["chunks"]["model/renamed"] = index["chunks"].pop("model/2.weight")
+
+    rewrite_rank_file(_data_file(path), rename)
+    _expect_failure(path, target, opt, r"rank-00000\.safetensors, key 'model/2\.weight': missing from the file")
 
 
-def test_manifest_cannot_point_outside_the_checkpoint(saved):
-    path, target, opt = saved
+def test_manifest_cannot_point_outside_the_checkpoint(tmp_path):
+    # Format 2 names its files in the manifest (format 3 builds their names from integers).
+    path = str(tmp_path / "v2")
+    shutil.copytree(V2_FIXTURE, path)
+    target = make_model(5)
+    opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    target(torch.randn(2, 16)).sum().backward()
+    opt.step()
     manifest_path = os.path.join(path, "manifest.json")
     with open(manifest_path) as f:
         text = f.read()

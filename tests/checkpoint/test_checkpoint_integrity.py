@@ -24,9 +24,12 @@ import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, integrity
 from fsdp2.checkpoint.integrity import BlockGrid
 from tests.checkpoint.ckpt_helpers import (
+    V1_FIXTURE,
+    V2_FIXTURE,
     assert_same_state,
     byte_of,
     checksum_blocks,
+    file_index,
     flip_byte,
     full_state,
     load_outcome,
@@ -34,11 +37,10 @@ from tests.checkpoint.ckpt_helpers import (
     matrices,
     mesh_1d,
     mesh_2d,
+    rewrite_rank_file,
     shard,
     wide_module,
 )
-
-V1_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "ckpt_v1")
 
 
 # ---------------------------------------------------------------- block geometry
@@ -135,8 +137,8 @@ def test_real_block_size_reads_at_most_one_block_per_edge(worlds, tmp_path):
     the splits fall on block edges, else less than one block more per edge."""
     path = str(tmp_path / "c")
     worlds.run(2, _save_wide, path)
-    with open(os.path.join(path, "manifest.json")) as f:
-        block_rows = json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] // 64
+    block_rows = file_index(os.path.join(path, "gen-000001", "rank-00000.safetensors"))["chunks"]["model/w"]
+    block_rows = block_rows["block_elems"] // 64
     assert block_rows == 256
     aligned = worlds.run(4, _load_wide, path, block_rows)  # rank edges at multiples of 1024 rows
     assert all(read == owned for read, owned, _ in aligned)
@@ -300,20 +302,29 @@ def test_corrupted_header_is_caught(tmp_path):
     flip_byte(data, head.index(b'"model/0.bias"') + 7)  # '0' -> ' ': still JSON, a renamed tensor
     with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors is corrupted \(crc32c of its header"):
         ck.load(path, make_model(1))
-    assert any("header crc32c" in p for p in ck.verify_checkpoint(path))
+    assert any("rank-00000.safetensors is corrupted (crc32c of its header" in p for p in ck.verify_checkpoint(path))
 
 
 def test_checksum_list_of_wrong_length_is_refused(tmp_path):
     path = str(tmp_path / "c")
     ck.save(path, make_model(0))
-    manifest_path = os.path.join(path, "manifest.json")
-    with open(manifest_path) as f:
+    data = os.path.join(path, "gen-000001", "rank-00000.safetensors")
+    rewrite_rank_file(data, lambda tensors, index: index["chunks"]["model/0.weight"].update(crc32c="00000000" * 2))
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"rank-00000\.safetensors: .*'model/0\.weight' lists 2 block checksums, its shape needs 1",
+    ):
+        ck.load(path, make_model(1))
+    # Format 2 lists them in the manifest.
+    old = str(tmp_path / "v2")
+    shutil.copytree(V2_FIXTURE, old)
+    with open(os.path.join(old, "manifest.json")) as f:
         manifest = json.load(f)
     manifest["tensors"]["model/0.weight"]["chunks"][0]["crc32c"] += "00000000"
-    with open(manifest_path, "w") as f:
+    with open(os.path.join(old, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     with pytest.raises(ck.CheckpointError, match=r"lists 2 block checksums, its shape needs 1"):
-        ck.load(path, make_model(1))
+        ck.load(old, make_model(1))
 
 
 # ---------------------------------------------------------------- format 1
@@ -353,6 +364,49 @@ def test_format_1_verify_and_corruption(tmp_path, capsys):
     assert cli.main(["verify", copy]) == 1
     assert "crc32" in capsys.readouterr().out
     with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32 "):
+        ck.load(copy, make_model(1))
+
+
+# ---------------------------------------------------------------- format 2
+
+
+def _load_v2(rank, ws, path):
+    model = shard(make_model(9), mesh_1d(ws))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = ck.LoadStats()
+    extra, mine = ck.load(path, model, opt, stats=stats, return_rank_extra=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model/{k}": v for k, v in full_state(model).items()}
+    for p, s in opt.state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[f"optim/{names[id(p)]}/{name}"] = s[name].full_tensor()
+    return state, extra, mine, stats.bytes_read, stats.bytes_verified
+
+
+@pytest.mark.parametrize("load_ws", [1, 2, 3])
+def test_format_2_checkpoint_still_loads_verified(worlds, load_ws):
+    expected = load_file(V2_FIXTURE + ".expected.safetensors")
+    for rank, (state, extra, mine, read, verified) in enumerate(worlds.run(load_ws, _load_v2, V2_FIXTURE)):
+        assert extra["step"] == 1 and extra["note"] == "format 2 fixture"
+        assert torch.equal(extra["t"], torch.arange(3))
+        assert_same_state(state, expected)
+        assert read == verified > 0  # block checksums from the manifest, checked as read
+        if load_ws == 2:  # saved on 2 ranks: each gets its own rank_extra back
+            assert mine["rank"] == rank and torch.equal(mine["r"], torch.full((2,), float(rank)))
+        else:
+            assert mine is None
+
+
+def test_format_2_verify_and_corruption(tmp_path, capsys):
+    assert ck.verify_checkpoint(V2_FIXTURE) == []
+    assert cli.main(["verify", V2_FIXTURE]) == 0
+    copy = str(tmp_path / "v2")
+    shutil.copytree(V2_FIXTURE, copy)
+    full, offset = byte_of(copy, "model/0.weight", 5)  # rank 1's chunk
+    flip_byte(full, offset)
+    assert cli.main(["verify", copy]) == 1
+    assert "rank-00001.safetensors" in capsys.readouterr().out
+    with pytest.raises(ck.CheckpointError, match=r"rank-00001\.safetensors is corrupted \(crc32c "):
         ck.load(copy, make_model(1))
 
 

@@ -6,7 +6,6 @@ Speed itself is measured by ``benchmarks/bench_checkpoint.py --sizes`` (benchmar
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,7 +16,17 @@ import torch.nn as nn
 import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import format as ckformat
 from fsdp2.checkpoint import integrity, reader, tensor_reader
-from tests.checkpoint.ckpt_helpers import assert_same_state, byte_of, flip_byte, full_state, matrices, wide_module
+from tests.checkpoint.ckpt_helpers import (
+    V2_FIXTURE,
+    assert_same_state,
+    byte_of,
+    file_index,
+    flip_byte,
+    full_state,
+    make_model,
+    matrices,
+    wide_module,
+)
 
 
 def _stack(layers: int, seed: int = 0) -> nn.Module:
@@ -52,16 +61,27 @@ def _callers(monkeypatch, module, name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("layers", [4, 32])
-def test_each_header_is_hashed_once_per_load(tmp_path, monkeypatch, layers):
-    """Every tensor of a file is listed in its header: checking the header once per chunk read
-    hashed it (tensors in the file) times, a cost quadratic in the tensors of a rank."""
+def test_each_header_is_checked_once_per_load(tmp_path, monkeypatch, layers):
+    """Every tensor of a file is listed in its header: checking the header (its checksum, its index)
+    once per chunk read would cost (tensors in the file)^2 per rank."""
     path = str(tmp_path / "c")
     ck.save(path, _stack(layers))
-    header_hashes = _counting(monkeypatch, reader, "checksum")
+    seals = _callers(monkeypatch, reader, "check_seal")
+    indexes = []
+    real_of_header = reader.FileIndex.of_header.__func__
+    monkeypatch.setattr(
+        reader.FileIndex, "of_header", classmethod(lambda cls, h: indexes.append(h.path) or real_of_header(cls, h))
+    )
     target = _stack(layers, seed=1)
     ck.load(path, target)
-    assert len(header_hashes) == 1  # one file
+    assert len(seals) == len(indexes) == 1  # one file
     assert_same_state(full_state(target), full_state(_stack(layers)))
+
+
+def test_each_header_of_a_format_2_checkpoint_is_hashed_once_per_load(monkeypatch):
+    header_hashes = _counting(monkeypatch, reader, "checksum")
+    ck.load(V2_FIXTURE, make_model(1))
+    assert len(header_hashes) == 2  # two files, with 6 model tensors in each
 
 
 def test_per_load_walks_do_not_grow_with_the_model(tmp_path, monkeypatch):
@@ -110,9 +130,9 @@ def test_each_chunks_checksums_are_decoded_once_per_load(tmp_path, monkeypatch):
 
 
 def _blocks_of(path: str) -> int:
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = ckformat.Manifest.from_json(f.read())
-    return sum(c.grid(t.torch_dtype.itemsize).count for t in manifest.tensors.values() for c in t.chunks)
+    """Block checksums listed by the checkpoint's (one) rank file."""
+    chunks = file_index(os.path.join(path, "gen-000001", "rank-00000.safetensors"))["chunks"]
+    return sum(len(c["crc32c"]) // 8 for c in chunks.values())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -198,8 +218,9 @@ def test_windowed_check_across_unaligned_shard_edges(worlds, tmp_path):
     path = str(tmp_path / "c")
     worlds.run(1, _save_tall, path)
     assert worlds.run(3, _load_tall, path) == [True, True, True]
-    with open(os.path.join(path, "manifest.json")) as f:
-        assert json.load(f)["tensors"]["model/w"]["chunks"][0]["block_elems"] == 1024 * 64
+    assert file_index(os.path.join(path, "gen-000001", "rank-00000.safetensors"))["chunks"]["model/w"][
+        "block_elems"
+    ] == (1024 * 64)
     row = 9216 + 1000  # rank 1 owns rows 5462..10923, read from row 5120 (a block edge) in windows of 4096 rows
     flip_byte(*byte_of(path, "model/w", row))
     results = worlds.run(3, _load_tall, path)

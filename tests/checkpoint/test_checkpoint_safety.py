@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import fsdp2.checkpoint as ck
 from fsdp2.checkpoint import cli, lock
 from fsdp2.checkpoint.consolidate import consolidate
 from tests.checkpoint.ckpt_helpers import (
+    V2_FIXTURE,
     assert_same_state,
     exact_tree,
     full_optim_state,
@@ -34,6 +36,7 @@ from tests.checkpoint.ckpt_helpers import (
     isolated,
     make_model,
     mesh_1d,
+    rewrite_rank_file,
     shard,
 )
 
@@ -299,10 +302,22 @@ _CRAFTED = {
     "objects_too_deep": (lambda m: m["objects"].update(extra=json.loads("[" * 300 + "]" * 300)), r"nested deeper"),
     "shape_not_integer": (lambda m: m["tensors"]["model/0.bias"].update(shape=[7.5]), r"malformed"),
     "generation_infinite": (lambda m: m.update(generation=float("inf")), r"malformed"),
-    "chunk_outside_tensor": (
-        lambda m: m["tensors"]["model/0.bias"]["chunks"][0].update(offsets=[3]),
-        r"outside its tensor",
+    "placement_for_a_mesh_dim_it_lacks": (
+        lambda m: m["tensors"]["model/0.bias"].update(placements=["S(0)"]),
+        r"layout of 'model/0\.bias' is malformed \(1 placements for a mesh of 0 dims\)",
     ),
+    "split_past_the_tensor_dims": (
+        lambda m: (
+            m["meshes"].append({"shape": [1], "start": 0, "strides": [1]}),
+            m["tensors"]["model/0.bias"].update(mesh=1, placements=["S(1)"]),
+        ),
+        r"placement S\(1\) of a tensor of 1 dims",
+    ),
+    "mesh_ranks_outside_the_world": (
+        lambda m: m["meshes"][0].update(start=5),
+        r"mesh ranks 5\.\.5 lie outside a world of 1",
+    ),
+    "mesh_index_unknown": (lambda m: m["tensors"]["model/0.bias"].update(mesh=7), r"names mesh 7"),
 }
 
 
@@ -320,12 +335,172 @@ def test_crafted_manifest_leaves_model_and_optimizer_untouched(saved_two_layers_
 def test_crafted_rank_extra_leaves_model_untouched(tmp_path):
     path = str(tmp_path / "c")
     ck.save(path, make_model(0), rank_extra={"seed": 1})
-    _edit_manifest(path, lambda m: m["objects"].update(rank_extra={"0": {"__tuple__": 1}}))
+    rewrite_rank_file(_rank_file(path), lambda tensors, index: index.update(rank_extra={"__tuple__": 1}))
     target = make_model(3)
     before = full_state(target)
     with pytest.raises(ck.CheckpointError, match="malformed tuple"):
         ck.load(path, target, return_rank_extra=True)
     assert_same_state(full_state(target), before)
+
+
+def _ghost(tensors, index):
+    index["chunks"]["model/ghost"] = index["chunks"]["model/0.bias"]
+
+
+# Rank files crafted by someone who knows the format: each header re-sealed with a correct
+# checksum, so the index's own checks must catch what is wrong.
+_CRAFTED_FILES = {
+    "index_not_json": (lambda t, i: "{", r"fsdp2 index in its header is malformed"),
+    "index_key_twice": (lambda t, i: '{"save_id":"00","chunks":{},"chunks":{}}', r"'chunks' appears twice"),
+    "index_a_list": (lambda t, i: "[]", r"no 'chunks' object"),
+    "entry_for_no_tensor": (_ghost, r"entry 'model/ghost' names no tensor of the file"),
+    "tensor_without_entry": (
+        lambda t, i: i["chunks"].pop("model/0.bias"),
+        r"tensor 'model/0\.bias' of the file has no entry",
+    ),
+    "offsets_a_fraction": (
+        lambda t, i: i["chunks"]["model/0.bias"].update(offsets=[0.5]),
+        r"offsets of 'model/0\.bias' are not 1 non-negative integers",
+    ),
+    "offsets_negative": (
+        lambda t, i: i["chunks"]["model/0.weight"].update(offsets=[-1, 0]),
+        r"offsets of 'model/0\.weight' are not 2 non-negative integers",
+    ),
+    "block_of_no_elements": (
+        lambda t, i: i["chunks"]["model/0.bias"].update(block_elems=0),
+        r"block_elems of 'model/0\.bias' is not a positive integer",
+    ),
+    "blocks_across_rows": (
+        lambda t, i: i["chunks"]["model/0.weight"].update(block_elems=17),
+        r"block of 17 elements does not fit rows of 16",
+    ),
+    "checksums_not_hex": (
+        lambda t, i: i["chunks"]["model/0.bias"].update(crc32c="zzzzzzzz"),
+        r"crc32c of 'model/0\.bias' is not a string of hex digits",
+    ),
+    "another_save": (lambda t, i: i.update(save_id="0" * 16), r"belongs to another save \(id 0000000000000000"),
+    "chunk_elsewhere": (
+        lambda t, i: i["chunks"]["model/0.weight"].update(offsets=[1, 0]),
+        r"the file holds the chunk at \[1, 0\], the manifest's layout puts it at \[0, 0\]",
+    ),
+    "rank_extra_too_deep": (
+        lambda t, i: i.update(rank_extra=json.loads("[" * 300 + "]" * 300)),
+        r"nested deeper than",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED_FILES))
+def test_crafted_rank_file_is_refused_naming_it(tmp_path, capsys, case):
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0), rank_extra={"seed": 1})
+    edit, match = _CRAFTED_FILES[case]
+    rewrite_rank_file(_rank_file(path), edit)
+    target = make_model(3)
+    before = full_state(target)
+    for verify in (True, False):
+        with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors.*" + match):
+            ck.load(path, target, verify=verify, return_rank_extra=True)
+    assert_same_state(full_state(target), before)
+    assert cli.main(["verify", path]) == 1
+    assert re.search(match, capsys.readouterr().out)
+
+
+def test_rank_file_header_checks(tmp_path, capsys):
+    """The header's own checksum: a flipped byte anywhere in it, a header whose checksum is not
+    first, a plain safetensors file in a rank file's place."""
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    data = _rank_file(path)
+    with open(data, "rb") as f:
+        original = f.read()
+    length = int.from_bytes(original[:8], "little")
+
+    def flipped():
+        offset = original.index(b"block_elems") + 2
+        with open(data, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes([original[offset] ^ 0x01]))
+
+    def seal_not_first():
+        header = json.loads(original[8 : 8 + length])
+        metadata = header.pop("__metadata__")
+        blob = json.dumps({"__metadata__": dict(reversed(metadata.items())), **header}, separators=(",", ":"))
+        blob = blob.encode() + b" " * (-len(blob) % 8)
+        with open(data, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little") + blob + original[8 + length :])
+
+    def plain():
+        save_file({k: v.detach().clone() for k, v in make_model(0).state_dict().items()}, data)
+
+    target = make_model(3)
+    for make, match in [
+        (flipped, r"is corrupted \(crc32c of its header [0-9a-f]{8}"),
+        (seal_not_first, r"header does not start with the fsdp2 header checksum"),
+        (plain, r"has no fsdp2 index in its header"),
+    ]:
+        make()
+        with pytest.raises(ck.CheckpointError, match=r"rank-00000\.safetensors.*" + match):
+            ck.load(path, target)
+        assert_same_state(full_state(target), full_state(make_model(3)))
+        assert cli.main(["verify", path]) == 1
+        assert re.search(match, capsys.readouterr().out), make.__name__
+        with open(data, "wb") as f:
+            f.write(original)
+    ck.load(path, target)  # the original file loads
+    assert_same_state(full_state(target), full_state(make_model(0)))
+
+
+def test_rank_file_header_over_the_limit_is_refused_unread(tmp_path, capsys, monkeypatch):
+    """A rank file whose header length is over the 100,000,000-byte limit (in a sparse file large
+    enough to hold it) is refused by its name before its header is read."""
+    path = str(tmp_path / "c")
+    ck.save(path, make_model(0))
+    data = _rank_file(path)
+    with open(data, "r+b") as f:
+        f.write((100_000_001).to_bytes(8, "little"))
+    os.truncate(data, 200_000_000)  # sparse: no disk used
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append(n) or real_pread(fd, n, at))
+    target = make_model(3)
+    match = r"rank-00000\.safetensors is not a readable safetensors file \(header length 100000001 exceeds"
+    for verify in (True, False):
+        with pytest.raises(ck.CheckpointError, match=match):
+            ck.load(path, target, verify=verify)
+    assert reads and max(reads) <= 8  # the length field, nothing of the claimed header
+    assert_same_state(full_state(target), full_state(make_model(3)))
+    assert cli.main(["verify", path]) == 1
+    assert re.search(match, capsys.readouterr().out)
+
+
+def test_save_load_verify_and_export_unpickle_nothing(tmp_path, monkeypatch):
+    """Nothing a checkpoint holds -- the manifest, a rank file's index, rank_extra, the optimizer's
+    state -- goes through pickle on the way back in."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was unpickled")
+
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    path = str(tmp_path / "c")
+    ck.save(path, model, opt, extra={"step": 3, "t": torch.arange(4)}, rank_extra={"rng": torch.arange(3)})
+    for module, name in [(pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (torch, "load")]:
+        monkeypatch.setattr(module, name, refuse)
+    target = make_model(1)
+    target_opt = torch.optim.AdamW(target.parameters())
+    extra, rank_extra = ck.load(path, target, target_opt, return_rank_extra=True)
+    assert extra["step"] == 3 and torch.equal(extra["t"], torch.arange(4))
+    assert torch.equal(rank_extra["rng"], torch.arange(3))
+    assert_same_state(full_state(target), full_state(model))
+    assert ck.verify_checkpoint(path) == []
+    consolidate(path, str(tmp_path / "hf"))
+    ck.load_hf(str(tmp_path / "hf"), make_model(2))
 
 
 # ================================================================ data and disk hygiene
@@ -502,12 +677,19 @@ def test_two_jobs_saving_into_one_directory(worlds, tmp_path):
 # ================================================================ untrusted input
 
 
-def _untrusted(tmp_path, kind):
-    """A saved checkpoint whose rank file is replaced by ``kind``, listed with size 0 / empty crc."""
+def _rank_file(path, rank=0):
+    return os.path.join(path, "gen-000001", f"rank-{rank:05d}.safetensors")
+
+
+def _untrusted(tmp_path, kind, old_format=False):
+    """A saved checkpoint whose rank file is replaced by ``kind`` (a format-2 one: listed with size 0
+    and an empty checksum)."""
     path = str(tmp_path / "c")
-    ck.save(path, make_model(0))
-    with open(os.path.join(path, "manifest.json")) as f:
-        rel = next(iter(json.load(f)["files"]))
+    if old_format:
+        shutil.copytree(V2_FIXTURE, path)
+    else:
+        ck.save(path, make_model(0))
+    rel = "gen-000001/rank-00000.safetensors"
     data = os.path.join(path, rel)
     outside = tmp_path / "outside.safetensors"
     os.replace(data, outside)
@@ -517,7 +699,7 @@ def _untrusted(tmp_path, kind):
         os.symlink("/dev/zero", data)
     else:  # a valid file, but outside the checkpoint
         os.symlink(outside, data)
-    if kind != "outside":
+    if kind != "outside" and old_format:
 
         def empty(m):
             m["files"][rel] = {"size": 0, "header_crc32c": "00000000"}
@@ -534,8 +716,9 @@ def _untrusted(tmp_path, kind):
         ("outside", "outside the checkpoint directory"),
     ],
 )
-def test_non_regular_or_outside_files_are_refused(tmp_path, capsys, kind, match):
-    path = _untrusted(tmp_path, kind)
+@pytest.mark.parametrize("old_format", [False, True])
+def test_non_regular_or_outside_files_are_refused(tmp_path, capsys, kind, match, old_format):
+    path = _untrusted(tmp_path, kind, old_format)
     target = make_model(3)
     before = full_state(target)
     with _deadline(20):
@@ -562,12 +745,22 @@ def test_manifest_that_is_a_fifo_is_refused(tmp_path, capsys):
 _MALFORMED = {
     "generation_1e400": lambda t: t.replace('"generation": 1,', '"generation": 1e400,'),
     "world_size_negative": lambda t: t.replace('"world_size": 1,', '"world_size": -1,'),
+    # A verify that walked every rank file of this world would never end: refused first.
+    "world_size_huge": lambda t: t.replace('"world_size": 1,', '"world_size": 1000000000,'),
     "deep_nesting": lambda t: t.replace('"objects": {', '"objects": {"x": ' + "[" * 100000 + "]" * 100000 + ", ", 1),
     "nesting_under_json_limit": lambda t: t.replace(
         '"objects": {', '"objects": {"x": ' + "[" * 500 + "]" * 500 + ", ", 1
     ),
     "shape_1e400": lambda t: t.replace('"shape":[7,16]', '"shape":[1e400,16]', 1),
-    "files_a_list": lambda t: json.dumps({**json.loads(t), "files": []}),
+    "meshes_numbers": lambda t: json.dumps({**json.loads(t), "meshes": [5]}),
+    "mesh_start_negative": lambda t: t.replace('"start":0', '"start":-1', 1),
+    "mesh_strides_missing": lambda t: t.replace(',"strides":[]', "", 1),
+    "mesh_ranks_miscounted": lambda t: t.replace('"start":0,"strides":[]', '"ranks":[0]', 1).replace(
+        '"shape":[]', '"shape":[2]', 1
+    ),
+    "placement_unknown": lambda t: t.replace('"placements":[]', '"placements":["P(0)"]', 1),
+    "save_id_a_number": lambda t: t.replace('"save_id": "', '"save_id": 7, "x": "', 1),
+    "rank_extra_a_string": lambda t: t.replace('"rank_extra": false', '"rank_extra": "yes"', 1),
     "not_an_object": lambda t: "[]",
     "truncated": lambda t: t[: len(t) // 2],
     "optimizer_a_number": lambda t: json.dumps({**json.loads(t), "objects": {"optimizer": 5}}),
@@ -575,31 +768,46 @@ _MALFORMED = {
         {**json.loads(t), "objects": {"optimizer": {"state": {}, "param_groups": [5]}}}
     ),
     "unknown_dtype": lambda t: t.replace('"dtype":"float32"', '"dtype":"float128"', 1),
+    "tied_weights_malformed": lambda t: json.dumps({**json.loads(t), "objects": {"tied_weights": 5}}),
+}
+# Format 2 lists files and chunks in the manifest (a copy of tests/data/ckpt_v2 is edited).
+_MALFORMED_V2 = {
+    "files_a_list": lambda t: json.dumps({**json.loads(t), "files": []}),
     "negative_offset": lambda t: t.replace('"offsets":[0,0]', '"offsets":[-1,0]', 1),
     "crc_a_number": lambda t: t.replace('"header_crc32c":"', '"header_crc32c":7,"x":"', 1),
     "block_crc_a_number": lambda t: t.replace('"crc32c":"', '"crc32c":7,"x":"', 1),
-    "tied_weights_malformed": lambda t: json.dumps({**json.loads(t), "objects": {"tied_weights": 5}}),
 }
 
 
 _MALFORMED_OBJECTS = {"optimizer_a_number", "param_groups_numbers", "tied_weights_malformed"}
 
 
-@pytest.mark.parametrize("case", sorted(_MALFORMED))
+@pytest.mark.parametrize("case", sorted(_MALFORMED) + [f"v2:{c}" for c in sorted(_MALFORMED_V2)])
 def test_cli_reports_malformed_manifests_without_traceback(tmp_path, capsys, case):
     path = str(tmp_path / "c")
-    ck.save(path, make_model(0))
+    if case.startswith("v2:"):
+        shutil.copytree(V2_FIXTURE, path)
+        edit = _MALFORMED_V2[case[3:]]
+    else:
+        ck.save(path, make_model(0))
+        edit = _MALFORMED[case]
     manifest = os.path.join(path, "manifest.json")
     with open(manifest) as f:
         text = f.read()
-    broken = _MALFORMED[case](text)
+    broken = edit(text)
     assert broken != text
     with open(manifest, "w") as f:
         f.write(broken)
     codes = {}
-    for i, command in enumerate((["inspect"], ["verify"], ["consolidate", "--no-verify"], ["consolidate"])):
-        args = [command[0], path, *([str(tmp_path / f"out{i}")] if command[0] == "consolidate" else []), *command[1:]]
-        codes[" ".join(command)] = cli.main(args)  # an exception escaping here is the traceback
+    with _deadline(60):
+        for i, command in enumerate((["inspect"], ["verify"], ["consolidate", "--no-verify"], ["consolidate"])):
+            args = [
+                command[0],
+                path,
+                *([str(tmp_path / f"out{i}")] if command[0] == "consolidate" else []),
+                *command[1:],
+            ]
+            codes[" ".join(command)] = cli.main(args)  # an exception escaping here is the traceback
     if case not in _MALFORMED_OBJECTS:  # verify checks files and tensors, not the optimizer's JSON
         assert codes["verify"] == 1 and codes["consolidate"] == 2, codes
     err = capsys.readouterr().err
