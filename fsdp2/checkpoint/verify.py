@@ -119,12 +119,7 @@ def _verify_file(
                 c.region,
                 None,
             )
-    if not problems:
-        try:
-            reads.run(progress)
-        except CheckpointError as e:
-            problems.append(f"{e} (corrupted)")
-    return problems
+    return problems + _read_unless(problems, reads, progress)
 
 
 def _verify_rank_files(path: str, m: Manifest, keys: list[str]) -> list[str]:
@@ -189,15 +184,21 @@ def _verify_rank_file(m: Manifest, files: OpenFiles, rank: int, keys: list[str],
         elif math.prod(info.shape) and info.dtype is not None:
             box = Region(record.offsets, info.shape)
             reads.add(_stored(full, fd, info, box, info.dtype, key, record), box, None)
-    if not problems:
-        try:
-            reads.run(progress)
-        except CheckpointError as e:
-            problems.append(f"{e} (corrupted)")
-    return problems
+    return problems + _read_unless(problems, reads, progress)
 
 
 def _stored(full: str, fd: int, info, box: Region, dtype, key: str, record) -> StoredChunk:
     """A format-3 chunk to check whole: its bytes in the file and its blocks from the index."""
     grid = BlockGrid.of(box.offsets, box.shape, dtype.itemsize, record.block_elems)
     return StoredChunk(full, fd, info.begin, box, dtype, f"key {key!r}", grid, from_hex(record.crc32c))
+
+
+def _read_unless(problems: list[str], reads, progress) -> list[str]:
+    """Read and check every block, unless the layout already failed; what the reads found."""
+    if problems:
+        return []
+    try:
+        reads.run(progress)
+    except CheckpointError as e:
+        return [f"{e} (corrupted)"]
+    return []

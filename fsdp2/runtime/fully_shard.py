@@ -19,7 +19,7 @@ from fsdp2.runtime.dp_mesh import DataParallelMesh, DataParallelMeshDims
 from fsdp2.runtime.dtensor_spec import ShardedSpec, sharded_spec
 from fsdp2.runtime.fsdp_module import FSDPModule
 from fsdp2.runtime.gather import Subgroup
-from fsdp2.runtime.hooks import FSDPState
+from fsdp2.runtime.hooks import FSDPState, states_under
 from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
 from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
 from fsdp2.runtime.process_hooks import PROCESS_HOOKS
@@ -156,12 +156,7 @@ def _subgroup(reshard_after_forward: Any, dp: DataParallelMesh) -> Subgroup | No
 def _link_traced_forward_order(modules: tuple[nn.Module, ...]) -> None:
     """The traced path's implicit prefetch: each group gathers the next fully_shard'ed module's
     group in module order (apply bottom-up: the outermost call sets the order last)."""
-    states: list[FSDPState] = []
-    for root in modules:
-        for m in root.modules():
-            state = m.__dict__.get("_fsdp_state")
-            if isinstance(state, FSDPState) and state not in states:
-                states.append(state)
+    states = states_under(modules)
     traced.link_forward_order([state.traced_call for state in states])
     if states:
         states[0].states_below = states  # the call's own state: as a root, what its backward ends

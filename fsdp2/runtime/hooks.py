@@ -290,7 +290,7 @@ class FSDPState:
 
     def lazy_init(self) -> None:
         """The first state to run forward becomes the root of every fully_shard'ed module below it."""
-        states = _states_under(self.modules)
+        states = states_under(self.modules)
         for state in states:
             if state is not self and state.settings.finalization is Finalization.MANUAL:
                 raise FSDPUsageRuntimeError(
@@ -503,7 +503,7 @@ class FSDPState:
         return schedule.implicit_backward_prefetch(self.root.post_forward_order, self)
 
 
-def _states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
+def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
     """Every fully_shard state at or below ``modules``, in module (pre-)order."""
     states: list[FSDPState] = []
     for root_module in modules:
