@@ -23,8 +23,9 @@ there (so there is no oracle):
   manual finalization, or one left without its ``finalize_backward()``: there the oracle is
   PyTorch's automatic finalization of microbatches without sync that a finalize with sync on
   completes, which is all it can tell (the newest tier draws the rest against PyTorch 2.15);
-- a forgotten ``finalize_backward()`` in a compiled program: the compiled step writes the
-  gradients eager leaves pending (a deliberate difference, ``oracle.DELIBERATE_DIFFERENCES``);
+- in a compiled program, a forgotten ``finalize_backward()`` or one with gradient sync off: the
+  compiled step writes the gradients eager leaves pending until a finalize with sync on (a
+  deliberate difference, ``oracle.DELIBERATE_DIFFERENCES``);
 - settings other than gradient sync changed between a forward and its backward.
 
 Compiled forwards go through ``torch.compile(model, backend="aot_eager", fullgraph=True)``. A
@@ -264,7 +265,7 @@ def _step(draw, s: _State) -> list:
             s.awaiting_finalize = True
     forgotten = PYTORCH_HAS_MANUAL_FINALIZATION and not s.compiled and _chance(draw, 4)
     if s.manual and s.awaiting_finalize and not forgotten:
-        if not s.sync and (draw(st.booleans()) or not PYTORCH_HAS_MANUAL_FINALIZATION):
+        if not s.sync and (draw(st.booleans()) or not PYTORCH_HAS_MANUAL_FINALIZATION or s.compiled):
             calls.append(Setter("set_requires_gradient_sync", True))
             s.sync = True
         calls.append(FinalizeBackward())

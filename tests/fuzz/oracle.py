@@ -220,7 +220,7 @@ DELIBERATE_DIFFERENCES = (
         "under manual finalization the compiled graph reduces every group and writes .grad when its backward ends, "
         "where eager fsdp2, as PyTorch 2.15's FSDP2, leaves the root's group unreduced until finalize_backward() "
         "(docs/compile.md, differences from eager). Compiled programs under manual finalization always finalize "
-        "(the generator sees to it), so the parameters and optimizer state after each step are compared",
+        "with sync on (the generator sees to it), so the parameters and optimizer state after each step are compared",
         (("fsdp2-eager", "fsdp2"),),
         _compiled_under_manual_finalization,
         r"\.grad$",
