@@ -283,3 +283,38 @@ def test_a_group_unused_in_its_first_compiled_step_gets_zero_gradients_like_eage
         optimizer="sgd",
     )
     assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="set_reduce_scatter_unused_params(True), a gated module's parameters unused on some ranks only, compiled: "
+    "the ranks' graphs issue different collectives in backward (re-gathers, reductions) and gloo aborts",
+)
+def test_compiled_step_with_parameters_unused_on_some_ranks(worlds):
+    program = Program(
+        model=Model(
+            world_size=4,
+            mesh="hsdp",
+            input="linear",
+            blocks=(
+                Block(
+                    kind="nested",
+                    wrap=Wrap(reshard=True),
+                    children=(Block(kind="gated", wrap=Wrap()), Block(bias=False)),
+                ),
+            ),
+        ),
+        calls=(
+            Setter(method="set_reduce_scatter_unused_params", value=True),
+            Forward(compiled=True),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=False),
+            Forward(batch=1, compiled=True, closed=(("blocks.0.inner.0", (0, 1, 2)),)),
+            Forward(batch=2, compiled=True),
+            Backward(),
+            OptimizerStep(),
+        ),
+        optimizer="sgd",
+    )
+    assert_program_passes(worlds, program)
