@@ -280,18 +280,18 @@ def _step(draw, s: _State) -> list:
         ranks = (draw(st.integers(0, s.model.world_size - 1)),) if _chance(draw, 10) else None
         calls.append(ZeroGrad(set_to_none=not _chance(draw, 4), ranks=ranks))
     if _chance(draw, 10):
-        if s.saved_state_dicts and draw(st.booleans()):
-            calls.append(StateDict(tag=draw(st.sampled_from(s.saved_state_dicts)), load=True))
-        else:
-            s.saved_state_dicts.append(len(s.saved_state_dicts))
-            calls.append(StateDict(tag=s.saved_state_dicts[-1]))
+        calls.append(_save_or_load(draw, StateDict, s.saved_state_dicts))
     if _chance(draw, 12):
-        if s.checkpoints and draw(st.booleans()):
-            calls.append(Checkpoint(tag=draw(st.sampled_from(s.checkpoints)), load=True))
-        else:
-            s.checkpoints.append(len(s.checkpoints))
-            calls.append(Checkpoint(tag=s.checkpoints[-1]))
+        calls.append(_save_or_load(draw, Checkpoint, s.checkpoints))
     return calls
+
+
+def _save_or_load(draw, kind, saved: list[int]):
+    """A ``StateDict`` or ``Checkpoint`` call: load one saved earlier, or save a new one."""
+    if saved and draw(st.booleans()):
+        return kind(tag=draw(st.sampled_from(saved)), load=True)
+    saved.append(len(saved))
+    return kind(tag=saved[-1])
 
 
 @st.composite

@@ -381,20 +381,15 @@ def _decide(program: Program, index: int, call, reports: list[dict]) -> Outcome 
 def _judge_errors(program: Program, index: int, call, where: str, names: list[str], raised: dict) -> Outcome:
     for oracle_name, subject in _pair_names(names):
         for rank, (expected, actual) in enumerate(zip(raised[oracle_name], raised[subject])):
-            if actual and not expected:
-                refusal = oracle.refusal_for(subject, call, actual)
-                if refusal is not None:
-                    return Outcome("refused", index, f"{where}: deliberate difference {refusal.name!r}")
-                return Outcome(
-                    "differs", index, f"{where}: {subject} raised on rank {rank}, {oracle_name} did not:\n{actual}"
-                )
-            if expected and not actual:
-                refusal = oracle.refusal_for(oracle_name, call, expected)
-                if refusal is not None:
-                    return Outcome("refused", index, f"{where}: deliberate difference {refusal.name!r}")
-                return Outcome(
-                    "differs", index, f"{where}: {oracle_name} raised on rank {rank}, {subject} did not:\n{expected}"
-                )
+            sides = ((subject, oracle_name, actual, expected), (oracle_name, subject, expected, actual))
+            for alone, other, error, others_error in sides:  # an error one side raised alone
+                if error and not others_error:
+                    refusal = oracle.refusal_for(alone, call, error)
+                    if refusal is not None:
+                        return Outcome("refused", index, f"{where}: deliberate difference {refusal.name!r}")
+                    return Outcome(
+                        "differs", index, f"{where}: {alone} raised on rank {rank}, {other} did not:\n{error}"
+                    )
             if expected and actual and not _acceptable_error(actual, expected, program):
                 return Outcome(
                     "differs",
