@@ -233,7 +233,10 @@ class BucketGrads:
             for i in reached:
                 p = self.params[i]
                 full = p.layout.full_from_rank_rows(blocks[i])
-                p.add_compiled_unsynced(full.clone() if compat.view_base(full) is not None else full)
+                # Owned: a copy only where ``full`` still views the graph's buffer (decoding a
+                # column of several parameters' rows has copied already).
+                aliases = full.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+                p.add_compiled_unsynced(full.clone() if aliases else full)
             reduce.holds_unsynced_sums = True
         else:
             slots = torch.split_with_sizes(grad, self.widths)
