@@ -106,6 +106,21 @@ class GatherBucket:
             yield p, [self._typed(piece, col) for piece, col in zip(split[index : index + len(cols)], cols)]
             index += len(cols)
 
+    def row_pieces(self, wire: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What this rank's row is the concatenation of, from each column's tensor (``wire``, in
+        column order; a compiled step concatenates them, eager writes each into its slot of the
+        row): the tensors as they are where all have the row's dtype; else their bytes, each
+        padded to its column's aligned width (the padding lands only in padding)."""
+        if all(t.dtype == self.dtype for t in wire):
+            return list(wire)
+        pieces = []
+        for t, width in zip(wire, self.widths):
+            piece = t.reshape(-1).view(torch.uint8)
+            pieces.append(piece)
+            if width > piece.numel():
+                pieces.append(piece.new_empty(width - piece.numel()))
+        return pieces
+
     def _typed(self, piece: torch.Tensor, column: Column) -> torch.Tensor:
         if column.dtype == self.dtype:
             return piece

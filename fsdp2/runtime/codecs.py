@@ -12,6 +12,11 @@ them, and how the gathered columns (``world x numel`` blocks) become the unshard
 - ``SubclassCodec`` (fsdp2.runtime.extensions): a tensor subclass's own ``fsdp_pre_all_gather`` /
   ``fsdp_post_all_gather``, as PyTorch's FSDP2 calls them.
 
+A codec is its pair of functions of tensors, ``encode`` (a shard to the tensors it sends) and
+``decode`` (the gathered rows to the unsharded parameter): the compiled step traces exactly
+these, and eager's ``pack`` copies ``encode``'s tensors into the group's buffer unless the codec
+writes in place (the default codec casts its shard straight into its slot). ``unpack`` is eager's
+in-place form of ``decode``, into the unsharded storage the group keeps between steps.
 Codecs hand back the plain copies they need as ``(destination, source)`` pairs, so a group
 still copies everything in (and out) with one fused ``_foreach_copy_``; what is not a copy
 (quantizing, the extension's post hook) they do themselves.
@@ -51,6 +56,8 @@ class CodecParam(Protocol):
     def copy_gathered_out(self, gathered: torch.Tensor) -> None: ...
 
     def unsharded_storage(self) -> torch.Tensor: ...
+
+    def on_compute_device(self, shard: torch.Tensor) -> torch.Tensor: ...
 
     def gather_target(self) -> torch.Tensor | None: ...
 
@@ -98,8 +105,10 @@ class GatherCodec:
         raise NotImplementedError
 
     def pack(self, slots: list[torch.Tensor]) -> Pairs:
-        """Fill this rank's ``slots`` (one per column, typed); return the plain copies to fuse."""
-        raise NotImplementedError
+        """Fill this rank's ``slots`` (one per column, typed); return the plain copies to fuse.
+        By default the copies of :meth:`encode`'s tensors (a codec may write in place instead)."""
+        wire, _ = self.encode(self.param.local_shard)
+        return [(slot, t.reshape(-1)) for slot, t in zip(slots, wire)]
 
     def unpack(self, blocks: list[torch.Tensor]) -> Pairs:
         """From the gathered ``world x numel`` ``blocks`` (one per column, views of the group's
@@ -160,10 +169,7 @@ class PlainCodec(GatherCodec):
 
     def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
         p = self.param
-        slot = p.layout.padded_slot(shard)
-        if slot.device != p.device:  # CPU offload: the shard lives on the host
-            slot = slot.to(p.device)
-        return (slot.to(p.param_dtype),), None
+        return (p.on_compute_device(p.layout.padded_slot(shard)).to(p.param_dtype),), None
 
     def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], context, blocks) -> torch.Tensor:
         return self.param.layout.full_from_rank_rows(blocks[0])
@@ -188,16 +194,10 @@ class QuantizedCodec(GatherCodec):
     def columns(self) -> tuple[Column, ...]:
         return (quantized_column(self.param.layout, self.policy),)
 
-    def pack(self, slots: list[torch.Tensor]) -> Pairs:
-        self.quantize(self.param.local_shard, slots[0])
-        return []
-
     def quantize(self, shard: torch.Tensor, slot: torch.Tensor) -> None:
-        """``shard`` (this rank's, in its own dtype) in wire format into ``slot`` (uint8). The
-        eager gather (``pack``) and the compiled step (fsdp2.runtime.traced) both call it."""
-        p, layout = self.param, self.param.layout
-        if shard.device != p.device:  # CPU offload: quantize on the device
-            shard = shard.to(p.device, non_blocking=shard.is_pinned())
+        """``shard`` (this rank's, in its own dtype) in wire format into ``slot`` (uint8)."""
+        layout = self.param.layout
+        shard = self.param.on_compute_device(shard)  # CPU offload: quantize on the device
         if layout.dim != 0 and 0 < layout.local_rows < layout.chunk:
             # Padding inside the slot (not a flat prefix of it): lay the shard out padded first.
             padded = shard.new_zeros(layout.padded_shard_shape)

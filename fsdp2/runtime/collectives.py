@@ -20,8 +20,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 active_counters: list = []
 
 
-def _record(kind: str, tensor: torch.Tensor) -> None:
-    record(kind, tensor.numel() * tensor.element_size())
+def comm_bytes(kind: str, sent: torch.Tensor, world: int = 1) -> int:
+    """The bytes count_comm counts for one collective of ``kind`` that sends ``sent`` from this
+    rank over ``world`` ranks, in eager and compiled steps alike: an all-gather's output (every
+    rank's ``sent``), a reduce-scatter's input, an all-reduce's or all-to-all's tensor."""
+    nbytes = sent.numel() * sent.element_size()
+    return world * nbytes if kind == "all_gather" else nbytes
+
+
+def _record(kind: str, sent: torch.Tensor, world: int = 1) -> None:
+    record(kind, comm_bytes(kind, sent, world))
 
 
 def record(kind: str, nbytes: int) -> None:
@@ -54,7 +62,7 @@ def gathered_as(dtype: torch.dtype) -> torch.dtype:
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     """``output`` (``group_size * input.numel()``) receives every rank's ``input`` in rank order."""
     if active_counters:
-        _record("all_gather", output)
+        _record("all_gather", input, output.numel() // max(input.numel(), 1))
     if output.dtype not in _NATIVE_GATHER_DTYPES:  # gathered_as, inlined: no call per gather
         output, input = output.view(torch.uint8), input.view(torch.uint8)
     return _all_gather(output, input, group=group, async_op=async_op)

@@ -100,11 +100,7 @@ class SubclassCodec(GatherCodec):
         self._inner: tuple[torch.Tensor, ...] = ()  # the post hook's inner tensors, freed on reshard
 
     def prepare(self) -> None:
-        p = self.param
-        shard = p.local_shard
-        if shard.device != p.device:  # CPU offload: the hook sees the shard on the device (as in PyTorch)
-            shard = shard.to(p.device, non_blocking=True)
-        inputs, self._metadata = self.pre_all_gather(shard)
+        inputs, self._metadata = self.pre_all_gather(self.param.on_compute_device(self.param.local_shard))
         self._inputs = inputs
         self._shapes = [t.shape for t in inputs]
         self._columns = tuple(Column(t.dtype, t.numel()) for t in inputs)
@@ -133,9 +129,7 @@ class SubclassCodec(GatherCodec):
 
     def encode(self, shard: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The pre-all-gather hook's ``(inputs, metadata)`` on ``shard`` (the compiled step's form)."""
-        if shard.device != self.param.device:  # CPU offload: the hook sees the shard on the device (as in PyTorch)
-            shard = shard.to(self.param.device)
-        return self.pre_all_gather(shard)
+        return self.pre_all_gather(self.param.on_compute_device(shard))
 
     def decode(self, shard: torch.Tensor, wire: tuple[torch.Tensor, ...], metadata: Any, blocks) -> torch.Tensor:
         """The unsharded tensor ``shard``'s post-all-gather hook builds from the gathered ``blocks``

@@ -76,6 +76,14 @@ class ReduceSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", "step-" + hashlib.sha256(repr(self).encode()).hexdigest()[:24])
 
+    def handed_over_dtype(self, mode: Mode) -> torch.dtype:
+        """The dtype a reduced flat shard leaves a compiled graph in: the shards' dtype where the
+        graph finishes a synced reduction, else the reduce dtype (a user's all-reduce hook and the
+        division after it run outside the graph; kept sums stay in the reduce dtype)."""
+        if mode is Mode.SYNCED and not self.hooked:
+            return self.grad_dtype
+        return self.reduce_dtype
+
 
 # Every spec a graph may name, by its key (small plain records: kept).
 _SPECS: dict[str, ReduceSpec] = {}

@@ -87,7 +87,12 @@ class ReshardAfterForward:
         self.resolve(is_root=False)
 
     def resolve(self, is_root: bool) -> None:
-        self.action = schedule.after_forward(self.setting, is_root=is_root, shard_size=self.shard_size)
+        self.action = self.action_for(is_root)
+
+    def action_for(self, is_root: bool) -> schedule.AfterForward:
+        """The action for a group that is (or is not) the root of the forward running: eager's
+        root is fixed at lazy init, a compiled step's is the first call its trace gathers."""
+        return schedule.after_forward(self.setting, is_root=is_root, shard_size=self.shard_size)
 
     def set(self, reshard: bool) -> None:
         """``set_reshard_after_forward``: all or nothing from now on (a 1/k copy is no longer kept)."""

@@ -7,14 +7,16 @@ the number of data-parallel ranks with the reduce ops and divisions PyTorch's FS
 each buffer's reduction does is its :class:`BucketStep` (fsdp2.runtime.group_step), made here
 and emitted unchanged by the compiled step.
 Each issued reduction is a :class:`Reduction`; the root's :class:`ReduceWindow` bounds how many
-are in flight.
+are in flight. ``GroupReduce`` is also the group's gradient store: ``finish`` writes a reduced
+bucket to ``.grad`` or adds it to the sums kept for a later backward, and ``take_kept_sums``
+hands those sums to the reduction that adds them in, for eager and compiled backwards alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +74,7 @@ class PaddedScatterInput(ReusedBuffer):
 
 @dataclass
 class PendingReduce:
-    bucket: FlatBucket
-    plan: ReducePlan
+    step: BucketStep
     # Both allocated on the compute stream and kept until it waited for the reduction.
     input: torch.Tensor
     output: torch.Tensor
@@ -105,17 +106,17 @@ def _reduce_scatter_input(bucket: FlatBucket, grads: list, world: int, device) -
 class Reduction:
     """One group's issued reductions; ``finish()`` adds the results to the sharded ``.grad``s."""
 
-    def __init__(self, completion: Completion, pending: list[PendingReduce]):
+    def __init__(self, reduce: "GroupReduce", completion: Completion, pending: list[PendingReduce]):
+        self._reduce = reduce
         self._completion = completion
         self._pending = pending
 
     def finish(self) -> None:
         self._completion.wait()
         for pending in self._pending:
-            accumulate_sharded_grads(
-                pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)
-            )
-            pending.release()
+            self._reduce.finish(pending.step.bucket, pending.output, Mode.SYNCED)
+            if pending.reused_input is not None:  # pending.release(), inlined: no call per bucket and step
+                pending.reused_input.release()
         self._pending = []
 
     def abandon(self) -> None:
@@ -277,14 +278,14 @@ class GroupReduce:
                 out = inp.view(-1)  # a reduce-scatter over one rank is the identity
             else:
                 out = self._allocate(bucket.numel_per_rank, bucket.dtype)
-            pending.append(PendingReduce(bucket, plan, inp, out, reused_input))
+            pending.append(PendingReduce(step, inp, out, reused_input))
         grads.clear()  # copied in: the full gradients can go (same stream, so no hazard)
         group = self._group
         comm = self.settings.custom_reduce_scatter or collectives.reduce_scatter
         with self.streams.reduce_scatter.launch() as completion:
             for p in pending:
                 if not self.local_only:
-                    op = p.plan.reduce_scatter_op.c10d()
+                    op = p.step.plan.reduce_scatter_op.c10d()
                     completion.collective(comm, p.output, p.input.view(-1), group, op=op)
                 completion.then(lambda p=p, mode=mode: self._after_reduce_scatter(p, mode))
         if mode is Mode.PARTIAL:
@@ -292,7 +293,7 @@ class GroupReduce:
             for p in pending:
                 p.release()
             return None
-        return Reduction(completion, pending)
+        return Reduction(self, completion, pending)
 
     def _pack(self, bucket: FlatBucket, grads: list) -> tuple[torch.Tensor, PaddedScatterInput | None]:
         """The reduce-scatter input of ``bucket`` and, if it is a kept buffer, its owner."""
@@ -326,10 +327,10 @@ class GroupReduce:
 
     def _after_reduce_scatter(self, pending: PendingReduce, mode: Mode) -> None:
         """Across replicas (HSDP), the user's hook, the division; runs once the reduce-scatter is done."""
-        plan, settings = pending.plan, self.settings
+        plan, settings = pending.step.plan, self.settings
         if self.dp.is_hybrid:
             if mode is Mode.PARTIAL:
-                self._keep_partial(pending)
+                self.finish(pending.step.bucket, pending.output, Mode.PARTIAL)
                 return
             self._add_partial(pending)
             collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
@@ -345,34 +346,86 @@ class GroupReduce:
         if plan.divide_after != 1:
             output.div_(plan.divide_after)
 
-    def _keep_partial(self, pending: PendingReduce) -> None:
-        for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
-            kept = self.partial_sums.get(id(p))
-            self.partial_sums[id(p)] = slot.clone() if kept is None else kept.add_(slot)
+    # -- the gradient store: where a reduced bucket goes, whichever executor reduced it ----------
 
-    def add_partial_sums(self, sums: list[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Add a compiled backward's partial sums (each parameter's reduce-scattered padded slot, in
-        the reduce dtype, owned) to the ones kept here."""
-        for p, slot in sums:
-            kept = self.partial_sums.get(id(p))
-            self.partial_sums[id(p)] = slot if kept is None else kept.add_(slot)
+    def finish(
+        self,
+        bucket: FlatBucket,
+        reduced: torch.Tensor,
+        mode: Mode,
+        reached: Sequence[int] | None = None,
+        host_syncs_later: bool = True,
+    ) -> None:
+        """Put a bucket's gradient where ``mode`` says, for the parameters ``reached`` (indices in
+        ``bucket.params``; None: all): SYNCED, the reduced flat shard added to their ``.grad``;
+        PARTIAL (HSDP without the all-reduce), the reduce-scattered flat shard added to the
+        partial sums kept here; UNSYNCED (a compiled backward without sync), the unreduced
+        ``world x numel`` rows added to each parameter's unsynced sum. Eager reductions and the
+        compiled graph's sinks (fsdp2.runtime.traced_grads) both write gradients through it."""
+        params = bucket.params
+        if mode is Mode.SYNCED:
+            if reduced.numel() != bucket.numel_per_rank:
+                reduced = reduced[: bucket.numel_per_rank]
+            slots = torch.split_with_sizes(reduced, bucket.sizes)
+            if reached is None:
+                accumulate_sharded_grads(params, slots, host_syncs_later)
+            else:
+                accumulate_sharded_grads([params[i] for i in reached], [slots[i] for i in reached], host_syncs_later)
+            return
+        chosen = range(len(params)) if reached is None else reached
+        if mode is Mode.PARTIAL:
+            slots = torch.split_with_sizes(reduced, bucket.sizes)
+            for i in chosen:
+                key = id(params[i])
+                kept = self.partial_sums.get(key)
+                # A copy: the slot views a reduction's buffer (eager's, or the graph's).
+                self.partial_sums[key] = slots[i].clone() if kept is None else kept.add_(slots[i])
+            return
+        blocks = torch.split_with_sizes(reduced.view(self.dp.shard_size, -1), bucket.sizes, dim=1)
+        for i in chosen:
+            p = params[i]
+            full = p.layout.full_from_rank_rows(blocks[i])
+            # Owned: a copy only where ``full`` still views the graph's buffer (decoding a column of
+            # several parameters' rows has copied already).
+            aliases = full.untyped_storage().data_ptr() == reduced.untyped_storage().data_ptr()
+            p.add_compiled_unsynced(full.clone() if aliases else full)
+        self.holds_unsynced_sums = True
 
-    def take_partial_sums(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
-        """The partial sums kept for ``params`` (None where there is none), taken: a compiled
-        backward adds them to its all-reduce."""
-        return [self.partial_sums.pop(id(p), None) for p in params]
-
-    def take_unsynced_sums(self, params: list[ShardedParam]) -> dict[int, torch.Tensor | None]:
-        """The gradients eager backwards without sync kept for ``params`` (see
-        ``take_unreduced_grads``), taken: a compiled backward adds them to its reduction."""
-        grads = take_unreduced_grads(params)
-        self.holds_unsynced_sums = any([p.has_unreduced_grad for p in self.params])
-        return grads
+    def take_kept_sums(self, bucket: FlatBucket, mode: Mode) -> tuple[torch.Tensor | None, set[int]]:
+        """The sums earlier backwards kept for ``bucket``'s parameters, taken, laid out for the
+        reduction that adds them in (a compiled synced backward's): UNSYNCED, the full gradients
+        as the reduce-scatter input eager packs (``world x numel`` rows, flat); PARTIAL, the
+        reduce-scattered flat shard. With the indices of the parameters they reached; None and
+        none where nothing was kept."""
+        params = bucket.params
+        if mode is Mode.UNSYNCED:
+            if not self.holds_unsynced_sums:
+                return None, set()
+            grads = take_unreduced_grads(params)
+            self.holds_unsynced_sums = any([p.has_unreduced_grad for p in self.params])
+            pieces = [grads.get(id(p)) for p in params]
+        else:
+            if not self.partial_sums:
+                return None, set()
+            pieces = [self.partial_sums.pop(id(p), None) for p in params]
+        reached = {i for i, piece in enumerate(pieces) if piece is not None}
+        if not reached:
+            return None, reached
+        if mode is Mode.UNSYNCED:
+            return _reduce_scatter_input(bucket, pieces, self.dp.shard_size, self.dp.device).view(-1), reached
+        flat = torch.empty(bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+        for piece, slot in zip(pieces, torch.split_with_sizes(flat, bucket.sizes)):
+            if piece is None:
+                slot.zero_()
+            else:
+                slot.copy_(piece)
+        return flat, reached
 
     def _add_partial(self, pending: PendingReduce) -> None:
         if not self.partial_sums:
             return
-        for p, slot in zip(pending.bucket.params, torch.split_with_sizes(pending.output, pending.bucket.sizes)):
+        bucket = pending.step.bucket
+        for p, slot in zip(bucket.params, torch.split_with_sizes(pending.output, bucket.sizes)):
             kept = self.partial_sums.pop(id(p), None)
             if kept is not None:
                 slot.add_(kept)

@@ -159,6 +159,14 @@ class ShardedParam:
             return GradDtype.REDUCE
         return GradDtype.PER_BACKWARD
 
+    def on_compute_device(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` where the parameter is gathered and computed on: under CPU offload the shard
+        lives on the host, and every codec, eager or compiled, encodes it on the device (as
+        PyTorch's FSDP2 hands it to a tensor subclass's hooks); a pinned one copies asynchronously."""
+        if shard.device == self.device:
+            return shard
+        return shard.to(self.device, non_blocking=self._pin)
+
     def _to_storage(self, local: torch.Tensor) -> torch.Tensor:
         if local.device.type == "meta":
             return local
@@ -187,8 +195,8 @@ class ShardedParam:
         put it in every place the parameter is tied to, and follow its dtype.
         """
         self._flat_shard_of = self._flat_shard = None
-        current = self.slots[0].current()
-        if current is not self.sharded_param and current is not self.unsharded_param:
+        current = self.registered_replacement()
+        if current is not None:
             self.sharded_param = self._adopt(current)
             for slot in self.slots:
                 slot.hold(self.sharded_param)
@@ -199,6 +207,15 @@ class ShardedParam:
         self._read_dtypes()
         if self.param_dtype != param_dtype:
             self.forget_unsharded()  # the gathered storage has the old dtype
+
+    def registered_replacement(self) -> torch.Tensor | None:
+        """What is registered in the parameter's place if it is neither of ours (assigned, or
+        loaded with ``assign=True``): eager takes it over at ``refresh``, a compiled step refuses
+        it (fsdp2.runtime.traced.check_traceable)."""
+        current = self.slots[0].current()
+        if current is self.sharded_param or current is self.unsharded_param:
+            return None
+        return current
 
     def forget_unsharded(self) -> None:
         """Drop the unsharded parameter: the next unshard builds it anew."""

@@ -228,17 +228,8 @@ class TracedGroup:
             (bucket,) = gather.buckets
         else:  # a tensor subclass's hook decides its columns: as this trace's encoding gave them
             bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
-        wire = [t for tensors, _ in encoded for t in tensors]
-        if all(t.dtype == bucket.dtype for t in wire):
-            flat = graph.flat(wire)  # one op, not torch.cat (see traced_ops); it flattens them itself
-        else:  # bytes, each column padded to its aligned width (the padding lands only in padding)
-            pieces = []
-            for t, width in zip(wire, bucket.widths):
-                piece = t.reshape(-1).view(torch.uint8)
-                pieces.append(piece)
-                if width > piece.numel():
-                    pieces.append(piece.new_empty(width - piece.numel()))
-            flat = graph.flat(pieces)
+        # One op, not torch.cat (see traced_ops); it flattens the pieces itself.
+        flat = graph.flat(bucket.row_pieces([t for tensors, _ in encoded for t in tensors]))
         return encoded, bucket, flat
 
     @staticmethod
@@ -267,7 +258,7 @@ class TracedGroup:
         gathered = self._all_gather(flat, dp.shard_size, dp.shard_group.group_name, settings)
         rows = gathered.view(dp.shard_size, -1)
         values = self._decoded(encoded, bucket, rows, shards)
-        regathered = dp.shard_size * flat.numel() * flat.element_size() if regathers else 0
+        regathered = collectives.comm_bytes("all_gather", flat, dp.shard_size) if regathers else 0
         return route(values, port_tensors, regathered)
 
     def _gather_keeping_rows(
@@ -291,7 +282,7 @@ class TracedGroup:
             gathered = self._all_gather(kept, subgroup.size, subgroup.group.group_name, settings)
             rows = rank_rows_from_subgroups(gathered, subgroup.size, world)
             values = self._decoded(*layout, rows, shards)
-            return route(values, list(port_tensors), subgroup.size * kept.numel() * kept.element_size())
+            return route(values, list(port_tensors), collectives.comm_bytes("all_gather", kept, subgroup.size))
 
         return list(
             checkpoint(unshard, kept, *port_tensors, use_reentrant=False, context_fn=graph.recompute_in_backward)
@@ -342,14 +333,19 @@ class TracedGroup:
         # Sums kept for this accumulation, by eager or compiled microbatches (guarded too): a synced graph takes them.
         unsynced_sums, partial_sums = reduce.holds_unsynced_sums, reduce.holds_partial_sums
         mode = group.mode
+        # set_reduce_scatter_unused_params(True): which parameters a rank's forward used may differ
+        # across ranks, and a graph's backward reduces only what it reached, so the graph hands such a
+        # group's gradient on unreduced (as without sync) and the end of the backward reduces it on
+        # every rank alike (FSDPState.compiled_backward_runs), as eager's end of backward does.
+        deferred = reduce.include_unused and mode is not Mode.UNSYNCED
         buckets = []
         for step in self.reduce_steps():
             reduction = graph.BucketReduction(
                 step.spec,
                 counted=counted,
-                mode=mode,
-                takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,
-                takes_partial=mode is Mode.SYNCED and partial_sums,
+                mode=Mode.UNSYNCED if deferred else mode,
+                takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums and not deferred,
+                takes_partial=mode is Mode.SYNCED and partial_sums and not deferred,
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the dtype
@@ -390,8 +386,13 @@ class TracedGroup:
         """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
         if not torch.is_grad_enabled():
             return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
-        setting, shard_size = self.group.reshard_after_forward.setting, self.group.dp.shard_size
-        return schedule.after_forward(setting, is_root=is_root, shard_size=shard_size)
+        if self.group.reduce.include_unused:
+            # A graph's backward gathers again only what it needs, which depends on what this
+            # rank's forward used; under set_reduce_scatter_unused_params(True) that may differ
+            # across ranks, so the group stays gathered to its backward: the same collectives on
+            # every rank.
+            return schedule.AfterForward.KEEP
+        return self.group.reshard_after_forward.action_for(is_root)
 
 
 class TracedCall:
@@ -607,7 +608,7 @@ def check_traceable(traced: TracedGroup) -> None:
         )
     replaced = []
     if traced.param_replaced:  # read in every trace: dynamo guards on it, so a replacement retraces
-        replaced = [p.fqn for p in group.params if p.slots[0].current() is not p.sharded_param]
+        replaced = [p.fqn for p in group.params if p.registered_replacement() is not None]
     if problem is None and replaced:
         # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
         problem = (

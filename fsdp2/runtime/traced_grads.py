@@ -16,6 +16,9 @@ The sums live in one place, eager's, in eager's layout, whichever executor ran t
 eager's backwards add to them and reduce them; a compiled synced graph takes them into its flat
 layout (``fsdp2::take_pending``, once per backward, whichever of its graphs runs first; a graph
 includes that op only if sums were kept when it was traced: dynamo guards on the group's flags).
+Every write, to ``.grad`` or to the sums, is the group's gradient store's (``GroupReduce.finish``,
+which eager's reductions call too), and every take is its ``take_kept_sums``; the hand-off's one
+shortcut assigns first gradients of a bucket without padding as views of the reduced shard.
 
 When backward missed some parameters (unused in forward), the graph knows which at trace time and
 hands the gradient to ``fsdp2::deliver`` instead, with the indices it reached: SYNCED writes only
@@ -37,7 +40,7 @@ import torch
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import traced_ops
-from fsdp2.runtime.sharded_param import accumulate_sharded_grads, weak_hook
+from fsdp2.runtime.sharded_param import weak_hook
 from fsdp2.runtime.group_step import Mode
 
 if TYPE_CHECKING:
@@ -62,7 +65,7 @@ class BucketGrads:
     """
 
     def __init__(self, step: "BucketStep", group: "ParamGroup", frozen: tuple["ShardedParam", ...] = ()):
-        bucket = step.bucket
+        self.bucket = bucket = step.bucket
         self.params = params = tuple(bucket.params)
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
         # for them, so one that requires a gradient now is refused (see _unfrozen).
@@ -71,19 +74,16 @@ class BucketGrads:
         reduce_dtype = self.reduce_dtype = step.reduce_dtype
         self.hooked = step.hooked
         device = group.dp.device
-        self.widths = bucket.sizes
         self.shard_numel = bucket.numel_per_rank
         self.gathered_numel = step.world * self.shard_numel
         # The shards' dtype (the reduce dtype where they have several: each is cast as it is written).
         self.grad_dtype = step.grad_dtype
-        # What a synced backward that reached every parameter hands over (see BucketReduction.sink_dtype).
-        self.sink_dtype = reduce_dtype if step.hooked else step.grad_dtype
         # No padding on this rank, one dtype: the reduced flat shard is the local shards back to back.
         self.packed = all(
             p.layout.local_rows == p.layout.chunk and not p.offload and p.orig_dtype == self.grad_dtype for p in params
         )
         self.shapes = [torch.empty(p.layout.local_shape, dtype=p.orig_dtype, device="meta") for p in params]
-        self.reduced = _leaf(self.shard_numel, self.sink_dtype, device)
+        self.reduced = _leaf(self.shard_numel, step.spec.handed_over_dtype(Mode.SYNCED), device)
         self.reduced.register_post_accumulate_grad_hook(weak_hook(self._hand_off))
         self.unsynced = _leaf(self.gathered_numel, reduce_dtype, device)
         self.unsynced.register_post_accumulate_grad_hook(weak_hook(self._summed_unsynced))
@@ -92,7 +92,6 @@ class BucketGrads:
             self.partial = _leaf(self.shard_numel, reduce_dtype, device)
             self.partial.register_post_accumulate_grad_hook(weak_hook(self._summed_partial))
         self.anchor = _leaf(0, torch.float32, device)  # takes fsdp2::deliver's results
-        self._every = tuple(range(len(params)))
         # Which parameters the sums taken by the running graph reached (its delivery adds them).
         self._taken_reached: set[int] = set()
         self.key = traced_ops.register_route(self)
@@ -129,35 +128,12 @@ class BucketGrads:
 
     def take(self, grad: torch.Tensor, kind: int) -> torch.Tensor:
         """``grad`` plus the sums of ``kind`` kept for these parameters, taken (the kept sum first,
-        as eager adds them): without gradient sync, each parameter's full gradient laid out as its
-        rank rows; HSDP partial sums, its reduce-scattered slot."""
-        reduce = self.group.reduce
-        world = self.group.dp.shard_size
-        if Mode(kind) is Mode.UNSYNCED:
-            if not reduce.holds_unsynced_sums:
-                return grad.clone()
-            grads = reduce.take_unsynced_sums(self.params)
-            pieces = [grads.get(id(p)) for p in self.params]
-            flat = torch.empty(world, self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
-            blocks = torch.split_with_sizes(flat, self.widths, dim=1)
-        else:
-            if not reduce.holds_partial_sums:
-                return grad.clone()
-            pieces = reduce.take_partial_sums(self.params)
-            flat = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.group.dp.device)
-            blocks = torch.split_with_sizes(flat, self.widths)
-        reached = {i for i, piece in enumerate(pieces) if piece is not None}
-        if not reached:
+        as eager adds them; ``GroupReduce.take_kept_sums`` lays them out)."""
+        kept, reached = self.group.reduce.take_kept_sums(self.bucket, Mode(kind))
+        if kept is None:
             return grad.clone()
         self._taken_reached |= reached
-        for p, piece, block in zip(self.params, pieces, blocks):
-            if piece is None:
-                block.zero_()
-            elif kind == Mode.UNSYNCED:
-                p.layout.copy_full_in(piece, block)  # zeroes its padding
-            else:
-                block.copy_(piece)
-        return flat.view(-1) + grad
+        return kept + grad
 
     def deliver(self, grad: torch.Tensor, mode: int, reached: list[int]) -> torch.Tensor:
         """A graph's gradient from a backward that reached only the parameters ``reached`` (plus
@@ -167,7 +143,6 @@ class BucketGrads:
         reached_all = set(reached) | self._taken_reached
         self._taken_reached = set()
         if mode is Mode.SYNCED:
-            self.group.reduce.gathered_before = True
             self.group.reduce.reduced_in_graph = True
             # A copy: ``grad`` is the graph's buffer, and fresh gradients view what they are given.
             self._write(self._finished(grad.clone()), reached_all)
@@ -210,8 +185,9 @@ class BucketGrads:
         grad, sink.grad = sink.grad, None
         if grad is None:
             return
-        self._check_mode(Mode.UNSYNCED)
-        self._add_to_sums(Mode.UNSYNCED, grad, self._every)
+        if not self.group.reduce.include_unused:  # else a synced reduction deferred to the backward's end
+            self._check_mode(Mode.UNSYNCED)
+        self._add_to_sums(Mode.UNSYNCED, grad, None)
 
     def _summed_partial(self, sink: torch.Tensor) -> None:
         grad, sink.grad = sink.grad, None
@@ -219,28 +195,12 @@ class BucketGrads:
             return
         self._taken_reached = set()  # taken into this sum (an unsynced sum, before the reduce-scatter)
         self._check_mode(Mode.PARTIAL)
-        self._add_to_sums(Mode.PARTIAL, grad, self._every)
+        self._add_to_sums(Mode.PARTIAL, grad, None)
 
     def _add_to_sums(self, mode: Mode, grad: torch.Tensor, reached) -> None:
-        """Add a backward's gradient (``grad``: the graph's flat buffer) of the parameters
-        ``reached`` to the sums eager keeps: without sync, each one's full gradient (TP-local) to
-        its unsynced sum; without the HSDP all-reduce, each one's slot to the group's partial sums."""
-        group = self.group
-        reduce = group.reduce
+        reduce = self.group.reduce
         reduce.gathered_before = True
-        if mode is Mode.UNSYNCED:
-            blocks = torch.split_with_sizes(grad.view(group.dp.shard_size, -1), self.widths, dim=1)
-            for i in reached:
-                p = self.params[i]
-                full = p.layout.full_from_rank_rows(blocks[i])
-                # Owned: a copy only where ``full`` still views the graph's buffer (decoding a
-                # column of several parameters' rows has copied already).
-                aliases = full.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
-                p.add_compiled_unsynced(full.clone() if aliases else full)
-            reduce.holds_unsynced_sums = True
-        else:
-            slots = torch.split_with_sizes(grad, self.widths)
-            reduce.add_partial_sums([(self.params[i], slots[i].clone()) for i in reached])
+        reduce.finish(self.bucket, grad, mode, reached)
 
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""
@@ -290,19 +250,20 @@ class BucketGrads:
 
     def _write(self, reduced: torch.Tensor, reached: set[int] | None) -> None:
         """Add the reduced flat shard to the ``.grad`` of the parameters ``reached`` (None: all),
-        as eager's post-backward writes them."""
-        if self.group.reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
+        as eager's post-backward writes them (``GroupReduce.finish``)."""
+        reduce = self.group.reduce
+        reduce.gathered_before = True
+        if reduce.include_unused:  # set_reduce_scatter_unused_params(True): zeros
             reached = None
         dtensors = self.dtensors
         for p, dtensor in zip(self.params, dtensors):
             if compat.local_tensor_of(dtensor) is not p.traced_source:
                 raise _swapped_shard_error(p)
-        slots = torch.split_with_sizes(reduced[: self.shard_numel], self.widths)
         # As eager: a parameter no backward reached (unused in forward) gets no gradient, nor one
-        # frozen after fully_shard (the graph does not see it).
+        # frozen after fully_shard (the graph does not see it). CPU offload: the copy to the host
+        # waits (no eager root syncs after a compiled backward).
         chosen = [i for i, d in enumerate(dtensors) if d.requires_grad and (reached is None or i in reached)]
-        # CPU offload: the copy to the host waits (no eager root syncs after a compiled backward).
-        accumulate_sharded_grads([self.params[i] for i in chosen], [slots[i] for i in chosen], False)
+        reduce.finish(self.bucket, reduced, Mode.SYNCED, chosen, host_syncs_later=False)
 
 
 _MODE_WORDS = {

@@ -52,14 +52,6 @@ class BucketReduction:
     takes_partial: bool = False
     include_unused: bool = False
 
-    @property
-    def sink_dtype(self) -> torch.dtype:
-        """The dtype the bucket's reduced flat shard reaches its sink in: the reduce dtype where the
-        hand-off finishes it (the all-reduce hook) or keeps it (partial and unsynced sums)."""
-        if self.mode is Mode.SYNCED and not self.spec.hooked:
-            return self.spec.grad_dtype
-        return self.spec.reduce_dtype
-
 
 @dataclass(frozen=True)
 class GatherSettings:
@@ -71,9 +63,14 @@ class GatherSettings:
     custom: str | None
 
 
+def _record(kind: str, sent: torch.Tensor, world: int = 1) -> None:
+    """count_comm's record of one collective, counted as eager counts it (``collectives.comm_bytes``)."""
+    traced_ops.record_comm(kind, collectives.comm_bytes(kind, sent, world))
+
+
 def all_gather(send: torch.Tensor, world: int, group: str, settings: GatherSettings) -> torch.Tensor:
-    if settings.counted:  # count_comm's record of it, as eager's: the output buffer
-        traced_ops.record_comm("all_gather", world * send.numel() * send.element_size())
+    if settings.counted:
+        _record("all_gather", send, world)
     if settings.custom is not None:  # set_custom_all_gather
         return traced_ops.custom_all_gather(send, world, group, settings.custom)
     dtype = send.dtype
@@ -90,8 +87,8 @@ def all_gather(send: torch.Tensor, world: int, group: str, settings: GatherSetti
 
 
 def _reduce_scatter(grad: torch.Tensor, spec: ReduceSpec, counted: bool) -> torch.Tensor:
-    if counted:  # the input buffer, as eager's
-        traced_ops.record_comm("reduce_scatter", grad.numel() * grad.element_size())
+    if counted:
+        _record("reduce_scatter", grad)
     op, world, group = spec.plan.reduce_scatter_op.functional_name, spec.world, spec.shard_group
     if spec.custom_reduce_scatter is not None:  # set_custom_reduce_scatter
         return traced_ops.custom_reduce_scatter(grad, world, op, group, spec.custom_reduce_scatter)
@@ -121,13 +118,13 @@ def reduce(grad: torch.Tensor, r: BucketReduction, bucket: str) -> torch.Tensor:
         if r.takes_partial:  # eager: the kept partial sums join this all-reduce
             reduced = traced_ops.take_pending(reduced, bucket, Mode.PARTIAL)
         if r.counted:
-            traced_ops.record_comm("all_reduce", reduced.numel() * reduced.element_size())
+            _record("all_reduce", reduced)
         op = plan.all_reduce_op.functional_name
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, op, spec.replicate_group))
     if not spec.hooked:  # else the hand-off divides and casts after the hook (see BucketReduction)
         if plan.divide_after != 1:
             reduced = reduced / plan.divide_after
-        reduced = reduced.to(r.sink_dtype)
+        reduced = reduced.to(spec.handed_over_dtype(r.mode))
     return reduced
 
 

@@ -390,14 +390,7 @@ def has_ingredients(program: Program, wanted) -> bool:
 
 # name -> (what goes wrong, the ingredients of programs that have it: any one of the sets). Each is a strict xfail in
 # tests/fuzz/test_findings.py; fixing one means deleting its entry here and its xfail there.
-KNOWN_UNFIXED: dict[str, tuple[str, tuple[frozenset[str], ...]]] = {
-    "compiled step, parameters unused on some ranks": (
-        "set_reduce_scatter_unused_params(True) and a module whose parameters forward uses on some ranks only: the "
-        "ranks' compiled graphs differ in the collectives their backward issues (re-gathers, reductions), which "
-        "then do not pair (gloo aborts, or the step hangs); docs/compile.md lists it",
-        (frozenset({"compiled forward", "gate closed on some ranks"}),),
-    ),
-}
+KNOWN_UNFIXED: dict[str, tuple[str, tuple[frozenset[str], ...]]] = {}
 
 
 def known_defects(program: Program) -> list[str]:

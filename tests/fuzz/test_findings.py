@@ -286,11 +286,6 @@ def test_a_group_unused_in_its_first_compiled_step_gets_zero_gradients_like_eage
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="set_reduce_scatter_unused_params(True), a gated module's parameters unused on some ranks only, compiled: "
-    "the ranks' graphs issue different collectives in backward (re-gathers, reductions) and gloo aborts",
-)
 def test_compiled_step_with_parameters_unused_on_some_ranks(worlds):
     program = Program(
         model=Model(
