@@ -22,10 +22,12 @@ each backward first); packing and collectives live in ``gather`` and ``reduce``.
 from __future__ import annotations
 
 import logging
+import weakref
 from enum import Enum, auto
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
@@ -35,6 +37,7 @@ from fsdp2.runtime.codecs import GatherCodec, PlainCodec, QuantizedCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
+from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.group_step import Mode, backward_mode
 from fsdp2.runtime.reduce import GroupReduce, Reduction, ReduceWindow
 from fsdp2.runtime.sharded_param import (
@@ -155,6 +158,9 @@ class ParamGroup:
         self.mode = Mode.SYNCED
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
         self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
+        # A parameter other than ours was registered in one of the group's slots since fsdp2 last
+        # read them (set eagerly by the registration watch below; refresh_params takes it over).
+        self.params_replaced = False
         self.local_only = schedule.one_rank_skips_collectives(dp.shard_size)
         self.all_gather_policy: AllGatherPolicy | None = None
         self._assign_codecs()
@@ -166,6 +172,7 @@ class ParamGroup:
         self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
             p.bind_grad_ready(self._grads.note)
+        _registrations.watch(self)
 
     def set_sync(self, *, gradient_sync: bool | None = None, all_reduce: bool | None = None) -> None:
         """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP): the flags, and the
@@ -188,6 +195,7 @@ class ParamGroup:
         """Re-read parameters replaced or converted from outside (see ShardedParam.refresh)."""
         for p in self.params:
             p.refresh()
+        self.params_replaced = False
         self._assign_codecs()
         self.gather.rebuild()
         self.reduce.rebuild()
@@ -456,3 +464,46 @@ class ParamGroup:
         hold_all_sharded(self.params)
         if not self.keep_unsharded_storage:
             free_all_unsharded(self.params)
+
+
+class _ParamRegistrations:
+    """Notices a parameter registered (``module.weight = nn.Parameter(...)``,
+    ``load_state_dict(assign=True)``) in a slot of a fully_shard'ed parameter, through nn.Module's
+    global registration hook (a process hook, fsdp2.runtime.process_hooks: in place while fsdp2
+    modules exist), and sets the group's ``params_replaced``. Eager fsdp2 takes such a parameter
+    over when it re-reads the parameters (lazy init, load_state_dict); the compiled step does not
+    read the DTensor parameters (fsdp2.runtime.traced.TracedCall.hold), so it reads the flag (one
+    guard: a replacement retraces) and refuses the replacement by name rather than keep training
+    the old shard."""
+
+    def __init__(self) -> None:
+        # module -> {slot name: (its ShardedParam, its ParamGroup)}, both weakly: they refer to
+        # the module, which would otherwise never be freed.
+        self._slots: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[weakref.ref, weakref.ref]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._handle = None
+
+    def watch(self, group: ParamGroup) -> None:
+        for p in group.params:
+            for slot in p.slots:
+                self._slots.setdefault(slot.module, {})[slot.name] = (weakref.ref(p), weakref.ref(group))
+
+    def install(self) -> None:
+        self._handle = nn.modules.module.register_module_parameter_registration_hook(self._registered)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._handle = None
+
+    def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        watched = self._slots.get(module)
+        if watched is None or name not in watched:
+            return
+        sharded, group = (ref() for ref in watched[name])
+        if sharded is not None and group is not None and param is not sharded.sharded_param:
+            group.params_replaced = True
+
+
+_registrations = _ParamRegistrations()
+PROCESS_HOOKS.register("parameter registration", _registrations.install, _registrations.remove)

@@ -10,7 +10,7 @@ that owns it:
   other tensors are left as they are; ``fsdp2.optim.set_local_shard_steps(False)`` removes it.
 - ``"PyTorch fully_shard guard"`` (fsdp2.torch_switch): PyTorch's ``fully_shard`` refuses a module
   holding fsdp2's (one model, one implementation), whether or not the switch is installed.
-- ``"parameter registration"`` (fsdp2.runtime.traced): nn.Module's global parameter-registration
+- ``"parameter registration"`` (fsdp2.runtime.param_group): nn.Module's global parameter-registration
   hook, through which a compiled step notices a parameter replaced by assignment.
 
 ``installed()`` lists the ones in place now.

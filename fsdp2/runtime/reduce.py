@@ -364,8 +364,6 @@ class GroupReduce:
         compiled graph's sinks (fsdp2.runtime.traced_grads) both write gradients through it."""
         params = bucket.params
         if mode is Mode.SYNCED:
-            if reduced.numel() != bucket.numel_per_rank:
-                reduced = reduced[: bucket.numel_per_rank]
             slots = torch.split_with_sizes(reduced, bucket.sizes)
             if reached is None:
                 accumulate_sharded_grads(params, slots, host_syncs_later)

@@ -43,7 +43,6 @@ Dynamo guards on the settings read here, so changing one between steps retraces.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,7 +59,6 @@ from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.group_step import BucketStep, Mode
 from fsdp2.runtime.param_group import GroupState
-from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.sharded_param import GradDtype
 from fsdp2.runtime.traced_grads import BucketGrads
 
@@ -128,7 +126,6 @@ class TracedGroup:
         "group",
         "in_trace",
         "grads",
-        "param_replaced",
         "__weakref__",
     )
 
@@ -137,17 +134,8 @@ class TracedGroup:
         self.in_trace: _InTrace | None = None
         self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
         self.prepare_buckets()
-        # Set (eagerly, by _registrations) when a parameter other than ours is registered in one of
-        # the group's slots; a trace reads it (one guard), and only then compares each parameter.
-        self.param_replaced = False
-        group.on_params_refreshed = self.params_refreshed
-        _registrations.watch(self)
-
-    def params_refreshed(self) -> None:
-        """fsdp2 re-read the parameters (ShardedParam.refresh): replacements are taken over, and
-        dtypes may have changed (new buckets)."""
-        self.param_replaced = False
-        self.prepare_buckets()
+        # fsdp2 re-read the parameters (ShardedParam.refresh): dtypes may have changed (new buckets).
+        group.on_params_refreshed = self.prepare_buckets
 
     def discard_pending_grads(self) -> None:
         for grads in self.grads.values():
@@ -538,48 +526,6 @@ class _TraceScope:
 _trace = _TraceScope()
 
 
-class _ParamRegistrations:
-    """Notices a parameter registered (``module.weight = nn.Parameter(...)``,
-    ``load_state_dict(assign=True)``) in a slot of a fully_shard'ed parameter, through nn.Module's
-    global registration hook (a process hook, fsdp2.runtime.process_hooks: in place while fsdp2
-    modules exist). The compiled step does not read the DTensor parameters (see
-    ``TracedCall.hold``), so without this it would keep training the old shard; instead the
-    group's ``param_replaced`` flips, the guard on it fails, and the retrace refuses the
-    replacement by name (``check_traceable``)."""
-
-    def __init__(self) -> None:
-        # module -> {slot name: (its ShardedParam, its TracedGroup)}, both weakly: they refer to
-        # the module, which would otherwise never be freed.
-        self._slots: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[weakref.ref, weakref.ref]]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._handle = None
-
-    def watch(self, traced: TracedGroup) -> None:
-        for p in traced.group.params:
-            for slot in p.slots:
-                self._slots.setdefault(slot.module, {})[slot.name] = (weakref.ref(p), weakref.ref(traced))
-
-    def install(self) -> None:
-        self._handle = nn.modules.module.register_module_parameter_registration_hook(self._registered)
-
-    def remove(self) -> None:
-        self._handle.remove()
-        self._handle = None
-
-    def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        watched = self._slots.get(module)
-        if watched is None or name not in watched:
-            return
-        sharded, traced = (ref() for ref in watched[name])
-        if sharded is not None and traced is not None and param is not sharded.sharded_param:
-            traced.param_replaced = True
-
-
-_registrations = _ParamRegistrations()
-PROCESS_HOOKS.register("parameter registration", _registrations.install, _registrations.remove)
-
-
 def link_forward_order(calls: list[TracedCall]) -> None:
     """Each call's implicit prefetch target: the next one in module (pre-)order."""
     for first, second in zip(calls, calls[1:]):
@@ -607,7 +553,7 @@ def check_traceable(traced: TracedGroup) -> None:
             "set_force_sum_reduction_for_comms(True) divides in a separate op)"
         )
     replaced = []
-    if traced.param_replaced:  # read in every trace: dynamo guards on it, so a replacement retraces
+    if group.params_replaced:  # read in every trace: dynamo guards on it, so a replacement retraces
         replaced = [p.fqn for p in group.params if p.registered_replacement() is not None]
     if problem is None and replaced:
         # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).

@@ -263,7 +263,7 @@ class BucketGrads:
         # frozen after fully_shard (the graph does not see it). CPU offload: the copy to the host
         # waits (no eager root syncs after a compiled backward).
         chosen = [i for i, d in enumerate(dtensors) if d.requires_grad and (reached is None or i in reached)]
-        reduce.finish(self.bucket, reduced, Mode.SYNCED, chosen, host_syncs_later=False)
+        reduce.finish(self.bucket, reduced[: self.shard_numel], Mode.SYNCED, chosen, host_syncs_later=False)
 
 
 _MODE_WORDS = {

@@ -602,7 +602,7 @@ def _replaced_after_a_compiled_step(rank, world_size):
             "message": message,
             "taken_over": isinstance(weight, DTensor) and not weight.full_tensor().any().item(),
             "trained": weight.grad is not None,
-            "check_off_again": not model.blocks[0].__dict__["_fsdp_state"].traced.param_replaced,
+            "check_off_again": not model.blocks[0].__dict__["_fsdp_state"].group.params_replaced,
         }
         model.zero_grad()
         model.load_state_dict(model.state_dict(), assign=True)  # new Parameters, taken over too
