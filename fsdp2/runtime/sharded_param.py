@@ -356,12 +356,22 @@ class ShardedParam:
             self.unsharded_param.grad_dtype = self.reduce_dtype
 
     def choose_grad_dtype(self, synced: bool) -> None:
-        """At a backward's start (GradDtype.PER_BACKWARD): a backward without sync that starts a
-        sum casts each use's gradient to ``reduce_dtype`` before adding; any other adds the uses in
-        the compute dtype (into a sum already kept in ``reduce_dtype``, in place), as PyTorch's FSDP2."""
+        """At a backward's start (GradDtype.PER_BACKWARD): the unsharded parameter's ``grad_dtype``
+        for this backward (:meth:`summed_in`)."""
         unsharded = self.unsharded_param
         starts = unsharded.grad is None and self.unsynced_sum is None
-        unsharded.grad_dtype = self.reduce_dtype if starts and not synced else None
+        unsharded.grad_dtype = self.summed_in(synced, starts)
+
+    def summed_in(self, synced: bool, starts_sum: bool) -> torch.dtype | None:
+        """The dtype a backward adds the gradients of this parameter's uses in, as PyTorch's FSDP2
+        (GradDtype): ``reduce_dtype``, each use's gradient cast before it is added, or None for
+        the compute dtype. A backward without sync that starts a sum (``starts_sum``) casts under
+        GradDtype.PER_BACKWARD; any other adds the uses in the compute dtype (into a sum already
+        kept in ``reduce_dtype``, in place). The compiled step's gradient port follows it too."""
+        rule = self.grad_dtype_rule
+        if rule is GradDtype.REDUCE or (rule is GradDtype.PER_BACKWARD and starts_sum and not synced):
+            return self.reduce_dtype
+        return None
 
     def free_unsharded(self) -> None:
         free_all_unsharded((self,))

@@ -59,7 +59,6 @@ from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.extensions import SubclassCodec
 from fsdp2.runtime.group_step import BucketStep, Mode
 from fsdp2.runtime.param_group import GroupState
-from fsdp2.runtime.sharded_param import GradDtype
 from fsdp2.runtime.traced_grads import BucketGrads
 
 if TYPE_CHECKING:
@@ -337,14 +336,11 @@ class TracedGroup:
                 include_unused=reduce.include_unused,
             )
             # Every use's gradient is summed in the port row before the reduction, in the dtype
-            # eager sums it in the unsharded parameter: the compute dtype, or the reduce dtype where
-            # the parameters have several, or in a backward without sync that starts a sum where
-            # PyTorch accumulates in it (sharded_param.GradDtype).
-            params = step.bucket.params
-            param_dtypes = {p.param_dtype for p in params}
-            starts_sum = mode is Mode.UNSYNCED and not unsynced_sums
-            widens = starts_sum and any([p.grad_dtype_rule is not GradDtype.COMPUTE for p in params])
-            row_dtype = param_dtypes.pop() if len(param_dtypes) == 1 and not widens else step.reduce_dtype
+            # eager sums it in the unsharded parameter (ShardedParam.summed_in), or the reduce dtype
+            # where the parameters have several.
+            synced, starts_sum = mode is not Mode.UNSYNCED, mode is Mode.UNSYNCED and not unsynced_sums
+            dtypes = {p.summed_in(synced, starts_sum) or p.param_dtype for p in step.bucket.params}
+            row_dtype = dtypes.pop() if len(dtypes) == 1 else step.reduce_dtype
             buckets.append(_Bucket(step, row_dtype, reduction))
         return buckets
 
