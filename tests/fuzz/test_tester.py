@@ -149,3 +149,22 @@ def test_a_program_prints_as_python_that_rebuilds_it(program):
 
     assert eval(format_program(program), vars(module)) == program
     assert "assert_program_passes(worlds, program)" in program.as_pytest()
+
+
+def test_a_refusal_of_fsdp2_is_its_eager_twins_and_does_not_hide_a_compiled_difference():
+    """A compiled program runs fsdp2 twice (compiled, and the same calls eager): a deliberate
+    refusal is deliberate in both, and one the eager twin raises where the compiled run does not
+    is reported, not taken for the refusal between PyTorch and the eager twin."""
+    program = Program(model=Model(blocks=(Block(),)), calls=(FinalizeBackward(),))
+    call = program.calls[0]
+    refusal = "FSDPUsageRuntimeError: M.finalize_backward: fully_shard(M) keeps HSDP sums for a later all-reduce"
+    names = ["torch", "fsdp2-eager", "fsdp2"]
+
+    def judge(eager_error, compiled_error):
+        raised = {"torch": [None], "fsdp2-eager": [eager_error], "fsdp2": [compiled_error]}
+        return runner._judge_errors(program, 0, call, "call 0", names, raised)
+
+    assert judge(refusal, refusal).status == "refused"
+    result = judge(refusal, None)
+    assert result.status == "differs" and "fsdp2-eager raised on rank 0, fsdp2 did not" in result.detail
+    assert judge("ValueError: planted", "ValueError: planted").status == "differs"
