@@ -104,11 +104,15 @@ def reduce(grad: torch.Tensor, r: BucketReduction, bucket: str) -> torch.Tensor:
     padding zeroed) as ``r.mode`` keeps it: unreduced (UNSYNCED), reduce-scattered (PARTIAL), or
     reduced for ``.grad`` (SYNCED), with eager's casts, reduce ops, divisions and kept sums."""
     spec, plan = r.spec, r.spec.plan
+    if r.takes_unsynced:
+        # Eager: the microbatches' sum plus this backward's gradient, added in the wider of their
+        # dtypes and rounded to the reduce dtype once (``sum.add_(grad)``).
+        grad = traced_ops.take_pending(
+            grad.to(torch.promote_types(grad.dtype, spec.reduce_dtype)), bucket, Mode.UNSYNCED
+        )
     grad = grad.to(spec.reduce_dtype).contiguous()
     if r.mode is Mode.UNSYNCED:
         return grad
-    if r.takes_unsynced:  # eager: the microbatches' sum, then this backward's gradient
-        grad = traced_ops.take_pending(grad, bucket, Mode.UNSYNCED)
     for divisor in plan.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
     reduced = _reduce_scatter(grad, spec, r.counted)

@@ -313,3 +313,33 @@ def test_compiled_step_with_parameters_unused_on_some_ranks(worlds):
         optimizer="sgd",
     )
     assert_program_passes(worlds, program)
+
+
+@pytest.mark.slow
+def test_kept_sums_in_a_narrower_reduce_dtype_join_a_compiled_synced_backward_as_eager_adds_them(worlds):
+    """fp32 parameters reduced in fp16, a microbatch without sync, then a synced compiled backward:
+    eager adds its fp32 gradient to the fp16 sum in fp32 and rounds once; the graph cast its
+    gradient to fp16 first (two roundings, fp16 ulps apart)."""
+    program = Program(
+        model=Model(
+            dim=4,
+            vocab=5,
+            input="linear",
+            blocks=(Block(wrap=Wrap(mp="fp32-params-fp16-reduce")),),
+            head_bias=False,
+            root=Wrap(mp="fp32-params-fp16-reduce"),
+        ),
+        calls=(
+            Forward(compiled=True),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=False),
+            Forward(batch=1, compiled=True),
+            Backward(),
+            Setter(method="set_requires_gradient_sync", value=True),
+            Forward(batch=2, compiled=True),
+            Backward(),
+            OptimizerStep(),
+            ZeroGrad(),
+        ),
+    )
+    assert_program_passes(worlds, program)
