@@ -543,13 +543,10 @@ class _WithGate(torch.nn.Module):
         return self.head(self.gate(torch.relu(self.first(x)), opened))
 
 
-def _unused_params_reduced_compiled_vs_eager(rank, ws):
-    """``set_reduce_scatter_unused_params(True)``: a zero gradient for a parameter forward did not
-    use, compiled as eager (AdamW's weight decay then moves it in both), also for a group none of
-    whose parameters its first compiled step used (``gate``, its own fully_shard, closed in the
-    first two steps); each step issues eager's reductions (the end of the compiled backward
-    reduces only what the graph did not)."""
-    from fsdp2 import fully_shard
+def _gate_runs(rank, shard, opened, optimizer):
+    """``_WithGate`` from one init, eager and compiled, under ``set_reduce_scatter_unused_params(True)``:
+    per run and step the gradients (None where there is none) and the collectives counted, and the
+    final parameters. ``shard(model)`` applies fully_shard; ``opened(step)`` opens the gate."""
     from fsdp2.tools import count_comm
 
     torch._dynamo.reset()
@@ -558,23 +555,40 @@ def _unused_params_reduced_compiled_vs_eager(rank, ws):
     runs, comms = {}, {}
     for name in ("eager", "compiled"):
         model = copy.deepcopy(base)
-        fully_shard(model.gate)
-        fully_shard(model)
+        shard(model)
         model.set_reduce_scatter_unused_params(True)
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = optimizer(model.parameters())
         grads, comms[name] = [], []
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             with count_comm() as stats:
-                run(x, step == 2).sum().backward()
+                run(x, opened(step)).sum().backward()
             comms[name].append(dict(stats.calls))
             grads.append({n: None if p.grad is None else full_tensor(p.grad) for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
         runs[name] = (grads, [full_tensor(p) for p in model.parameters()])
     torch._dynamo.reset()
-    (eager_grads, eager_params), (grads, params) = runs["eager"], runs["compiled"]
+    return runs["eager"], runs["compiled"], comms
+
+
+def _unused_params_reduced_compiled_vs_eager(rank, ws):
+    """``set_reduce_scatter_unused_params(True)``: a zero gradient for a parameter forward did not
+    use, compiled as eager (AdamW's weight decay then moves it in both), also for a group none of
+    whose parameters its first compiled step used (``gate``, its own fully_shard, closed in the
+    first two steps); each step issues eager's reductions (the end of the compiled backward
+    reduces only what the graph did not)."""
+    from fsdp2 import fully_shard
+
+    def shard(model):
+        fully_shard(model.gate)
+        fully_shard(model)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    (eager_grads, eager_params), (grads, params), comms = _gate_runs(rank, shard, lambda step: step == 2, adamw)
     for step in range(3):
         assert eager_grads[step]["never.weight"] is not None and not eager_grads[step]["never.weight"].any()
         assert eager_grads[step]["gate.lin.weight"] is not None
@@ -601,31 +615,23 @@ def _gate_open_on_some_ranks_compiled_vs_eager(rank, ws, hsdp, reshard):
 
     from fsdp2 import fully_shard
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    base = _WithGate()
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
-    runs = {}
-    for name in ("eager", "compiled"):
-        model = copy.deepcopy(base)
+
+    def shard(model):
         fully_shard(model.gate, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
-        model.set_reduce_scatter_unused_params(True)
-        run = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        grads = []
-        for step in range(3):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-            run(x, rank == 0 or step == 2).sum().backward()
-            grads.append({n: full_tensor(p.grad) for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        runs[name] = (grads, [full_tensor(p) for p in model.parameters()])
-    torch._dynamo.reset()
-    (eager_grads, eager_params), (grads, params) = runs["eager"], runs["compiled"]
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2)
+
+    (eager_grads, eager_params), (grads, params), comms = _gate_runs(
+        rank, shard, lambda step: rank == 0 or step == 2, sgd
+    )
     for step in range(3):
         assert all(torch.equal(eager_grads[step][n], grads[step][n]) for n in eager_grads[step]), step
     assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    for kind in ("reduce_scatter", "all_reduce"):
+        assert [c[kind] for c in comms["compiled"]] == [c[kind] for c in comms["eager"]], comms
 
 
 @pytest.mark.parametrize("hsdp, reshard", [(False, True), (False, None), (True, True)])
