@@ -8,6 +8,10 @@ there (so there is no oracle):
   checkpoints) on only some ranks. Rank-dependent are the batches, gates closed on some ranks,
   and ``zero_grad`` on some ranks (an optimizer step on some ranks leaves the others without
   optimizer state, which sharded checkpoints rightly refuse);
+- ``clip_grad_norm_`` after ``zero_grad(set_to_none=True)`` on some ranks only, until every rank
+  sets the gradients to None again: which parameters have a gradient may then differ across
+  ranks, and PyTorch's own ``clip_grad_norm_`` issues a collective per gradient it finds (gloo
+  aborts);
 - a gate closed on some ranks only (a parameter used on some ranks, not on others) unless
   ``set_reduce_scatter_unused_params(True)`` is on: without it PyTorch reduce-scatters only the
   parameters with gradients, whose set then differs across ranks;
@@ -176,6 +180,9 @@ class _State:
         self.module_sync = False  # gradient sync set on a module other than the root
         self.unsharded = False  # unshard() or set_reshard_after_backward(False) left parameters gathered
         self.keep_after_backward = False
+        # zero_grad(set_to_none=True) on some ranks only: which parameters have a gradient may differ
+        # across ranks until every rank sets them to None again (a skipped block gets none).
+        self.grads_differ = False
         self.saved_state_dicts: list[int] = []
         self.checkpoints: list[int] = []
         self.paths = block_paths(model)
@@ -270,7 +277,7 @@ def _step(draw, s: _State) -> list:
             s.sync = True
         calls.append(FinalizeBackward())
         s.awaiting_finalize = False
-    if _chance(draw, 6):
+    if _chance(draw, 6) and not s.grads_differ:
         calls.append(
             ClipGradNorm(max_norm=draw(st.sampled_from([0.01, 0.1, 10.0])), fsdp2_function=draw(st.booleans()))
         )
@@ -278,7 +285,10 @@ def _step(draw, s: _State) -> list:
         calls.append(OptimizerStep())
     if not _chance(draw, 6):
         ranks = (draw(st.integers(0, s.model.world_size - 1)),) if _chance(draw, 10) else None
-        calls.append(ZeroGrad(set_to_none=not _chance(draw, 4), ranks=ranks))
+        zero = ZeroGrad(set_to_none=not _chance(draw, 4), ranks=ranks)
+        calls.append(zero)
+        if zero.set_to_none:
+            s.grads_differ = ranks is not None
     if _chance(draw, 10):
         calls.append(_save_or_load(draw, StateDict, s.saved_state_dicts))
     if _chance(draw, 12):

@@ -168,3 +168,16 @@ def test_a_refusal_of_fsdp2_is_its_eager_twins_and_does_not_hide_a_compiled_diff
     result = judge(refusal, None)
     assert result.status == "differs" and "fsdp2-eager raised on rank 0, fsdp2 did not" in result.detail
     assert judge("ValueError: planted", "ValueError: planted").status == "differs"
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(generate.programs(compiled=None))
+def test_no_clip_grad_norm_while_ranks_may_hold_different_gradients(program):
+    """After ``zero_grad(set_to_none=True)`` on some ranks only, which parameters have a gradient
+    may differ across ranks (PyTorch's ``clip_grad_norm_`` then issues different collectives and
+    gloo aborts): no clipping until every rank sets them to None again."""
+    differ = False
+    for call in program.calls:
+        if isinstance(call, ZeroGrad) and call.set_to_none:
+            differ = call.ranks is not None
+        assert not (differ and isinstance(call, ClipGradNorm)), format_program(program)
