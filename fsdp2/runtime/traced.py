@@ -324,21 +324,21 @@ class TracedGroup:
         # across ranks, and a graph's backward reduces only what it reached, so the graph hands such a
         # group's gradient on unreduced (as without sync) and the end of the backward reduces it on
         # every rank alike (FSDPState.compiled_backward_runs), as eager's end of backward does.
-        deferred = reduce.include_unused and mode is not Mode.UNSYNCED
+        graph_mode = Mode.UNSYNCED if reduce.include_unused else mode
+        # Every use's gradient is summed in the port row before the reduction, in the dtype eager
+        # sums it in the unsharded parameter (ShardedParam.summed_in, under the settings' mode), or
+        # the reduce dtype where the parameters have several.
+        synced, starts_sum = mode is not Mode.UNSYNCED, mode is Mode.UNSYNCED and not unsynced_sums
         buckets = []
         for step in self.reduce_steps():
             reduction = graph.BucketReduction(
                 step.spec,
                 counted=counted,
-                mode=Mode.UNSYNCED if deferred else mode,
-                takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums and not deferred,
-                takes_partial=mode is Mode.SYNCED and partial_sums and not deferred,
+                mode=graph_mode,
+                takes_unsynced=graph_mode is not Mode.UNSYNCED and unsynced_sums,
+                takes_partial=graph_mode is Mode.SYNCED and partial_sums,
                 include_unused=reduce.include_unused,
             )
-            # Every use's gradient is summed in the port row before the reduction, in the dtype
-            # eager sums it in the unsharded parameter (ShardedParam.summed_in), or the reduce dtype
-            # where the parameters have several.
-            synced, starts_sum = mode is not Mode.UNSYNCED, mode is Mode.UNSYNCED and not unsynced_sums
             dtypes = {p.summed_in(synced, starts_sum) or p.param_dtype for p in step.bucket.params}
             row_dtype = dtypes.pop() if len(dtypes) == 1 else step.reduce_dtype
             buckets.append(_Bucket(step, row_dtype, reduction))

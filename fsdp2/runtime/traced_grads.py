@@ -185,7 +185,10 @@ class BucketGrads:
         grad, sink.grad = sink.grad, None
         if grad is None:
             return
-        if not self.group.reduce.include_unused:  # else a synced reduction deferred to the backward's end
+        # Under set_reduce_scatter_unused_params(True) every graph hands its gradient here and the end
+        # of the backward reduces the sums by the settings then in force, as eager's post-backward
+        # would: nothing to refuse, whatever the mode was at the forward.
+        if not self.group.reduce.include_unused:
             self._check_mode(Mode.UNSYNCED)
         self._add_to_sums(Mode.UNSYNCED, grad, None)
 

@@ -636,7 +636,7 @@ def _gate_open_on_some_ranks_compiled_vs_eager(rank, ws, hsdp, reshard):
 
 @pytest.mark.parametrize("hsdp, reshard", [(False, True), (False, None), (True, True)])
 def test_parameters_used_on_some_ranks_only_under_the_compiled_whole_step(worlds, hsdp, reshard):
-    """Before, the ranks' graphs differed in their backward's collectives and gloo aborted."""
+    """Ranks whose graphs issued different collectives in backward would make gloo abort (NCCL hang)."""
     worlds.run(4 if hsdp else 2, _gate_open_on_some_ranks_compiled_vs_eager, hsdp, reshard)
 
 
