@@ -87,7 +87,7 @@ class GatherBucket:
     widths: list[int] = field(init=False)  # per column, all parameters' in order
     numel_per_rank: int = field(init=False)
     plain: bool = field(init=False)
-    rebuilt_from_unsharded: bool = field(init=False)  # reshard_after_forward=k rebuilds kept rows from the params
+    rebuilt_from_unsharded: bool = field(init=False)  # reshard_after_forward=k rebuilds subgroup rows from the params
 
     def __post_init__(self) -> None:
         flat = [c for cols in self.columns for c in cols]
@@ -128,7 +128,7 @@ class GatherBucket:
 
 
 class ReusedBuffer:
-    """A bucket's communication buffer kept from step to step, so that views of it are built once.
+    """A bucket's communication buffer reused from step to step, so that views of it are built once.
 
     Its storage exists only from ``allocate`` to ``release`` (freed and regrown: views survive
     that), as a fresh buffer's would, so peak memory is unchanged. Subclasses build their views in

@@ -84,8 +84,8 @@ class GatherCodec:
     """
 
     plain = False  # the default codec: the group may fuse its copies across parameters
-    # reshard_after_forward=k: this parameter's kept rows can be rebuilt from its unsharded form
-    # (otherwise the gathered columns themselves are kept: see GroupGather.finish).
+    # reshard_after_forward=k: this parameter's subgroup rows can be rebuilt from its unsharded form
+    # (otherwise the gathered columns themselves are held: see GroupGather.finish).
     rebuilt_from_unsharded = False
     builds_unsharded = False  # makes the unsharded parameter object itself (else: ShardedParam's storage)
     prepares = False  # its columns are known only after prepare()
@@ -179,7 +179,7 @@ class QuantizedCodec(GatherCodec):
     """Block-quantized values and scales in one uint8 column, dequantized into ``param_dtype``.
 
     The shard is quantized from its own dtype (the fp32 master, not a bf16 copy of it), padding
-    rows as zeros. ``rebuilt_from_unsharded`` is False: reshard_after_forward=k keeps the gathered
+    rows as zeros. ``rebuilt_from_unsharded`` is False: reshard_after_forward=k holds the gathered
     wire rows themselves (half the bytes of ``param_dtype`` rows, re-gathered as they are), so
     backward dequantizes exactly what forward did, without quantizing dequantized values again.
     """

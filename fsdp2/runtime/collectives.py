@@ -134,5 +134,25 @@ def register_user_comm(comm: object) -> str:
     return key
 
 
-def user_comm(key: str) -> object:
-    return _user_comms[key]
+def user_all_gather(send: torch.Tensor, world: int, group: str, key: str) -> torch.Tensor:
+    """The user's all-gather named ``key`` over the process group named ``group``, called as eager
+    calls it (this rank's slot of its own buffer in place), to completion: a compiled graph's."""
+    user, pg, numel = _user_comms[key], compat.process_group_named(group), send.numel()
+    gathered = user.allocate((world * numel,), dtype=send.dtype, device=send.device)
+    own = gathered.narrow(0, dist.get_rank(pg) * numel, numel)
+    own.copy_(send.reshape(-1))
+    work = user(gathered, own, pg, async_op=False)
+    if work is not None:
+        work.wait()
+    return gathered
+
+
+def user_reduce_scatter(grad: torch.Tensor, world: int, op: str, group: str, key: str) -> torch.Tensor:
+    """The user's reduce-scatter named ``key`` (as :func:`user_all_gather`), reducing with c10d's
+    ``op`` (a functional collective's name of it)."""
+    user, pg = _user_comms[key], compat.process_group_named(group)
+    reduced = user.allocate((grad.numel() // world,), dtype=grad.dtype, device=grad.device)
+    work = user(reduced, grad.reshape(-1), pg, op=getattr(dist.ReduceOp, op.upper()), async_op=False)
+    if work is not None:
+        work.wait()
+    return reduced

@@ -19,7 +19,7 @@ all-gathers float8 weights this way. fsdp2 calls them at the same points as PyTo
 
 The outputs are tensors of the parameter's own (a post hook may keep them as its data), freed
 on reshard and allocated again before the next copy-out. With ``reshard_after_forward=k`` the
-gathered inputs are what is kept (PyTorch refuses that combination): backward re-gathers them
+gathered inputs are what is held (PyTorch refuses that combination): backward re-gathers them
 over k ranks and calls only the post hook.
 """
 
@@ -187,7 +187,7 @@ class SubclassCodec(GatherCodec):
         else:
             for t in self._inner:
                 _allocate(t)
-            # The metadata of the latest pre hook: a re-gather from kept rows has no pre hook of its own.
+            # The metadata of the latest pre hook: a re-gather from subgroup rows has no pre hook of its own.
             post(outputs, self._metadata, p.param_dtype, out=p.unsharded_param)
 
     def release(self) -> None:

@@ -146,7 +146,7 @@ class FSDPModule(compat.TorchFSDPModule):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise FSDPUsageError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         for group in self._fsdp_state.groups:
-            group.reduce.configure(divide_factor=float(factor))
+            group.configure_reduce(divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`."""
@@ -166,10 +166,8 @@ class FSDPModule(compat.TorchFSDPModule):
         as in PyTorch's FSDP2."""
         if hook is not None and not callable(hook):
             raise FSDPUsageError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
-        state = self._fsdp_state
-        for group, traced in zip(state.groups, state.traced_groups):
-            group.reduce.configure(all_reduce_hook=hook)
-            traced.prepare_buckets()  # the compiled step hands the hook undivided shards
+        for group in self._fsdp_state.groups:
+            group.configure_reduce(all_reduce_hook=hook)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """True: parameters without a gradient this backward are reduced as zeros, so ranks whose
@@ -177,7 +175,7 @@ class FSDPModule(compat.TorchFSDPModule):
         False (as PyTorch): such parameters keep ``.grad`` None."""
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reduce.include_unused = reduce_scatter_unused_params
+                group.set_reduce_unused(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight under this module's root (default 2)."""
@@ -199,14 +197,13 @@ class FSDPModule(compat.TorchFSDPModule):
         groups: dict[tuple[int, ...], Any] = {}
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                reduce = group.reduce
                 if not enable:
-                    reduce.configure(reduce_scatter_group=None)
+                    group.configure_reduce(reduce_scatter_group=None)
                     continue
-                ranks = tuple(dist.get_process_group_ranks(reduce.dp.shard_group))
+                ranks = tuple(dist.get_process_group_ranks(group.dp.shard_group))
                 if ranks not in groups:
                     groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                reduce.configure(reduce_scatter_group=groups[ranks])
+                group.configure_reduce(reduce_scatter_group=groups[ranks])
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(size, *, dtype, device)`` and ``comm(output, input, group,
@@ -214,7 +211,7 @@ class FSDPModule(compat.TorchFSDPModule):
         several meshes: every mesh's all-gather calls it, with that mesh's process group."""
         _check_comm(comm, "set_custom_all_gather")
         for group in self._fsdp_state.groups:
-            group.gather.set_custom_all_gather(comm)
+            group.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` (``allocate(...)`` and ``comm(output, input, group, op=..., async_op=...)``,
@@ -223,14 +220,14 @@ class FSDPModule(compat.TorchFSDPModule):
         it, with that mesh's process group."""
         _check_comm(comm, "set_custom_reduce_scatter")
         for group in self._fsdp_state.groups:
-            group.reduce.configure(custom_reduce_scatter=comm)
+            group.configure_reduce(custom_reduce_scatter=comm)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """True: this module's gradient collectives reduce with SUM only, and the division by the
         data-parallel size (or the gradient divide factor) runs as separate ops; False (default):
         AVG/PREMUL_SUM where PyTorch's FSDP2 uses them. Not recursive, as in PyTorch."""
         for group in self._fsdp_state.groups:
-            group.reduce.configure(force_sum=bool(enable))
+            group.configure_reduce(force_sum=bool(enable))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for compatibility; fsdp2 allocates communication buffers from PyTorch's
@@ -243,9 +240,8 @@ class FSDPModule(compat.TorchFSDPModule):
         ``recurse=False`` only this module's own group changes (e.g. keep the root's embeddings
         and head exact: ``model.set_all_gather_policy(None, recurse=False)`` after setting it on all)."""
         for state in self._fsdp_states(recurse):
-            for group, traced in zip(state.groups, state.traced_groups):
+            for group in state.groups:
                 group.set_all_gather_policy(policy, type(self).__name__)
-                traced.prepare_buckets()  # the compiled step buckets quantized parameters apart
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise FSDPUsageError(
@@ -262,7 +258,7 @@ class FSDPModule(compat.TorchFSDPModule):
             raise FSDPUsageError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
             for group in state.groups:
-                group.reshard_after_forward.set(reshard_after_forward)
+                group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):

@@ -21,7 +21,8 @@ from fsdp2.runtime.fsdp_module import FSDPModule
 from fsdp2.runtime.gather import Subgroup
 from fsdp2.runtime.hooks import FSDPState, states_under
 from fsdp2.runtime.param_group import ParamGroup, ReshardAfterForward
-from fsdp2.runtime.sharded_param import ParamSlot, ShardedParam, managed_by
+from fsdp2.runtime.param_slots import ParamSlot
+from fsdp2.runtime.sharded_param import ShardedParam, managed_by
 from fsdp2.runtime.process_hooks import PROCESS_HOOKS
 from fsdp2.runtime.torch_view import TorchStateView
 

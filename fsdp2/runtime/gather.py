@@ -5,17 +5,19 @@ buffer (fsdp2.runtime.buckets.GatherBucket) and packs / unpacks them. With only 
 and one dtype (the common case), copy-in is one fused cast-copy of every shard into this rank's
 slot of the output buffer (the all-gather is in place: our input is our own slot) and copy-out
 one ``split_with_sizes_copy`` of every dim-0 parameter's rows into its unsharded storage (on CPU one
-``_foreach_copy_`` of the rank slots holding real rows, from an output kept with its views). Other
+``_foreach_copy_`` of the rank slots holding real rows, from an output reused with its views). Other
 codecs add what is not a copy (quantize, dequantize, a tensor subclass's hooks) and hand their
 plain copies to one fused ``_foreach_copy_``.
 
-With ``reshard_after_forward=k`` backward gathers over a k-rank subgroup from the rows kept after
-forward instead of from the shards: rebuilt from the unsharded parameters where every codec
-allows it, else this rank's 1/k of the gathered buffer itself, kept when forward's gather ends.
+With ``reshard_after_forward=k`` backward gathers over a k-rank subgroup from this rank's subgroup
+rows (its 1/k of the gathered rows, held from forward) instead of from the shards: rebuilt from the
+unsharded parameters where every codec allows it, else taken from the gathered buffer itself when
+forward's gather ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,9 @@ from fsdp2.errors import FSDPUsageRuntimeError
 from fsdp2.layout.shard_layout import rank_rows_from_subgroups
 from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import GatherBucket, ReusedBuffer
+from fsdp2.runtime.codecs import Column
 from fsdp2.runtime.dp_mesh import DataParallelMesh
+from fsdp2.runtime.group_step import GatherStep
 from fsdp2.runtime.sharded_param import (
     ShardedParam,
     copy_in_pairs,
@@ -49,7 +53,7 @@ class Subgroup:
 
 
 class ReusedGatherOutput(ReusedBuffer):
-    """A plain dim-0 bucket's all-gather output on CPU, kept from step to step with its views built once.
+    """A plain dim-0 bucket's all-gather output on CPU, reused from step to step with its views built once.
 
     Copy-out then writes only the rank slots that hold real rows (``ShardLayout.ranks_with_rows``),
     one ``_foreach_copy_`` for the bucket, instead of every padded slot, padding written and read
@@ -137,9 +141,8 @@ class GroupGather:
         self.params = params
         self.dp = dp
         self.streams = streams
-        self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather
-        self.custom_all_gather_key: str | None = None  # its name in a compiled graph
-        self.out_collectives = collectives.out_variants_usable(dp.shard_group)  # in a compiled graph
+        out_collectives = collectives.out_variants_usable(dp.shard_group)
+        self.step = GatherStep(dp.shard_size, dp.shard_group, out_collectives=out_collectives)
         self.rebuild()
         self._pending: list[PendingGather] = []
         self._completion: Completion | None = None
@@ -147,8 +150,7 @@ class GroupGather:
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """``FSDPModule.set_custom_all_gather``: eager gathers call ``comm``, compiled ones by its key."""
-        self.custom_all_gather = comm
-        self.custom_all_gather_key = None if comm is None else collectives.register_user_comm(comm)
+        self.step = dataclasses.replace(self.step, custom=comm)
 
     def rebuild(self) -> None:
         """Lay the buffer out anew: codecs or dtypes (``module.to(dtype)``) changed (at the next
@@ -176,7 +178,7 @@ class GroupGather:
 
     def _reused_output(self, index: int, bucket: GatherBucket) -> ReusedGatherOutput | None:
         """``bucket``'s reused output, allocated, where it can serve (see ReusedGatherOutput); else None."""
-        if self.custom_all_gather is not None:
+        if self.step.custom is not None:
             return None  # the user's collective allocates
         reused = self._reused_outputs[index]
         if reused is None:  # decided once per layout: plain dim-0 columns, and no side streams (with
@@ -206,6 +208,30 @@ class GroupGather:
     @property
     def gathered_numel_per_rank(self) -> int:
         return sum(b.numel_per_rank for b in self.buckets)
+
+    # -- the functional form: what a compiled graph traces -------------------------------------------
+
+    def encode_row(self, shards: list[torch.Tensor]) -> tuple[list, GatherBucket, list[torch.Tensor]]:
+        """Each parameter's wire tensors and context (its codec's ``encode`` of its shard in
+        ``shards``), the bucket they are laid out in (the group's, or where a tensor subclass's hook
+        decides its columns, as this encoding gave them) and the pieces of this rank's row of it
+        (``GatherBucket.row_pieces``), side by side."""
+        params = self.params
+        encoded = [p.codec.encode(shard) for p, shard in zip(params, shards)]
+        if self.layout_fixed:
+            (bucket,) = self.buckets
+        else:
+            bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
+        return encoded, bucket, bucket.row_pieces([t for tensors, _ in encoded for t in tensors])
+
+    @staticmethod
+    def decode_rows(encoded: list, bucket: GatherBucket, rows: torch.Tensor, shards) -> list[torch.Tensor]:
+        """Each parameter unsharded from the gathered ``rows`` (``world x row``): its codec's
+        ``decode`` of its columns, viewed as their dtypes (``GatherBucket.pieces``)."""
+        return [
+            p.codec.decode(shard, tensors, context, typed)
+            for (p, typed), shard, (tensors, context) in zip(bucket.pieces(rows), shards, encoded)
+        ]
 
     # -- issue ------------------------------------------------------------------------------------
 
@@ -251,24 +277,26 @@ class GroupGather:
         self._completion = completion
 
     def issue_from_subgroup_rows(self, subgroup_rows: list[torch.Tensor], subgroup: Subgroup) -> None:
-        """Re-gather over ``subgroup`` from the rows this rank kept after forward."""
+        """Re-gather over ``subgroup`` from this rank's subgroup rows, held since forward."""
         with self.streams.all_gather.launch(wait_for_compute=True) as completion:
             self.streams.gather_buffers.release_before_allocating()
-            for bucket, kept in zip(self.buckets, subgroup_rows):
-                output = self._allocate(subgroup.size * kept.numel(), bucket.dtype)
-                own_slot = output.narrow(0, subgroup.position * kept.numel(), kept.numel())
-                own_slot.copy_(kept.view(-1))
-                pending = PendingGather(bucket, output, subgroup_size=subgroup.size, inputs=kept)
+            for bucket, rows in zip(self.buckets, subgroup_rows):
+                output = self._allocate(subgroup.size * rows.numel(), bucket.dtype)
+                own_slot = output.narrow(0, subgroup.position * rows.numel(), rows.numel())
+                own_slot.copy_(rows.view(-1))
+                pending = PendingGather(bucket, output, subgroup_size=subgroup.size, inputs=rows)
                 self._issue(completion, output, own_slot, subgroup.group, pending)
         self._completion = completion
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.custom_all_gather is not None:
-            return self.custom_all_gather.allocate((numel,), dtype=dtype, device=self.dp.device)
+        custom = self.step.custom
+        if custom is not None:
+            return custom.allocate((numel,), dtype=dtype, device=self.dp.device)
         return torch.empty(numel, dtype=dtype, device=self.dp.device)
 
     def _issue(self, completion: Completion, output, own_slot, group, pending: PendingGather) -> None:
-        comm = self.custom_all_gather if self.custom_all_gather is not None else collectives.all_gather
+        custom = self.step.custom
+        comm = custom if custom is not None else collectives.all_gather
         completion.collective(comm, output, own_slot, group)
         self._pending.append(pending)
 
@@ -278,8 +306,8 @@ class GroupGather:
         """Wait for the issued all-gathers and copy them out into the unsharded parameters.
 
         ``for_subgroup``: forward will reshard to this subgroup (reshard_after_forward=k); for buffers
-        whose kept rows cannot be rebuilt from the unsharded parameters (quantized or hook
-        columns), keep this rank's 1/k of the gathered rows now, as they were communicated.
+        whose subgroup rows cannot be rebuilt from the unsharded parameters (quantized or hook
+        columns), take this rank's 1/k of the gathered rows now, as they were communicated.
         """
         self._completion.wait()
         self._completion = None
@@ -302,18 +330,18 @@ class GroupGather:
         self._pending.clear()
 
     def rows_for_subgroup(self, subgroup: Subgroup) -> list[torch.Tensor] | None:
-        """This rank's 1/k of the gathered group (every k-th rank row), kept for backward; None
-        if some of it can only come from the gather's own rows and those were not kept."""
+        """This rank's subgroup rows: its 1/k of the gathered group (every k-th rank row), held for
+        backward; None if some of it can only come from the gather's own rows and those were not taken."""
         world, k = self.dp.shard_size, subgroup.size
         subgroup_rows = []
         rows_at_finish = self._rows_at_finish + [None] * (len(self.buckets) - len(self._rows_at_finish))
         self._rows_at_finish = []
-        for bucket, kept in zip(self.buckets, rows_at_finish):
+        for bucket, rows in zip(self.buckets, rows_at_finish):
             if bucket.rebuilt_from_unsharded:
-                kept = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
-                for p, blocks in bucket.pieces(kept):
+                rows = torch.empty(world // k, bucket.numel_per_rank, dtype=bucket.dtype, device=self.dp.device)
+                for p, blocks in bucket.pieces(rows):
                     blocks[0].copy_(p.gathered_rank_rows()[subgroup.position :: k])
-            elif kept is None:
+            elif rows is None:
                 return None
-            subgroup_rows.append(kept)
+            subgroup_rows.append(rows)
         return subgroup_rows

@@ -9,8 +9,12 @@ the compiled step (fsdp2.runtime.traced) emits the very same steps as graph ops.
 anything the other could decide differently: a setting reaches both through a new step.
 
 :func:`backward_mode` says what a backward does with the reduced gradient (reduce it into
-``.grad``, or keep a sum for a later backward): the group keeps it as ``ParamGroup.mode``, set with
-the flags it comes from, and both executors read that.
+``.grad``, or keep a sum for a later backward).
+
+A group's whole step is one :class:`GroupStep`: its :class:`GatherStep`, its reduce steps, its
+backward mode and what it keeps after forward, made anew by ``ParamGroup.configure`` whenever a
+setting or the parameters change. Both executors read the group's current one; setters change
+settings only.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from fsdp2.runtime import collectives
 from fsdp2.runtime.buckets import FlatBucket
 from fsdp2.runtime.reduce_plan import ReducePlan
+from fsdp2.runtime.schedule import AfterForward
 
 
 class Mode(enum.IntEnum):
@@ -76,6 +82,20 @@ class ReduceSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", "step-" + hashlib.sha256(repr(self).encode()).hexdigest()[:24])
 
+    def after_reduce_scatter(self, reduced: torch.Tensor, mode: Mode, run: "ReduceRunner", at: Any = None):
+        """A bucket's reduce-scattered shard on to what ``mode`` keeps, in PyTorch FSDP2's order,
+        for both executors: under HSDP the partial sums kept for it join the all-reduce across
+        replicas (PARTIAL keeps the sum for that instead), then the user's all-reduce hook and the
+        division after the sum. ``run`` does each piece where its executor does (eager's
+        ``GroupReduce`` in place on its buffers, a compiled graph as ops), ``at`` is its context."""
+        if self.replicate_group is not None:
+            if mode is Mode.PARTIAL:
+                return run.keep_partial(at, reduced)
+            reduced = run.all_reduce(at, run.add_partial(at, reduced))
+        if self.hooked or self.plan.divide_after != 1:
+            reduced = run.hook_and_divide(at, reduced)
+        return reduced
+
     def handed_over_dtype(self, mode: Mode) -> torch.dtype:
         """The dtype a reduced flat shard leaves a compiled graph in: the shards' dtype where the
         graph finishes a synced reduction, else the reduce dtype (a user's all-reduce hook and the
@@ -85,7 +105,19 @@ class ReduceSpec:
         return self.reduce_dtype
 
 
-# Every spec a graph may name, by its key (small plain records: kept).
+class ReduceRunner(Protocol):
+    """How an executor runs the pieces of ``ReduceSpec.after_reduce_scatter`` (``at``: its context)."""
+
+    def keep_partial(self, at: Any, reduced: torch.Tensor) -> torch.Tensor: ...
+
+    def add_partial(self, at: Any, reduced: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce(self, at: Any, reduced: torch.Tensor) -> torch.Tensor: ...
+
+    def hook_and_divide(self, at: Any, reduced: torch.Tensor) -> torch.Tensor: ...
+
+
+# Every spec a graph may name, by its key (small plain records, never dropped).
 _SPECS: dict[str, ReduceSpec] = {}
 
 
@@ -134,3 +166,50 @@ class BucketStep:
     @property
     def reduce_dtype(self) -> torch.dtype:
         return self.bucket.dtype
+
+    def summed_dtype(self, synced: bool, starts_sum: bool) -> torch.dtype:
+        """The dtype a compiled backward sums the uses' gradients in before reducing: the one eager
+        sums them in, in each unsharded parameter (``ShardedParam.summed_in``), where the bucket's
+        parameters agree, else the reduce dtype."""
+        dtypes = {p.summed_in(synced, starts_sum) or p.param_dtype for p in self.bucket.params}
+        return dtypes.pop() if len(dtypes) == 1 else self.reduce_dtype
+
+
+@dataclass(frozen=True)
+class GatherStep:
+    """A group's all-gather: over ``world`` ranks of ``shard_group``, with c10d's collective or the
+    user's (``custom``, set_custom_all_gather; a graph calls it by ``custom_key``,
+    ``collectives.register_user_comm``). ``out_collectives``: a compiled graph may use the
+    ``*_out`` all-gather on ``shard_group`` (``collectives.out_variants_usable``)."""
+
+    world: int
+    shard_group: dist.ProcessGroup
+    custom: Any = None
+    out_collectives: bool = False
+    custom_key: str | None = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        key = None if self.custom is None else collectives.register_user_comm(self.custom)
+        object.__setattr__(self, "custom_key", key)
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One group's step as its configuration decides it: ``gather``; ``reduce_steps``, per reduce
+    dtype the :class:`BucketStep` of its trainable parameters (a compiled backward reduces them,
+    eager picks the steps of the parameters a backward reached, ``GroupReduce.issue``); ``mode``;
+    ``include_unused`` (set_reduce_scatter_unused_params); and what the group keeps after forward
+    (``schedule.after_forward``): ``after_forward`` where lazy init placed it (the root's group, or
+    one below it: eager's), :meth:`after_forward_for` as the root of a forward or below it (a
+    compiled step's root is the first call its trace gathers)."""
+
+    gather: GatherStep
+    reduce_steps: tuple[BucketStep, ...]
+    mode: Mode
+    include_unused: bool
+    after_forward: AfterForward
+    after_forward_as_root: AfterForward
+    after_forward_below_root: AfterForward
+
+    def after_forward_for(self, is_root: bool) -> AfterForward:
+        return self.after_forward_as_root if is_root else self.after_forward_below_root

@@ -224,8 +224,6 @@ class Root:
         for state in self.states:
             for group in state.groups:
                 group.reset_iteration()
-            for traced in state.traced_groups:
-                traced.discard_pending_grads()
             state.forget_forward()
         self.reduce_window.discard()
         self.post_forward_order.clear()
@@ -303,7 +301,7 @@ class FSDPState:
             state.is_root = state is self
             state.settings = self.settings
             for group in state.groups:
-                group.reshard_after_forward.resolve(is_root=state.is_root)
+                group.set_root(state.is_root)
                 group.reduce_window = root.reduce_window
                 group.refresh_params()  # parameters replaced since fully_shard (load with assign=True)
         self._name_groups(states)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import weakref
 from enum import Enum, auto
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -38,7 +37,8 @@ from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.extensions import SubclassCodec, has_hooks
 from fsdp2.runtime.gather import GroupGather, Subgroup
 from fsdp2.runtime.process_hooks import PROCESS_HOOKS
-from fsdp2.runtime.group_step import Mode, backward_mode
+from fsdp2.runtime.grad_sinks import GradSinks
+from fsdp2.runtime.group_step import GroupStep, Mode, backward_mode
 from fsdp2.runtime.reduce import GroupReduce, Reduction, ReduceWindow
 from fsdp2.runtime.sharded_param import (
     GradDtype,
@@ -56,7 +56,7 @@ logger = logging.getLogger("torch.distributed.fsdp.fsdp2")
 
 class GroupState(Enum):
     SHARDED = auto()  # only shards in memory
-    PARTIALLY_SHARDED = auto()  # after forward with reshard_after_forward=k: 1/k of the group kept
+    PARTIALLY_SHARDED = auto()  # after forward with reshard_after_forward=k: 1/k of the group held
     UNSHARDING = auto()  # all-gather issued, not yet waited on
     UNSHARDED = auto()  # full parameters registered on the modules
 
@@ -77,7 +77,8 @@ class BackwardEnd(Enum):
 
 
 class ReshardAfterForward:
-    """What a group keeps between its forward and its backward: one value, ``action``.
+    """What a group keeps between its forward and its backward: the setting, and the action it
+    makes for a group that is, or is not, the root (``GroupStep.after_forward``).
 
     ``setting`` is the user's ``reshard_after_forward`` (None: decided when the root is known);
     ``subgroup`` the k ranks a 1/k copy is re-gathered over.
@@ -87,10 +88,6 @@ class ReshardAfterForward:
         self.setting = setting
         self.shard_size = shard_size
         self.subgroup = subgroup
-        self.resolve(is_root=False)
-
-    def resolve(self, is_root: bool) -> None:
-        self.action = self.action_for(is_root)
 
     def action_for(self, is_root: bool) -> schedule.AfterForward:
         """The action for a group that is (or is not) the root of the forward running: eager's
@@ -98,9 +95,8 @@ class ReshardAfterForward:
         return schedule.after_forward(self.setting, is_root=is_root, shard_size=self.shard_size)
 
     def set(self, reshard: bool) -> None:
-        """``set_reshard_after_forward``: all or nothing from now on (a 1/k copy is no longer kept)."""
+        """``set_reshard_after_forward``: all or nothing from now on (no 1/k copy is held any more)."""
         self.setting = reshard
-        self.resolve(is_root=False)
 
 
 class GradReadiness:
@@ -151,13 +147,9 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.keep_unsharded_storage = False  # reshard keeps the gathered memory (stable data pointers)
         self.unshard_in_backward = True
-        # set_requires_gradient_sync, and what it makes of a backward with the HSDP all-reduce setting
-        # (``set_sync``): the one mode eager backwards and the compiled step both read.
-        self.requires_gradient_sync = True
+        self.requires_gradient_sync = True  # set_requires_gradient_sync
         self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep partial sums)
-        self.mode = Mode.SYNCED
         self.backward_end = BackwardEnd.GRADS_READY  # decided again at each forward
-        self.on_params_refreshed: Callable[[], None] | None = None  # the traced path's, see refresh_params
         # A parameter other than ours was registered in one of the group's slots since fsdp2 last
         # read them (set eagerly by the registration watch below; refresh_params takes it over).
         self.params_replaced = False
@@ -172,16 +164,57 @@ class ParamGroup:
         self._grads = GradReadiness(params, self._on_all_grads_ready)
         for p in params:
             p.bind_grad_ready(self._grads.note)
+        self.is_root = False  # the root's group (lazy init decides)
+        self.sinks = GradSinks(self)  # where a compiled backward's gradients enter
+        self.configure()
         _registrations.watch(self)
 
+    def configure(self) -> None:
+        """Decide the group's step (``self.step``, a GroupStep) anew from its settings and
+        parameters: at fully_shard, after every setter and every re-read of the parameters. Eager
+        and compiled steps read only the current one; the compiled step's sinks follow it."""
+        reshard = self.reshard_after_forward
+        self.step = GroupStep(
+            self.gather.step,
+            tuple(self.reduce.steps_of(tuple([p.trainable for p in self.params]))),
+            backward_mode(self.requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce),
+            self.reduce.include_unused,
+            after_forward=reshard.action_for(self.is_root),
+            after_forward_as_root=reshard.action_for(is_root=True),
+            after_forward_below_root=reshard.action_for(is_root=False),
+        )
+        self.sinks.follow(self.step.reduce_steps)
+
     def set_sync(self, *, gradient_sync: bool | None = None, all_reduce: bool | None = None) -> None:
-        """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP): the flags, and the
-        backward mode they make (group_step.backward_mode)."""
+        """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP)."""
         if gradient_sync is not None:
             self.requires_gradient_sync = gradient_sync
         if all_reduce is not None:
             self.requires_all_reduce = all_reduce
-        self.mode = backward_mode(self.requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce)
+        self.configure()
+
+    def configure_reduce(self, **changes) -> None:
+        """The reduce settings (``ReduceSettings``' fields) of ``FSDPModule``'s setters."""
+        self.reduce.configure(**changes)
+        self.configure()
+
+    def set_reduce_unused(self, include_unused: bool) -> None:
+        """``set_reduce_scatter_unused_params``."""
+        self.reduce.include_unused = include_unused
+        self.configure()
+
+    def set_custom_all_gather(self, comm) -> None:
+        self.gather.set_custom_all_gather(comm)
+        self.configure()
+
+    def set_reshard_after_forward(self, reshard: bool) -> None:
+        self.reshard_after_forward.set(reshard)
+        self.configure()
+
+    def set_root(self, is_root: bool) -> None:
+        """Lazy init: whether this is the root's group (its after-forward action may differ)."""
+        self.is_root = is_root
+        self.configure()
 
     def event(self, label: str) -> str:
         """A hook event's log line for this group: ``FSDP::pre_forward (layers.0)``."""
@@ -199,8 +232,7 @@ class ParamGroup:
         self._assign_codecs()
         self.gather.rebuild()
         self.reduce.rebuild()
-        if self.on_params_refreshed is not None:
-            self.on_params_refreshed()
+        self.configure()
 
     def set_all_gather_policy(self, policy: AllGatherPolicy | None, owner: str) -> None:
         """Gather the parameters ``policy`` picks quantized from now on (None: as they are)."""
@@ -217,6 +249,7 @@ class ParamGroup:
         self.all_gather_policy = policy
         self._assign_codecs()
         self.gather.rebuild()
+        self.configure()
 
     def _assign_codecs(self) -> None:
         """Give every parameter the codec it travels with: a tensor subclass's own all-gather
@@ -257,7 +290,7 @@ class ParamGroup:
         self.wait_for_unshard()
 
     def post_forward(self, *, grad_enabled: bool) -> None:
-        action = schedule.after_this_forward(self.reshard_after_forward.action, grad_enabled=grad_enabled)
+        action = schedule.after_this_forward(self.step.after_forward, grad_enabled=grad_enabled)
         if action is schedule.AfterForward.FREE:
             self.reshard()
         elif action is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
@@ -289,11 +322,11 @@ class ParamGroup:
         """Reduce-scatter (or keep, without gradient sync) the gradients, then maybe reshard."""
         logger.debug("%s", self.event("FSDP::post_backward"))
         self.phase = Phase.POST_BACKWARD
-        if self.mode is not Mode.UNSYNCED:
+        if self.step.mode is not Mode.UNSYNCED:
             # _issue_reduction, inlined: no call more per group and backward.
             grads = take_unreduced_grads(self.params)
             self.reduce.holds_unsynced_sums = False
-            reduction = self.reduce.issue(grads, self.mode)
+            reduction = self.reduce.issue(grads, self.step.mode)
             if reduction is not None:
                 self.reduce_window.add(reduction)
         else:
@@ -309,14 +342,14 @@ class ParamGroup:
         microbatches of this accumulation)."""
         grads = take_unreduced_grads(self.params)
         self.reduce.holds_unsynced_sums = False
-        return self.reduce.issue(grads, self.mode)
+        return self.reduce.issue(grads, self.step.mode)
 
     def reduce_after_compiled_backward(self) -> None:
         """End of a compiled backward, with gradient sync: reduce what it left, as the end of an
         eager backward does (sums kept for this group by microbatches whose forward ran it when
         the compiled forward did not; zeros for unused parameters where the graph reduced none), now."""
         unused = self.reduces_unused_params and not self.reduce.reduced_in_graph
-        if self.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or unused):
+        if self.step.mode is not Mode.UNSYNCED and (self.has_unreduced_grads or unused):
             reduction = self._issue_reduction()
             if reduction is not None:
                 reduction.finish()
@@ -334,9 +367,9 @@ class ParamGroup:
 
     def end_backward_before_finalize(self) -> None:
         """End of one backward under manual finalization: gradients that did not report ready stay
-        where they are (kept gathered) until ``finalize_backward`` reduces them, unless gradient sync
+        where they are (held gathered) until ``finalize_backward`` reduces them, unless gradient sync
         is off (then they are kept without sync, as every such backward keeps them). IDLE again."""
-        if self.phase != Phase.POST_BACKWARD and self.mode is Mode.UNSYNCED:
+        if self.phase != Phase.POST_BACKWARD and self.step.mode is Mode.UNSYNCED:
             self.finalize_backward()  # as any backward without sync ends
             return
         self.phase = Phase.IDLE
@@ -348,7 +381,7 @@ class ParamGroup:
         (eager or compiled) reduces every trainable parameter, zeros where no gradient reached it,
         whether or not this rank's backward reached the group (every rank then issues the same
         collective), as PyTorch's FSDP2 does once a parameter has its unsharded form."""
-        if not (self.reduce.include_unused and self.mode is not Mode.UNSYNCED and self.reduce.gathered_before):
+        if not (self.reduce.include_unused and self.step.mode is not Mode.UNSYNCED and self.reduce.gathered_before):
             return False
         for p in self.params:
             if p.requires_grad:
@@ -365,6 +398,7 @@ class ParamGroup:
         """After an aborted forward/backward: nothing in flight, all sharded, IDLE."""
         self.reshard()
         self.discard_sums()
+        self.sinks.discard()
         self.phase = Phase.IDLE
         self._grads.reset()
 
@@ -423,7 +457,7 @@ class ParamGroup:
 
     def _subgroup_to_keep(self) -> Subgroup | None:
         """The subgroup this forward's gather will reshard to after forward, if any."""
-        action = schedule.after_this_forward(self.reshard_after_forward.action, grad_enabled=torch.is_grad_enabled())
+        action = schedule.after_this_forward(self.step.after_forward, grad_enabled=torch.is_grad_enabled())
         if self.phase is Phase.FORWARD and action is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
             return self.reshard_after_forward.subgroup
         return None
@@ -434,7 +468,7 @@ class ParamGroup:
         self.reduce.gathered_before = True
 
     def reshard(self) -> None:
-        """Free the full parameters (and any kept subgroup rows); only the shards remain."""
+        """Free the full parameters (and any subgroup rows); only the shards remain."""
         if self.state == GroupState.UNSHARDING:
             self.wait_for_unshard()  # never leave a collective writing into freed memory
         if self.state == GroupState.PARTIALLY_SHARDED:

@@ -15,6 +15,7 @@ hands those sums to the reduction that adds them in, for eager and compiled back
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,7 +34,7 @@ from fsdp2.runtime.streams import CommStreams, Completion
 
 
 class PaddedScatterInput(ReusedBuffer):
-    """A padded bucket's reduce-scatter input, kept from step to step with its copy views built once.
+    """A padded bucket's reduce-scatter input, reused from step to step with its copy views built once.
 
     Padding takes a bucket off the one-``_chunk_cat`` path (on CPU that kernel pads every gradient
     into a temporary first, which raises the step's peak memory), and slicing a fresh buffer per
@@ -75,7 +76,7 @@ class PaddedScatterInput(ReusedBuffer):
 @dataclass
 class PendingReduce:
     step: BucketStep
-    # Both allocated on the compute stream and kept until it waited for the reduction.
+    # Both allocated on the compute stream and held until it waited for the reduction.
     input: torch.Tensor
     output: torch.Tensor
     reused_input: PaddedScatterInput | None = None  # owns ``input``: released once it is done
@@ -167,14 +168,14 @@ class GroupReduce:
         self.gathered_before = False
         # A compiled graph reduced the group in the backward running now (reset as it begins).
         self.reduced_in_graph = False
-        # Per pattern of reduced parameters: its buckets (the layout, kept while the parameters
+        # Per pattern of reduced parameters: its buckets (the layout, reused while the parameters
         # are) and its steps (decided again when a setting changes).
         self._buckets: dict[tuple[bool, ...], list[FlatBucket]] = {}
         self._steps: dict[tuple[bool, ...], list[BucketStep]] = {}
         self._plans: dict[torch.dtype, ReducePlan] = {}  # by reduce dtype, under the current settings
         self._reused_inputs: dict[int, PaddedScatterInput] = {}  # per padded dim-0 bucket, by id
         # The sums eager backwards keep for the next reduction (a compiled backward takes them too,
-        # fsdp2.runtime.traced_grads): gradients kept in the parameters without gradient sync
+        # fsdp2.runtime.grad_sinks): gradients kept in the parameters without gradient sync
         # (ShardedParam.add_to_unsynced_sum; the group sets this flag), and under HSDP without
         # the all-reduce the reduce-scattered sums, per parameter until the next all-reduce.
         self.holds_unsynced_sums = False
@@ -287,7 +288,8 @@ class GroupReduce:
                 if not self.local_only:
                     op = p.step.plan.reduce_scatter_op.c10d()
                     completion.collective(comm, p.output, p.input.view(-1), group, op=op)
-                completion.then(lambda p=p, mode=mode: self._after_reduce_scatter(p, mode))
+                # Runs once the reduce-scatter is done (one call: no lambda in between).
+                completion.then(functools.partial(p.step.spec.after_reduce_scatter, p.output, mode, self, p))
         if mode is Mode.PARTIAL:
             completion.wait()  # the sums stay here: nothing reaches .grad yet
             for p in pending:
@@ -296,14 +298,14 @@ class GroupReduce:
         return Reduction(self, completion, pending)
 
     def _pack(self, bucket: FlatBucket, grads: list) -> tuple[torch.Tensor, PaddedScatterInput | None]:
-        """The reduce-scatter input of ``bucket`` and, if it is a kept buffer, its owner."""
+        """The reduce-scatter input of ``bucket`` and, if it is a reused buffer, its owner."""
         world = self.dp.shard_size
         if bucket.all_dim0 and not bucket.all_dim0_even and all([g is not None for g in grads]):
-            kept = self._reused_inputs.get(id(bucket))
-            if kept is None:
-                kept = self._reused_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
-            if not kept.in_use:  # else an earlier reduction of this bucket still reads it
-                return kept.fill(grads, zero_padding=self._output_seen_whole), kept
+            reused = self._reused_inputs.get(id(bucket))
+            if reused is None:
+                reused = self._reused_inputs[id(bucket)] = PaddedScatterInput(bucket, world, self.dp.device)
+            if not reused.in_use:  # else an earlier reduction of this bucket still reads it
+                return reused.fill(grads, zero_padding=self._output_seen_whole), reused
         return _reduce_scatter_input(bucket, grads, world, self.dp.device), None
 
     @property
@@ -325,17 +327,28 @@ class GroupReduce:
             return custom.allocate((numel,), dtype=dtype, device=self.dp.device)
         return torch.empty(numel, dtype=dtype, device=self.dp.device)
 
-    def _after_reduce_scatter(self, pending: PendingReduce, mode: Mode) -> None:
-        """Across replicas (HSDP), the user's hook, the division; runs once the reduce-scatter is done."""
-        plan, settings = pending.step.plan, self.settings
-        if self.dp.is_hybrid:
-            if mode is Mode.PARTIAL:
-                self.finish(pending.step.bucket, pending.output, Mode.PARTIAL)
-                return
-            self._add_partial(pending)
-            collectives.all_reduce(pending.output, self.dp.replicate_group, False, plan.all_reduce_op.c10d())
-        if settings.all_reduce_hook is not None or plan.divide_after != 1:  # else no call: host work per step
-            self.finish_reduced(pending.output, plan)
+    # -- the pieces of ReduceSpec.after_reduce_scatter, eager: in place on a pending reduction's output
+
+    def keep_partial(self, pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
+        self.finish(pending.step.bucket, reduced, Mode.PARTIAL)
+        return reduced
+
+    def add_partial(self, pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
+        if self.partial_sums:
+            bucket = pending.step.bucket
+            for p, slot in zip(bucket.params, torch.split_with_sizes(reduced, bucket.sizes)):
+                summed = self.partial_sums.pop(id(p), None)
+                if summed is not None:
+                    slot.add_(summed)
+        return reduced
+
+    def all_reduce(self, pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
+        collectives.all_reduce(reduced, self.dp.replicate_group, False, pending.step.plan.all_reduce_op.c10d())
+        return reduced
+
+    def hook_and_divide(self, pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
+        self.finish_reduced(reduced, pending.step.plan)
+        return reduced
 
     def finish_reduced(self, output: torch.Tensor, plan: ReducePlan) -> None:
         """A reduced bucket after its collectives: the user's all-reduce hook on it, then the
@@ -361,7 +374,7 @@ class GroupReduce:
         PARTIAL (HSDP without the all-reduce), the reduce-scattered flat shard added to the
         partial sums kept here; UNSYNCED (a compiled backward without sync), the unreduced
         ``world x numel`` rows added to each parameter's unsynced sum. Eager reductions and the
-        compiled graph's sinks (fsdp2.runtime.traced_grads) both write gradients through it."""
+        compiled graph's sinks (fsdp2.runtime.grad_sinks) both write gradients through it."""
         params = bucket.params
         if mode is Mode.SYNCED:
             slots = torch.split_with_sizes(reduced, bucket.sizes)
@@ -375,9 +388,9 @@ class GroupReduce:
             slots = torch.split_with_sizes(reduced, bucket.sizes)
             for i in chosen:
                 key = id(params[i])
-                kept = self.partial_sums.get(key)
+                summed = self.partial_sums.get(key)
                 # A copy: the slot views a reduction's buffer (eager's, or the graph's).
-                self.partial_sums[key] = slots[i].clone() if kept is None else kept.add_(slots[i])
+                self.partial_sums[key] = slots[i].clone() if summed is None else summed.add_(slots[i])
             return
         blocks = torch.split_with_sizes(reduced.view(self.dp.shard_size, -1), bucket.sizes, dim=1)
         for i in chosen:
@@ -418,15 +431,6 @@ class GroupReduce:
             else:
                 slot.copy_(piece)
         return flat, reached
-
-    def _add_partial(self, pending: PendingReduce) -> None:
-        if not self.partial_sums:
-            return
-        bucket = pending.step.bucket
-        for p, slot in zip(bucket.params, torch.split_with_sizes(pending.output, bucket.sizes)):
-            kept = self.partial_sums.pop(id(p), None)
-            if kept is not None:
-                slot.add_(kept)
 
     @property
     def holds_partial_sums(self) -> bool:

@@ -99,10 +99,10 @@ def after_forward(setting: bool | int | None, *, is_root: bool, shard_size: int)
     return AfterForward.KEEP_SUBGROUP_SHARD
 
 
-def after_this_forward(kept: AfterForward, *, grad_enabled: bool) -> AfterForward:
+def after_this_forward(action: AfterForward, *, grad_enabled: bool) -> AfterForward:
     """The action at the end of one forward. Not applied to an activation-checkpoint recompute
     inside backward: backward needs the parameters then, and frees them after the gradients."""
-    return kept if grad_enabled else AfterForward.FREE  # no backward follows: keep nothing gathered
+    return action if grad_enabled else AfterForward.FREE  # no backward follows: keep nothing gathered
 
 
 # -- what backward prefetches --------------------------------------------------------------------

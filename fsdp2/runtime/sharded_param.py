@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable, Sequence
 
@@ -19,6 +18,7 @@ from fsdp2.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.runtime.codecs import GatherCodec, PlainCodec
 from fsdp2.runtime.dp_mesh import DataParallelMesh
 from fsdp2.runtime.dtensor_spec import ShardedSpec
+from fsdp2.runtime.param_slots import ParamSlot
 
 
 class ParamState(Enum):
@@ -37,21 +37,6 @@ class GradDtype(Enum):
     # than the compute dtype, or a wider one replicated under TP (its pending sum is reduced over TP in it).
     REDUCE = auto()
     PER_BACKWARD = auto()  # the reduce dtype only in a backward without sync that starts a sum (choose_grad_dtype)
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One place a parameter is registered, ``module.<name>``. Tied parameters have several."""
-
-    module: nn.Module
-    name: str
-
-    def hold(self, tensor: nn.Parameter) -> None:
-        # Straight into the registry: setattr would re-run nn.Module's checks on every swap.
-        compat.module_parameters(self.module)[self.name] = tensor
-
-    def current(self) -> nn.Parameter:
-        return compat.module_parameters(self.module)[self.name]
 
 
 # Attribute naming the module whose fully_shard call manages a parameter; catches a parameter
@@ -260,10 +245,10 @@ class ShardedParam:
         counter), which a compiled graph (fsdp2.runtime.traced) gathers from. A plain tensor, not
         the DTensor: AOTAutograd would wrap and unwrap every DTensor input and gradient in Python
         on every step. It takes no gradient: the group's reduced gradient goes to one leaf per
-        bucket (fsdp2.runtime.traced_grads), which hands it to every DTensor ``.grad`` at once."""
+        bucket (fsdp2.runtime.grad_sinks), which hands it to every DTensor ``.grad`` at once."""
         shard = self.local_shard
         # The tensor object it was made from: one swapped into the DTensor from outside fsdp2 (a
-        # submodule's _apply) is not seen by a compiled step, which refuses it (traced_grads.BucketGrads).
+        # submodule's _apply) is not seen by a compiled step, which refuses it (grad_sinks.BucketSinks).
         self.traced_source = shard
         leaf = getattr(self, "traced_leaf", None)
         if leaf is not None and (leaf.device, leaf.dtype, leaf.shape) == (shard.device, shard.dtype, shard.shape):
@@ -410,13 +395,13 @@ class ShardedParam:
             self.unsynced_sum.add_(full)
 
 
-def _alike(kept: torch.Tensor, new: torch.Tensor, tensor_parallel) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kept`` and ``new`` as tensors of one kind: under tensor parallelism an eager microbatch's
+def _alike(summed: torch.Tensor, new: torch.Tensor, tensor_parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed`` and ``new`` as tensors of one kind: under tensor parallelism an eager microbatch's
     gradient is a DTensor (a pending sum, redistributed once at the synced backward) and a compiled
     one's TP-local; where both meet, the DTensor is made TP-local first."""
-    if tensor_parallel is None or isinstance(kept, DTensor) == isinstance(new, DTensor):
-        return kept, new
-    return tensor_parallel.local_grad(kept), tensor_parallel.local_grad(new)
+    if tensor_parallel is None or isinstance(summed, DTensor) == isinstance(new, DTensor):
+        return summed, new
+    return tensor_parallel.local_grad(summed), tensor_parallel.local_grad(new)
 
 
 def weak_hook(method: Callable, *args) -> Callable:
@@ -535,14 +520,14 @@ def take_unreduced_grads(params: Sequence[ShardedParam]) -> dict[int, torch.Tens
         grad = None
         if unsharded is not None:
             grad, unsharded.grad = unsharded.grad, None
-        accumulated = p.unsynced_sum
-        if accumulated is not None:
+        summed = p.unsynced_sum
+        if summed is not None:
             p.unsynced_sum = None
             if grad is not None:
-                accumulated, grad = _alike(accumulated, grad, p.tensor_parallel)
-                grad = accumulated.add_(grad)  # the kept sum first
+                summed, grad = _alike(summed, grad, p.tensor_parallel)
+                grad = summed.add_(grad)  # the kept sum first
             else:
-                grad = accumulated
+                grad = summed
         if p.tensor_parallel is not None and grad is not None:
             grad = p.tensor_parallel.local_grad(grad)  # once, on the sum over microbatches
         grads[id(p)] = grad

@@ -1,43 +1,18 @@
-"""The traced path: a group's all-gather and reduce-scatter as graph ops under ``torch.compile``.
+"""The traced path: each group's step as graph ops while dynamo traces ``torch.compile(model,
+fullgraph=True)`` over fully_shard'ed modules (fsdp2's ``FSDPState`` sends its hooks here).
 
-``torch.compile(model, fullgraph=True)`` over fully_shard'ed modules traces the hooks (fsdp2's
-``FSDPState`` sends them here while dynamo traces) instead of breaking the graph at each one.
-Each step's collectives are functional collectives in the graph (fsdp2.runtime.traced_graph builds
-a bucket's), and autograd builds the backward. How it maps to the eager path:
-
-- gather (eager: ``GroupGather``): the group's padded shards, encoded by their codecs (cast to
-  ``param_dtype`` by the default one), side by side in one row laid out as eager's
-  ``GatherBucket`` (one dtype, or bytes in aligned columns; one ``traced_ops.flat_cat``), ONE
-  ``all_gather_into_tensor`` per group (its ``*_out`` variant where torch traces it), and the
-  unsharded parameters decoded from the rows of its output (``ShardLayout.full_from_rank_rows``,
-  eager's copy-out). The modules see them in place of the shards between the group's pre- and
-  post-forward hooks.
-- reduce (eager: ``GroupReduce``, on its ``FlatBucket`` per reduce dtype): each bucket's
-  gradient port (``traced_graph.port``, one per bucket and trace) collects the gradients of
-  every use of its parameters in the trace, and its backward reduces their sum once, as eager
-  reduces the sum autograd accumulated in the unsharded parameters' ``.grad``: cast to
-  ``reduce_dtype``, reduce-scattered, all-reduced across replicas
-  under HSDP and divided with eager's reduce ops and divisions (``GroupReduce.plan``).
-  fsdp2.runtime.traced_grads hands the result to the DTensors' ``.grad`` (or keeps it, without
-  gradient sync). The graph's inputs are the shards as plain tensors
-  (``ShardedParam.traced_leaf``, sharing the DTensor's storage), so no DTensor is wrapped or
-  unwrapped per step; they take no gradient.
-- reshard after forward (eager: free, gather again in backward): the gather runs inside a
-  selective activation-checkpoint region whose ops are all MUST_RECOMPUTE, so the gathered
-  parameters are not saved for backward: backward gathers again. Partitioners that rematerialise
-  (inductor's, ``aot_eager_decomp_partition``) honour it; aot_eager's default partitioner saves
-  views of the gathered parameters taken outside the region (a ``.t()`` in ``F.linear``).
-- a module run again in the same forward (a chunked loss's head per chunk, a block applied
-  twice): as eager, a group that keeps its parameters after forward serves the second call with
-  what it gathered; one that reshards gathers again. Both uses reach the same port.
-- prefetch (eager: the all-gather stream running ahead): a group's pre-forward also gathers the
-  next group (``set_modules_to_forward_prefetch``'s, else the next fully_shard'ed module in
-  module order), so that group's all-gather precedes this group's compute in the graph.
-
-What the traced path cannot express raises :class:`FSDPUsageError` at trace time (see
-:func:`check_traceable`; torch.compile reports it as the exception its trace observed, and
-without ``fullgraph`` runs the hooks eagerly instead); it never computes other numerics.
-Dynamo guards on the settings read here, so changing one between steps retraces.
+A group's step is its ``GroupStep`` (fsdp2.runtime.group_step), the one eager runs. A call's
+forward gathers each group with ONE all-gather of a row laid out as eager's ``GatherBucket`` (the
+codecs' ``encode``, then ``decode`` of the gathered rows) and shows the modules the unsharded
+parameters in place of the shards (:class:`TracedCall`, ``_parameters`` swapped); each reduce
+bucket's gradient port (fsdp2.runtime.traced_graph) sums every use of its parameters and its
+backward emits the bucket's ``BucketStep``, handed to the group's gradient store through its sinks
+(fsdp2.runtime.grad_sinks). Reshard after forward: the gather runs in a selective
+activation-checkpoint region that backward recomputes (``k``: over the ranks at this rank's
+subgroup position, then over the subgroup). A module called twice in one forward is served as
+eager serves it. docs/compile.md tells the whole mapping. What the traced path cannot do as eager
+does is refused at trace time (fsdp2.runtime.compile_limits); dynamo guards on what is read here,
+so a changed setting retraces.
 """
 
 from __future__ import annotations
@@ -50,129 +25,71 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp2 import compat
-from fsdp2.errors import FSDPUsageError
-from fsdp2.runtime import collectives, schedule, traced_graph as graph, traced_ops
 from fsdp2.layout.shard_layout import rank_rows_from_subgroups
-from fsdp2.runtime.buckets import FlatBucket, GatherBucket
-from fsdp2.runtime.codecs import Column
-from fsdp2.runtime.extensions import SubclassCodec
-from fsdp2.runtime.group_step import BucketStep, Mode
-from fsdp2.runtime.param_group import GroupState
-from fsdp2.runtime.traced_grads import BucketGrads
+from fsdp2.runtime import collectives, schedule, traced_graph as graph
+from fsdp2.runtime.compile_limits import check_traceable
+from fsdp2.runtime.grad_sinks import takes_grad
+from fsdp2.runtime.group_step import Mode
+from fsdp2.runtime.param_slots import RegistrySwap
 
 if TYPE_CHECKING:
     from fsdp2.runtime.param_group import ParamGroup
-    from fsdp2.runtime.sharded_param import ShardedParam
-
-
-@dataclass
-class _Bucket:
-    """One reduce bucket in a trace: its step (eager's ``BucketStep``, the same object eager
-    reduces with), the reduction a graph emits for it, and its port row's dtype (the gradients
-    the modules route to it add up there): the parameters' compute dtype, or the reduce dtype
-    where they have several."""
-
-    step: BucketStep
-    row_dtype: torch.dtype
-    reduction: graph.BucketReduction
-
-    @property
-    def key(self) -> torch.dtype:  # the reduce dtype
-        return self.step.reduce_dtype
-
-    @property
-    def flat(self) -> FlatBucket:
-        return self.step.bucket
-
-    @property
-    def params(self) -> list["ShardedParam"]:
-        return self.step.bucket.params
-
-    @property
-    def gathered_numel(self) -> int:
-        return self.step.world * self.step.bucket.numel_per_rank
-
-    @property
-    def takes_grad(self) -> bool:
-        return graph.takes_grad(self.step.grad_dtype)
 
 
 @dataclass
 class _InTrace:
     """What one group gathered in the forward being traced (forgotten when the trace ends)."""
 
-    # Per bucket: its gradient port (row, marks): every gather of the bucket in this trace routes to it.
+    # Per reduce dtype: its gradient port (row, marks): every gather of the bucket in this trace routes to it.
     ports: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
     # What a call that keeps its parameters after forward gathered: a later call uses it (eager:
     # the group is still unsharded).
     held_after_forward: list[torch.Tensor] | None = None
-    # reshard_after_forward=k: this rank's rows of the gathered row, kept for re-gathering over
-    # the subgroup, and what encoding the shards gave besides (the hooks' context).
-    subgroup_rows: tuple[torch.Tensor, list] | None = None
+    # reshard_after_forward=k: this rank's subgroup rows of the gathered row, saved for backward's
+    # re-gather over the subgroup, and the encoding that made them.
+    subgroup_rows: tuple[torch.Tensor, tuple] | None = None
 
 
 class TracedGroup:
-    """The traced path of one ParamGroup: its gather as graph ops and where its gradients go.
-
-    ``in_trace`` lives only within one trace: the root's post-forward clears it before it ends.
-    """
+    """One ParamGroup's step emitted into the graph being traced. ``in_trace`` lives only within
+    one trace: the root's post-forward clears it before it ends."""
 
     # Slots, not an instance dict: dynamo replays a trace's attribute writes on a slotted object
-    # with plain STORE_ATTRs after the graph runs, and a dict-backed object's through a Python
-    # call per attribute (``in_trace`` is written in every trace).
-    __slots__ = (
-        "group",
-        "in_trace",
-        "grads",
-        "__weakref__",
-    )
+    # with plain STORE_ATTRs after the graph runs, a dict-backed object's through a Python call each.
+    __slots__ = ("group", "in_trace", "__weakref__")
 
     def __init__(self, group: "ParamGroup"):
         self.group = group
         self.in_trace: _InTrace | None = None
-        self.grads: dict[tuple, BucketGrads] = {}  # per bucket, see prepare_buckets
-        self.prepare_buckets()
-        # fsdp2 re-read the parameters (ShardedParam.refresh): dtypes may have changed (new buckets).
-        group.on_params_refreshed = self.prepare_buckets
-
-    def discard_pending_grads(self) -> None:
-        for grads in self.grads.values():
-            grads.discard()
-
-    # -- the gather ---------------------------------------------------------------------------
 
     def gather(self, after_forward: schedule.AfterForward) -> list[torch.Tensor]:
         """Every parameter of the group unsharded, in ``group.params`` order: ONE all-gather of the
         group's row (two with ``reshard_after_forward=k``, see :meth:`_gather_keeping_rows`)."""
-        params = self.group.params
-        if not params:
+        group = self.group
+        if not group.params:
             return []
         in_trace = self.enter_trace()
         if in_trace.held_after_forward is not None:  # gathered earlier in this forward, and held
             return in_trace.held_after_forward
-        buckets = self._buckets()
+        # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
+        counted = bool(collectives.active_counters)
         with_grad = torch.is_grad_enabled()
-        ports = [self._port(bucket, in_trace) if with_grad and bucket.takes_grad else None for bucket in buckets]
+        ports = self._ports(in_trace, counted) if with_grad else []
         # Passed in (not read inside): a checkpoint region's inputs are its arguments.
-        port_tensors = [t for port in ports if port is not None for t in (port[0], *port[1])]
-        shards = [p.traced_leaf for p in params]
-        route = functools.partial(self._routed_params, buckets, ports, counted=bool(collectives.active_counters))
-        # The group's all-gather settings, whatever it reduces (a group of frozen parameters reduces nothing).
-        gather = self.group.gather
-        settings = graph.GatherSettings(
-            gather.out_collectives, bool(collectives.active_counters), gather.custom_all_gather_key
-        )
+        port_tensors = [t for _, (row, marks) in ports for t in (row, *marks)]
+        shards = [p.traced_leaf for p in group.params]
+        route = functools.partial(self._routed_params, ports, counted=counted)
+        gather = functools.partial(graph.all_gather, step=group.step.gather, counted=counted)
         if after_forward is schedule.AfterForward.KEEP_SUBGROUP_SHARD:
-            gathered = self._gather_keeping_rows(shards, route, port_tensors, settings)
+            gathered = self._gather_keeping_rows(shards, route, port_tensors, gather)
         elif after_forward is schedule.AfterForward.FREE:
-            run = functools.partial(self._gather_and_route, route, settings=settings, regathers=True)
+            run = functools.partial(self._gather_and_route, route, gather=gather, regathers=True)
             region = checkpoint(
                 run, *port_tensors, *shards, use_reentrant=False, context_fn=graph.recompute_in_backward
             )
             gathered = list(region)
         else:
-            gathered = self._gather_and_route(route, *port_tensors, *shards, settings=settings, regathers=False)
+            gathered = self._gather_and_route(route, *port_tensors, *shards, gather=gather, regathers=False)
         if after_forward is schedule.AfterForward.KEEP and with_grad:
             in_trace.held_after_forward = gathered
         return gathered
@@ -184,199 +101,117 @@ class TracedGroup:
             self.in_trace = _InTrace()
         return self.in_trace
 
-    def _port(self, bucket: _Bucket, in_trace: _InTrace) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The bucket's gradient port in this trace (made by its first gather)."""
-        port = in_trace.ports.get(bucket.key)
-        if port is not None:
-            return port
-        grads = self.grads.get(bucket.key)
-        if grads is None or not grads.serves(bucket.step):
-            # Its gradient would be dropped: the sinks follow the buckets through refresh_params.
-            raise FSDPUsageError(
-                f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
-                "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
-            )
-        r = bucket.reduction
-        port = graph.port(
-            grads.sink(r.mode), grads.anchor, grads.key, r, bucket.gathered_numel, bucket.row_dtype, len(bucket.params)
-        )
-        in_trace.ports[bucket.key] = port
-        return port
+    def after_forward(self, is_root: bool) -> schedule.AfterForward:
+        """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
+        if not torch.is_grad_enabled():
+            return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
+        step = self.group.step
+        if step.include_unused:
+            # A graph's backward gathers again only what this rank's forward used, which may differ
+            # across ranks here: the group stays gathered to its backward, the same collectives on
+            # every rank.
+            return schedule.AfterForward.KEEP
+        return step.after_forward_for(is_root)
 
-    # -- one all-gather of the group's row ---------------------------------------------------------
+    # -- the gradient ports --------------------------------------------------------------------------
 
-    def _encoded(self, shards: list[torch.Tensor]):
-        """Each parameter's wire tensors and context (its codec's ``encode``), the group's gather
-        bucket for them (eager's ``GatherBucket``: one dtype, or bytes in aligned columns) and this
-        rank's row of it."""
-        params, gather = self.group.params, self.group.gather
-        encoded = [p.codec.encode(shard) for p, shard in zip(params, shards)]
-        if gather.layout_fixed:
-            (bucket,) = gather.buckets
-        else:  # a tensor subclass's hook decides its columns: as this trace's encoding gave them
-            bucket = GatherBucket(params, [tuple(Column(t.dtype, t.numel()) for t in wire) for wire, _ in encoded])
-        # One op, not torch.cat (see traced_ops); it flattens the pieces itself.
-        flat = graph.flat(bucket.row_pieces([t for tensors, _ in encoded for t in tensors]))
-        return encoded, bucket, flat
+    def _ports(self, in_trace: _InTrace, counted: bool) -> list:
+        """Per reduce step of the group (its ``GroupStep``'s) that takes gradients: the step and its
+        port in this trace (made by the bucket's first gather), where every use's gradient is summed
+        before the reduction (``BucketStep.summed_dtype``)."""
+        group = self.group
+        step, reduce = group.step, group.reduce
+        # Sums kept for this accumulation, by eager or compiled microbatches (guarded too): a synced graph takes them.
+        unsynced_sums, partial_sums = reduce.holds_unsynced_sums, reduce.holds_partial_sums
+        # set_reduce_scatter_unused_params(True): which parameters a rank's forward used may differ
+        # across ranks, and a graph's backward reduces only what it reached, so the graph hands such a
+        # group's gradient on unreduced (as without sync) and the end of the backward reduces it on
+        # every rank alike (FSDPState.compiled_backward_runs), as eager's end of backward does.
+        mode = Mode.UNSYNCED if step.include_unused else step.mode
+        synced, starts_sum = step.mode is not Mode.UNSYNCED, step.mode is Mode.UNSYNCED and not unsynced_sums
+        ports = []
+        for bucket_step in step.reduce_steps:
+            if not takes_grad(bucket_step.grad_dtype):
+                continue
+            port = in_trace.ports.get(bucket_step.reduce_dtype)
+            if port is None:
+                reduction = graph.BucketReduction(
+                    bucket_step.spec,
+                    counted=counted,
+                    mode=mode,
+                    takes_unsynced=mode is not Mode.UNSYNCED and unsynced_sums,
+                    takes_partial=mode is Mode.SYNCED and partial_sums,
+                    include_unused=step.include_unused,
+                )
+                sinks, dtype = group.sinks.of(bucket_step), bucket_step.summed_dtype(synced, starts_sum)
+                numel, params = bucket_step.world * bucket_step.bucket.numel_per_rank, len(bucket_step.bucket.params)
+                port = graph.port(sinks.sink(mode), sinks.anchor, sinks.key, reduction, numel, dtype, params)
+                in_trace.ports[bucket_step.reduce_dtype] = port
+            ports.append((bucket_step, port))
+        return ports
 
-    @staticmethod
-    def _decoded(encoded, bucket: GatherBucket, rows: torch.Tensor, shards) -> list[torch.Tensor]:
-        """Each parameter unsharded from the gathered ``rows`` (``world x row``): its codec's
-        ``decode`` of its columns, viewed as their dtypes (``GatherBucket.pieces``)."""
-        return [
-            p.codec.decode(shard, tensors, context, typed)
-            for (p, typed), shard, (tensors, context) in zip(bucket.pieces(rows), shards, encoded)
-        ]
-
-    @staticmethod
-    def _all_gather(flat: torch.Tensor, world: int, group: str, settings: graph.GatherSettings) -> torch.Tensor:
-        return graph.all_gather(flat, world, group, settings)
-
-    def _gather_and_route(
-        self, route, *tensors: torch.Tensor, settings: graph.GatherSettings, regathers: bool
-    ) -> list[torch.Tensor]:
-        """``tensors``: each port's row and marks (see ``gather``), then every parameter's shard:
-        encode, ONE all-gather, decode, route the gradients (in a region backward recomputes when
-        ``regathers``)."""
-        n = len(self.group.params)
-        port_tensors, shards = tensors[: len(tensors) - n], list(tensors[len(tensors) - n :])
-        encoded, bucket, flat = self._encoded(shards)
-        dp = self.group.dp
-        gathered = self._all_gather(flat, dp.shard_size, dp.shard_group.group_name, settings)
-        rows = gathered.view(dp.shard_size, -1)
-        values = self._decoded(encoded, bucket, rows, shards)
-        regathered = collectives.comm_bytes("all_gather", flat, dp.shard_size) if regathers else 0
-        return route(values, port_tensors, regathered)
-
-    def _gather_keeping_rows(
-        self, shards: list[torch.Tensor], route, port_tensors: list, settings: graph.GatherSettings
-    ) -> list[torch.Tensor]:
-        """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
-        over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
-        over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
-        the rows eager keeps and is saved for backward; then over the subgroup, in a region that
-        backward recomputes from the kept rows. A second call in the same forward re-gathers over
-        the subgroup from the same kept rows, as eager does."""
-        subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
-        in_trace = self.in_trace
-        if in_trace.subgroup_rows is None:
-            encoded, bucket, flat = self._encoded(shards)
-            kept = self._all_gather(flat, world // subgroup.size, subgroup.across.group_name, settings)
-            in_trace.subgroup_rows = (kept, (encoded, bucket))
-        kept, layout = in_trace.subgroup_rows
-
-        def unshard(kept: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
-            gathered = self._all_gather(kept, subgroup.size, subgroup.group.group_name, settings)
-            rows = rank_rows_from_subgroups(gathered, subgroup.size, world)
-            values = self._decoded(*layout, rows, shards)
-            return route(values, list(port_tensors), collectives.comm_bytes("all_gather", kept, subgroup.size))
-
-        return list(
-            checkpoint(unshard, kept, *port_tensors, use_reentrant=False, context_fn=graph.recompute_in_backward)
-        )
-
-    # -- routing gradients to the ports ------------------------------------------------------------
-
-    def _routed_params(
-        self, buckets: list[_Bucket], ports: list, values, port_tensors, regathered: int, counted: bool
-    ) -> list:
+    def _routed_params(self, ports: list, values, port_tensors, regathered: int, counted: bool) -> list:
         """``values`` (the unsharded parameters, ``group.params`` order) as the modules see them:
         each one's gradient to its block of its bucket's port row and a mark (``ports`` again, from
         ``port_tensors``: a region's inputs), TP parameters as DTensors. ``regathered``: the bytes
         backward gathers again (recorded inside ``count_comm``)."""
         tensors = iter(port_tensors)
-        index = {id(p): i for i, p in enumerate(self.group.params)}
+        params = self.group.params
+        index = {id(p): i for i, p in enumerate(params)}
         routed = list(values)
         counted = regathered and counted
-        for bucket, port in zip(buckets, ports):
-            if port is None:
-                continue
-            row, marks = next(tensors), [next(tensors) for _ in port[1]]
+        for bucket_step, (_, marks) in ports:
+            row, marks = next(tensors), [next(tensors) for _ in marks]
             if counted:  # recorded by the backward of the first port (a recomputed region's own record is not)
                 row, counted = graph.RecordRegather.apply(row, regathered), False
-            carriers = bucket.flat.columns(row.view(bucket.step.world, -1))
+            carriers = bucket_step.bucket.columns(row.view(bucket_step.world, -1))
             for (p, carried), mark in zip(carriers, marks):
                 i = index[id(p)]
                 routed[i] = graph.GradientFrom.apply(p.layout.full_from_rank_rows(carried), routed[i], mark)
         # TP modules compute on DTensors (eager: ShardedParam wraps the same way); from_local's
         # backward turns a pending-sum gradient into these placements, as eager's local_grad.
-        return [
-            full if p.tensor_parallel is None else p.tensor_parallel.wrap(full)
-            for p, full in zip(self.group.params, routed)
-        ]
+        return [full if p.tensor_parallel is None else p.tensor_parallel.wrap(full) for p, full in zip(params, routed)]
 
-    def reduce_steps(self) -> list[BucketStep]:
-        """Eager's reduce steps of the group's trainable parameters (a frozen parameter's gradient
-        is neither computed nor reduced; the flags read are guarded)."""
+    # -- one all-gather of the group's row -----------------------------------------------------------
+
+    def _gather_and_route(self, route, *tensors: torch.Tensor, gather, regathers: bool) -> list[torch.Tensor]:
+        """``tensors``: each port's row and marks (see ``gather``), then every parameter's shard:
+        encode, ONE all-gather, decode, route the gradients (in a region backward recomputes when
+        ``regathers``)."""
+        n = len(self.group.params)
+        port_tensors, shards = tensors[: len(tensors) - n], list(tensors[len(tensors) - n :])
         group = self.group
-        return group.reduce.steps_of(tuple([p.trainable for p in group.params]))
+        encoded, bucket, pieces = group.gather.encode_row(shards)
+        dp, flat = group.dp, graph.flat(pieces)
+        rows = gather(flat, dp.shard_size, dp.shard_group.group_name).view(dp.shard_size, -1)
+        values = group.gather.decode_rows(encoded, bucket, rows, shards)
+        regathered = collectives.comm_bytes("all_gather", flat, dp.shard_size) if regathers else 0
+        return route(values, port_tensors, regathered)
 
-    def _buckets(self) -> list[_Bucket]:
-        """The group's reduce steps as this trace emits them."""
-        group = self.group
-        reduce = group.reduce
-        # Read in every trace (dynamo guards on it): entering count_comm retraces into a counting graph.
-        counted = bool(collectives.active_counters)
-        # Sums kept for this accumulation, by eager or compiled microbatches (guarded too): a synced graph takes them.
-        unsynced_sums, partial_sums = reduce.holds_unsynced_sums, reduce.holds_partial_sums
-        mode = group.mode
-        # set_reduce_scatter_unused_params(True): which parameters a rank's forward used may differ
-        # across ranks, and a graph's backward reduces only what it reached, so the graph hands such a
-        # group's gradient on unreduced (as without sync) and the end of the backward reduces it on
-        # every rank alike (FSDPState.compiled_backward_runs), as eager's end of backward does.
-        graph_mode = Mode.UNSYNCED if reduce.include_unused else mode
-        # Every use's gradient is summed in the port row before the reduction, in the dtype eager
-        # sums it in the unsharded parameter (ShardedParam.summed_in, under the settings' mode), or
-        # the reduce dtype where the parameters have several.
-        synced, starts_sum = mode is not Mode.UNSYNCED, mode is Mode.UNSYNCED and not unsynced_sums
-        buckets = []
-        for step in self.reduce_steps():
-            reduction = graph.BucketReduction(
-                step.spec,
-                counted=counted,
-                mode=graph_mode,
-                takes_unsynced=graph_mode is not Mode.UNSYNCED and unsynced_sums,
-                takes_partial=graph_mode is Mode.SYNCED and partial_sums,
-                include_unused=reduce.include_unused,
-            )
-            dtypes = {p.summed_in(synced, starts_sum) or p.param_dtype for p in step.bucket.params}
-            row_dtype = dtypes.pop() if len(dtypes) == 1 else step.reduce_dtype
-            buckets.append(_Bucket(step, row_dtype, reduction))
-        return buckets
+    def _gather_keeping_rows(self, shards: list[torch.Tensor], route, port_tensors: list, gather) -> list[torch.Tensor]:
+        """``reshard_after_forward=k`` (eager: keep this rank's 1/k of the gathered rows, re-gather
+        over its k-rank subgroup in backward) as two gathers that together move the bytes of one:
+        over the ranks at this rank's subgroup position (``Subgroup.across``), which yields exactly
+        the rows eager keeps and is saved for backward; then over the subgroup, in a region that
+        backward recomputes from the subgroup rows. A second call in the same forward re-gathers over
+        the subgroup from the same subgroup rows, as eager does."""
+        subgroup, world = self.group.reshard_after_forward.subgroup, self.group.dp.shard_size
+        in_trace = self.in_trace
+        if in_trace.subgroup_rows is None:
+            encoded, bucket, pieces = self.group.gather.encode_row(shards)
+            rows = gather(graph.flat(pieces), world // subgroup.size, subgroup.across.group_name)
+            in_trace.subgroup_rows = (rows, (encoded, bucket))
+        rows, layout = in_trace.subgroup_rows
 
-    # -- where gradients go ---------------------------------------------------------------------
+        def unshard(rows: torch.Tensor, *port_tensors: torch.Tensor) -> list[torch.Tensor]:
+            gathered = gather(rows, subgroup.size, subgroup.group.group_name)
+            rank_rows = rank_rows_from_subgroups(gathered, subgroup.size, world)
+            values = self.group.gather.decode_rows(*layout, rank_rows, shards)
+            return route(values, list(port_tensors), collectives.comm_bytes("all_gather", rows, subgroup.size))
 
-    def prepare_buckets(self) -> None:
-        """Eager (at fully_shard and whenever the parameters or the reduction's hook change): per
-        bucket its :class:`BucketGrads`. A bucket whose parameters, dtypes and hook are unchanged
-        keeps its own: re-reading parameters also happens inside functorch transforms
-        (``torch.func.jvp`` over the module), where no new leaf may be made; and the sums it keeps
-        for the next synced backward stay."""
-        grads = {}
-        group = self.group
-        frozen = tuple(p for p in group.params if not p.trainable)
-        for step in self.reduce_steps():
-            if not graph.takes_grad(step.grad_dtype):
-                continue
-            current = self.grads.get(step.reduce_dtype)
-            if current is None or not current.serves(step):
-                current = BucketGrads(step, group, frozen)
-            else:
-                current.take_params()
-            grads[step.reduce_dtype] = current
-        self.grads = grads
-
-    def after_forward(self, is_root: bool) -> schedule.AfterForward:
-        """What backward finds of this forward's gather (eager: what the group keeps after forward)."""
-        if not torch.is_grad_enabled():
-            return schedule.AfterForward.KEEP  # no backward: nothing is saved anyway
-        if self.group.reduce.include_unused:
-            # A graph's backward gathers again only what it needs, which depends on what this
-            # rank's forward used; under set_reduce_scatter_unused_params(True) that may differ
-            # across ranks, so the group stays gathered to its backward: the same collectives on
-            # every rank.
-            return schedule.AfterForward.KEEP
-        return self.group.reshard_after_forward.action_for(is_root)
+        return list(
+            checkpoint(unshard, rows, *port_tensors, use_reentrant=False, context_fn=graph.recompute_in_backward)
+        )
 
 
 class TracedCall:
@@ -387,18 +222,7 @@ class TracedCall:
     ``ran`` live only within one trace: the root's post-forward clears them before it ends.
     """
 
-    __slots__ = (
-        "modules",
-        "groups",
-        "next",
-        "prefetched",
-        "held",
-        "modules_left",
-        "ran",
-        "_held_dicts",
-        "_holds",
-        "__weakref__",
-    )
+    __slots__ = ("modules", "groups", "next", "prefetched", "held", "modules_left", "ran", "_registries", "__weakref__")
 
     def __init__(self, modules: tuple[nn.Module, ...], groups: list[TracedGroup]):
         self.modules = modules
@@ -408,19 +232,8 @@ class TracedCall:
         self.held: list[list[torch.Tensor]] | None = None
         self.modules_left = 0
         self.ran = False  # one of its modules ran in this trace (not only prefetched)
-        self._held_dicts: list[tuple[nn.Module, dict]] = []  # see hold
-        # Per module holding the call's parameters, decided once (a trace then reads no DTensor):
-        # (module, {managed name: its index among the gathered parameters}, [(name, that index, or
-        # None for a parameter fsdp2 does not manage)] in the module's order).
-        self._holds: list[tuple[nn.Module, dict[str, int], list[tuple[str, int | None]]]] = []
-        by_module: dict[nn.Module, dict[str, int]] = {}
-        params = [p for traced in groups for p in traced.group.params]
-        for i, p in enumerate(params):
-            for slot in p.slots:
-                by_module.setdefault(slot.module, {})[slot.name] = i
-        for module, managed in by_module.items():
-            names = list(compat.held_parameter_registry(module))
-            self._holds.append((module, managed, [(name, managed.get(name)) for name in names]))
+        # The modules' parameter registries, swapped for the gathered parameters while the call runs.
+        self._registries = RegistrySwap([p.slots for traced in groups for p in traced.group.params])
 
     def pre_forward(self, forward_prefetch: list["TracedCall"]) -> None:
         """Before one of the call's modules runs: gather its groups (unless held), then prefetch."""
@@ -479,34 +292,18 @@ class TracedCall:
             gathered, self.prefetched = self.prefetched, None
             return gathered
         for traced in self.groups:
-            check_traceable(traced)
+            check_traceable(traced.group)
         return [traced.gather(traced.after_forward(is_root)) for traced in self.groups]
 
-    # -- what the modules see -----------------------------------------------------------------
-
     def hold(self, gathered: list[list[torch.Tensor]]) -> None:
-        """The modules see the gathered parameters: each module's ``_parameters`` dict is swapped
-        for a new one, once for all the call's groups (``release`` puts the original object back),
-        so the trace never reads the DTensor parameters, and dynamo installs no guard (a Python
-        DTensor spec check) on them."""
+        """The modules see the gathered parameters (``release`` puts the shards back)."""
         self.held = gathered
-        flat = [tensor for unsharded in gathered for tensor in unsharded]
-        for module, managed, entries in self._holds:
-            original = compat.held_parameter_registry(module)
-            if len(original) != len(entries):  # a parameter registered on the module since fully_shard
-                entries = [(name, managed.get(name)) for name in original]
-            registry = {}
-            for name, index in entries:  # in the module's order; None: a parameter fsdp2 does not manage
-                registry[name] = original[name] if index is None else flat[index]
-            compat.set_parameter_registry(module, registry)
-            self._held_dicts.append((module, original))
+        self._registries.swap_in([tensor for unsharded in gathered for tensor in unsharded])
 
     def release(self) -> None:
         self.held = None
         self.modules_left = 0
-        for module, original in self._held_dicts:
-            compat.set_parameter_registry(module, original)
-        self._held_dicts = []
+        self._registries.restore()
 
 
 class _TraceScope:
@@ -528,60 +325,3 @@ def link_forward_order(calls: list[TracedCall]) -> None:
         first.next = second
     if calls:
         calls[-1].next = None
-
-
-def check_traceable(traced: TracedGroup) -> None:
-    """Refuse, naming the module and the way out, what the traced path cannot do as eager does."""
-    group = traced.group
-    where = f"torch.compile over fully_shard({group.name})"
-    problem = None
-    if collectives.active_counters and not traced_ops.records_comm:
-        problem = "fsdp2.tools.comm_stats.count_comm() around a compiled step on this torch (no ordered effects)"
-    elif any(p.tensor_parallel is not None and p.tensor_parallel.data_parallel_mesh_dims for p in group.params):
-        problem = "parameters on the full SPMD mesh (dp_mesh_dims)"
-    elif any(isinstance(p.codec, SubclassCodec) and p.tensor_parallel is not None for p in group.params):
-        # The hooks run on a copy of the shard without torchao's precomputed scale (its detach
-        # drops it), so they scale each TP shard by its own amax, where eager scales the whole weight.
-        problem = "a tensor subclass's own all-gather (torchao's float8 all-gather) on tensor-parallel parameters"
-    elif any(step.plan.reduce_scatter_op.functional_name is None for step in traced.reduce_steps()):
-        problem = (
-            "set_gradient_divide_factor on NCCL (its PREMUL_SUM reduce op has no functional collective; "
-            "set_force_sum_reduction_for_comms(True) divides in a separate op)"
-        )
-    replaced = []
-    if group.params_replaced:  # read in every trace: dynamo guards on it, so a replacement retraces
-        replaced = [p.fqn for p in group.params if p.registered_replacement() is not None]
-    if problem is None and replaced:
-        # Eager fsdp2 takes such a parameter over at its first forward (ShardedParam.refresh).
-        problem = (
-            f"parameter {replaced[0]} replaced by assignment after fully_shard (load_state_dict takes it over; "
-            "so does one eager forward)"
-        )
-    if problem is not None:
-        raise FSDPUsageError(
-            f"{where}: {problem} is not supported on the traced path (fullgraph). Remove it, or compile "
-            "each block instead (block.compile()), which keeps fsdp2's hooks eager."
-        )
-    check_no_eager_state(traced)
-
-
-def check_no_eager_state(traced: TracedGroup) -> None:
-    """Refuse a compiled step that would ignore what an eager call left in the group: the traced
-    path gathers from the shards, so eager's gathered parameters would silently not take part
-    (sums kept for an accumulation do: see fsdp2.runtime.traced_grads). Each read here is guarded:
-    the eager call that changes it makes the next compiled call retrace into this."""
-    group = traced.group
-    where = f"torch.compile over fully_shard({group.name})"
-    # The setting before the state it leaves behind: an eager step with it leaves the group gathered.
-    if not group.reshard_after_backward:
-        raise FSDPUsageError(
-            f"{where}: set_reshard_after_backward(False) keeps the gathered parameters for the next step, "
-            "which eager and PyTorch's FSDP2 then compute with (not the optimizer's update); the compiled "
-            "step gathers afresh. Compile with the default (True), or run these steps eagerly."
-        )
-    if group.state is not GroupState.SHARDED:
-        raise FSDPUsageError(
-            f"{where}: its parameters are gathered outside the compiled step (unshard()); the compiled step "
-            "gathers its own and would leave these registered. Call reshard() on the module before the "
-            "compiled step."
-        )

@@ -1,22 +1,13 @@
-"""How one bucket's gather and reduction appear in a compiled graph: the functional collectives,
-the bucket's gradient port and its reduction, which the traced path (fsdp2.runtime.traced)
-builds a group's step from.
+"""A bucket's gather and reduction as graph ops, which fsdp2.runtime.traced builds a group's step from.
 
-- :func:`all_gather`: a bucket's flat shards gathered, outside autograd.
-- :func:`port`: where the bucket's gradients meet in one trace (``fsdp2::grad_port``): a row of
-  the gathered size and a mark per parameter. Every unsharded parameter the modules see is a
-  :class:`GradientFrom`, whose gradient goes to its block of the row and a 1 to its mark; a
-  bucket gathered again in the same trace (a module called twice) routes to the same port, so
-  autograd sums every use before the port's backward runs, once per backward, as eager sums
-  them in the unsharded parameter's ``.grad``.
-- The port's backward (:func:`_reduce_port_grad`, its autograd formula) is the bucket's
-  reduction, with eager's reduce plan in a :class:`BucketReduction`. Compilers run it when they trace
-  the backward, on which marks backward reaches: the parameters it did not reach (unused in
-  forward) are known then, as trace-time constants, and need nothing at run time. The reduced
-  gradient goes to the sink of the step's :class:`Mode` when backward reached every parameter,
-  else to ``fsdp2::deliver`` with the indices it reached (fsdp2.runtime.traced_grads takes both).
-
-Nothing here holds state between steps: the traced path passes in what a step needs.
+Every unsharded parameter the modules see is a :class:`GradientFrom`: its gradient goes to its
+block of its bucket's gradient port (``fsdp2::grad_port``, one per bucket and trace: a row of the
+gathered size and a mark per parameter), so autograd sums every use before the port's backward
+runs, once per backward, as eager sums them in the unsharded parameter's ``.grad``. The port's
+backward (:func:`_reduce_port_grad`) is the bucket's reduction, its ``BucketStep`` as eager runs
+it (:func:`reduce`); which marks backward reached (the parameters forward used) is a trace-time
+constant. The result goes to the sink of the backward's :class:`Mode` when backward reached every
+parameter, else to ``fsdp2::deliver`` with the indices it reached (fsdp2.runtime.grad_sinks).
 """
 
 from __future__ import annotations
@@ -28,22 +19,19 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fsdp2 import compat
 from fsdp2.runtime import collectives, traced_ops
-from fsdp2.runtime.group_step import Mode, ReduceSpec, spec_named
+from fsdp2.runtime.group_step import GatherStep, Mode, ReduceSpec, spec_named
 
 _c10d = compat.functional_collectives
 
 
 @dataclass(frozen=True)
 class BucketReduction:
-    """How a bucket's gradient is reduced in one graph: its ``BucketStep``'s spec (eager's step,
-    as ``GroupReduce`` runs it) and what the trace adds: ``mode``; ``counted`` (traced inside
-    count_comm: the graph records its collectives, traced_ops.record_comm); ``takes_unsynced`` /
-    ``takes_partial`` (sums kept by earlier backwards, without sync or without the HSDP all-reduce,
-    are added in, once per backward, traced_ops.take_pending, as eager adds them in its next
-    reduction); ``include_unused`` (set_reduce_scatter_unused_params(True): unreached parameters
-    get zeros). With ``spec.hooked`` (set_all_reduce_hook) the graph hands the reduced shard over
-    undivided, in the reduce dtype; the hand-off (eager, outside the graph) calls the hook on it,
-    then divides and casts, as eager."""
+    """A bucket's reduction in one graph: its ``BucketStep``'s spec and what the trace adds: the
+    backward's ``mode``; ``counted`` (inside count_comm); ``takes_unsynced`` / ``takes_partial``
+    (sums kept by earlier backwards are added in once, ``traced_ops.take_kept_sums``, as eager adds
+    them in its next reduction); ``include_unused`` (set_reduce_scatter_unused_params). With
+    ``spec.hooked`` the graph hands the shard over undivided: the user's hook and the division run
+    at the hand-off, as eager runs them."""
 
     spec: ReduceSpec
     mode: Mode = Mode.SYNCED
@@ -52,15 +40,20 @@ class BucketReduction:
     takes_partial: bool = False
     include_unused: bool = False
 
+    _FLAGS = ("counted", "takes_unsynced", "takes_partial", "include_unused")
 
-@dataclass(frozen=True)
-class GatherSettings:
-    """How a group's all-gathers appear in a graph: ``out_collective`` (collectives.out_variants_usable),
-    ``counted`` (traced inside count_comm), ``custom`` (set_custom_all_gather's key)."""
+    @property
+    def key(self) -> str:
+        """What a graph names it by: the step's key (a digest of the step, ``ReduceSpec.key``), the
+        mode and the flags set, e.g. ``step-1f0c...:SYNCED+takes_unsynced``: a graph's text says
+        everything its backward does, and a compiler's cache keyed by it never confuses two."""
+        return ":".join((self.spec.key, "+".join([self.mode.name] + [f for f in self._FLAGS if getattr(self, f)])))
 
-    out_collective: bool
-    counted: bool
-    custom: str | None
+    @classmethod
+    def named(cls, key: str) -> "BucketReduction":
+        step, flags = key.split(":")
+        mode, *set_flags = flags.split("+")
+        return cls(spec_named(step), Mode[mode], **{flag: True for flag in set_flags})
 
 
 def _record(kind: str, sent: torch.Tensor, world: int = 1) -> None:
@@ -68,16 +61,18 @@ def _record(kind: str, sent: torch.Tensor, world: int = 1) -> None:
     traced_ops.record_comm(kind, collectives.comm_bytes(kind, sent, world))
 
 
-def all_gather(send: torch.Tensor, world: int, group: str, settings: GatherSettings) -> torch.Tensor:
-    if settings.counted:
+def all_gather(send: torch.Tensor, world: int, group: str, *, step: GatherStep, counted: bool) -> torch.Tensor:
+    """``send`` gathered over ``world`` ranks of ``group`` (the group's, or a subgroup's, by
+    name) with the collective of the group's ``step``; ``counted``: traced inside count_comm."""
+    if counted:
         _record("all_gather", send, world)
-    if settings.custom is not None:  # set_custom_all_gather
-        return traced_ops.custom_all_gather(send, world, group, settings.custom)
+    if step.custom_key is not None:  # set_custom_all_gather
+        return traced_ops.custom_all_gather(send, world, group, step.custom_key)
     dtype = send.dtype
     wire = collectives.gathered_as(dtype)  # float8 and others travel as bytes, as eager's
     if wire is not dtype:
         send = send.view(wire)
-    if not settings.out_collective:
+    if not step.out_collectives:
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, world, group))
     else:
         gathered = send.new_empty(world * send.numel())
@@ -107,7 +102,7 @@ def reduce(grad: torch.Tensor, r: BucketReduction, bucket: str) -> torch.Tensor:
     if r.takes_unsynced:
         # Eager: the microbatches' sum plus this backward's gradient, added in the wider of their
         # dtypes and rounded to the reduce dtype once (``sum.add_(grad)``).
-        grad = traced_ops.take_pending(
+        grad = traced_ops.take_kept_sums(
             grad.to(torch.promote_types(grad.dtype, spec.reduce_dtype)), bucket, Mode.UNSYNCED
         )
     grad = grad.to(spec.reduce_dtype).contiguous()
@@ -115,29 +110,46 @@ def reduce(grad: torch.Tensor, r: BucketReduction, bucket: str) -> torch.Tensor:
         return grad
     for divisor in plan.divide_before:
         grad = grad / divisor  # fp16 would overflow summing before dividing
-    reduced = _reduce_scatter(grad, spec, r.counted)
-    if r.mode is Mode.PARTIAL:
+    reduced = spec.after_reduce_scatter(_reduce_scatter(grad, spec, r.counted), r.mode, _InGraph, (r, bucket))
+    if spec.hooked or r.mode is Mode.PARTIAL:  # the hand-off (or the next all-reduce) finishes it
         return reduced
-    if spec.replicate_group is not None:
-        if r.takes_partial:  # eager: the kept partial sums join this all-reduce
-            reduced = traced_ops.take_pending(reduced, bucket, Mode.PARTIAL)
+    return reduced.to(spec.handed_over_dtype(r.mode))
+
+
+class _InGraph:
+    """The pieces of ``ReduceSpec.after_reduce_scatter`` as graph ops (``at``: the reduction and
+    its bucket's key)."""
+
+    @staticmethod
+    def keep_partial(at, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced  # to the PARTIAL sink, which adds it to the partial sums
+
+    @staticmethod
+    def add_partial(at, reduced: torch.Tensor) -> torch.Tensor:
+        r, bucket = at
+        return traced_ops.take_kept_sums(reduced, bucket, Mode.PARTIAL) if r.takes_partial else reduced
+
+    @staticmethod
+    def all_reduce(at, reduced: torch.Tensor) -> torch.Tensor:
+        r, _ = at
         if r.counted:
             _record("all_reduce", reduced)
-        op = plan.all_reduce_op.functional_name
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, op, spec.replicate_group))
-    if not spec.hooked:  # else the hand-off divides and casts after the hook (see BucketReduction)
-        if plan.divide_after != 1:
-            reduced = reduced / plan.divide_after
-        reduced = reduced.to(spec.handed_over_dtype(r.mode))
-    return reduced
+        op = r.spec.plan.all_reduce_op.functional_name
+        return _c10d.wait_tensor(_c10d.all_reduce(reduced, op, r.spec.replicate_group))
+
+    @staticmethod
+    def hook_and_divide(at, reduced: torch.Tensor) -> torch.Tensor:
+        r, _ = at
+        # Hooked: the hand-off calls the user's hook, then divides, eagerly, as eager (BucketReduction).
+        return reduced if r.spec.hooked else reduced / r.spec.plan.divide_after
 
 
 # -- the gradient port ----------------------------------------------------------------------------
 
 traced_ops.define(
-    "grad_port(Tensor sink, Tensor anchor, str bucket, int numel, ScalarType dtype, int params, str step, "
-    "int mode, bool counted, bool takes_unsynced, bool takes_partial, bool include_unused) -> (Tensor, Tensor[])",
-    lambda sink, anchor, bucket, numel, dtype, params, *reduction: (
+    "grad_port(Tensor sink, Tensor anchor, str bucket, int numel, ScalarType dtype, int params, str reduction) "
+    "-> (Tensor, Tensor[])",
+    lambda sink, anchor, bucket, numel, dtype, params, reduction: (
         # Runs only where no compiler drops it (torch.compile's eager backend, or no compile).
         anchor.new_empty(numel, dtype=dtype),
         [anchor.new_empty(()) for _ in range(params)],
@@ -150,33 +162,14 @@ def port(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The bucket's gradient port for one trace: ``(row, marks)`` (see the module docstring).
     ``sink`` takes the reduced gradient when backward reaches every parameter; ``anchor`` takes
-    ``fsdp2::deliver``'s (empty) result otherwise, which keeps that op in the graph. The reduction
-    travels as its step's key (a digest of what the step does, ``ReduceSpec.key``) and the trace's
-    flags: a graph's text says everything its backward does, and a compiler's cache keyed by it
-    never confuses two reductions."""
-    return torch.ops.fsdp2.grad_port.default(
-        sink,
-        anchor,
-        bucket,
-        numel,
-        dtype,
-        params,
-        r.spec.key,
-        int(r.mode),
-        r.counted,
-        r.takes_unsynced,
-        r.takes_partial,
-        r.include_unused,
-    )
+    ``fsdp2::deliver``'s (empty) result otherwise, which keeps that op in the graph."""
+    return torch.ops.fsdp2.grad_port.default(sink, anchor, bucket, numel, dtype, params, r.key)
 
 
 def _setup_port(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # a mark backward never reached stays None
     ctx.bucket = inputs[2]
-    step, mode, counted, takes_unsynced, takes_partial, include_unused = inputs[6:]
-    ctx.reduction = BucketReduction(
-        spec_named(step), Mode(mode), counted, takes_unsynced, takes_partial, include_unused
-    )
+    ctx.reduction = BucketReduction.named(inputs[6])
     ctx.no_grads = (None,) * len(inputs)  # a gradient only for the sink or the anchor
 
 
@@ -249,10 +242,6 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``tensors`` flattened side by side: one op, not torch.cat (see traced_ops); one tensor is
     its own flat view (a custom op's output may not alias its input)."""
     return tensors[0].reshape(-1) if len(tensors) == 1 else traced_ops.flat_cat(tensors)
-
-
-def takes_grad(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
 
 
 def _recompute_everything(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -1,5 +1,7 @@
-"""Where a bucket's gradients go after a compiled backward: its sinks and the hand-off to the
-parameters' DTensor ``.grad``, or to the sums a backward without sync keeps.
+"""Where a compiled backward's gradients enter the group's gradient store: per reduce bucket its
+sinks and the hand-off to the parameters' DTensor ``.grad``, or to the sums a backward without
+sync keeps. Eager code, run by autograd's hooks and by the graph's ``fsdp2::take_kept_sums`` and
+``fsdp2::deliver`` ops; the graph itself is emitted by fsdp2.runtime.traced.
 
 A compiled step's backward reduces each bucket once per graph (fsdp2.runtime.traced_graph's port)
 and hands the result on by the step's mode, through autograd when backward reached every
@@ -14,7 +16,7 @@ parameter of the bucket (the common case: no Python runs per bucket in the graph
 
 The sums live in one place, eager's, in eager's layout, whichever executor ran the microbatches:
 eager's backwards add to them and reduce them; a compiled synced graph takes them into its flat
-layout (``fsdp2::take_pending``, once per backward, whichever of its graphs runs first; a graph
+layout (``fsdp2::take_kept_sums``, once per backward, whichever of its graphs runs first; a graph
 includes that op only if sums were kept when it was traced: dynamo guards on the group's flags).
 Every write, to ``.grad`` or to the sums, is the group's gradient store's (``GroupReduce.finish``,
 which eager's reductions call too), and every take is its ``take_kept_sums``; the hand-off's one
@@ -33,22 +35,37 @@ writing anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fsdp2 import compat
 from fsdp2.errors import FSDPUsageError
 from fsdp2.runtime import traced_ops
-from fsdp2.runtime.sharded_param import weak_hook
 from fsdp2.runtime.group_step import Mode
+from fsdp2.runtime.sharded_param import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from fsdp2.runtime.group_step import BucketStep
-    from fsdp2.runtime.param_group import ParamGroup
+    from fsdp2.runtime.dp_mesh import DataParallelMesh
+    from fsdp2.runtime.group_step import BucketStep, GroupStep
+    from fsdp2.runtime.reduce import GroupReduce
     from fsdp2.runtime.sharded_param import ShardedParam
+
+
+class SinkOwner(Protocol):
+    """What the sinks read of their group (fsdp2.runtime.param_group.ParamGroup, which owns them)."""
+
+    name: str
+    params: list["ShardedParam"]
+    dp: "DataParallelMesh"
+    reduce: "GroupReduce"
+    step: "GroupStep"
+
+    def discard_sums(self) -> None: ...
+
+    def configure(self) -> None: ...
 
 
 def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -56,7 +73,7 @@ def _leaf(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty_strided((numel,), (0,), dtype=dtype, device=device).requires_grad_()
 
 
-class BucketGrads:
+class BucketSinks:
     """One bucket's gradient sinks and hand-off (module docstring).
 
     ``step``: the bucket's reduction (its ``BucketStep``, as eager reduces it: its parameters and
@@ -64,7 +81,7 @@ class BucketGrads:
     its sums kept); ``frozen``: the group's parameters that were frozen when fsdp2 last read them.
     """
 
-    def __init__(self, step: "BucketStep", group: "ParamGroup", frozen: tuple["ShardedParam", ...] = ()):
+    def __init__(self, step: "BucketStep", group: "SinkOwner", frozen: tuple["ShardedParam", ...] = ()):
         self.bucket = bucket = step.bucket
         self.params = params = tuple(bucket.params)
         # The group's parameters frozen when fsdp2 last read them: the graph computes no gradient
@@ -124,7 +141,7 @@ class BucketGrads:
                 leaf.grad = None
         self._taken_reached = set()
 
-    # -- the graph's run-time calls (traced_ops.take_pending, traced_ops.deliver) ----------------------
+    # -- the graph's run-time calls (traced_ops.take_kept_sums, traced_ops.deliver) ----------------------
 
     def take(self, grad: torch.Tensor, kind: int) -> torch.Tensor:
         """``grad`` plus the sums of ``kind`` kept for these parameters, taken (the kept sum first,
@@ -163,7 +180,7 @@ class BucketGrads:
         group = self.group
         group.reduce.gathered_before = True
         group.reduce.reduced_in_graph = True
-        if group.mode is not Mode.SYNCED:
+        if group.step.mode is not Mode.SYNCED:
             self._check_mode(Mode.SYNCED)  # raises: the settings changed since the forward
         for p in self.frozen:
             if p.sharded_param.requires_grad:
@@ -208,7 +225,7 @@ class BucketGrads:
     def _check_mode(self, mode: Mode) -> None:
         """The group's settings now say what its forward's trace said (see the module docstring)."""
         group = self.group
-        now = group.mode
+        now = group.step.mode
         if now is mode:
             return
         self.discard()
@@ -231,8 +248,7 @@ class BucketGrads:
         group = self.group
         for frozen in self.frozen:
             frozen.trainable = frozen.sharded_param.requires_grad
-        if group.on_params_refreshed is not None:
-            group.on_params_refreshed()  # new buckets; dynamo retraces on the flags read
+        group.configure()  # new reduce steps and sinks; dynamo retraces on the step read
         return FSDPUsageError(
             f"torch.compile over fully_shard({group.name}): parameter {p.fqn} was frozen (requires_grad=False) "
             "when this compiled step was traced and requires a gradient now; the step computed none for it, so "
@@ -288,3 +304,49 @@ def _swapped_shard_error(p: "ShardedParam") -> FSDPUsageError:
         "the fully_shard'ed module itself (module.to(...)), or have fsdp2 re-read its parameters with "
         "model.load_state_dict(model.state_dict())."
     )
+
+
+class GradSinks:
+    """A group's :class:`BucketSinks`, one per reduce step of its trainable parameters (what a
+    compiled backward reduces). ``follow`` runs with every ``ParamGroup.configure``: a bucket whose
+    parameters, dtypes and hook are unchanged keeps its sinks, since re-reading parameters also
+    happens inside functorch transforms (``torch.func.jvp`` over the module), where no new leaf may
+    be made, and a graph traced before names them."""
+
+    def __init__(self, group: "SinkOwner"):
+        self.group = group
+        self._by_dtype: dict[torch.dtype, BucketSinks] = {}
+
+    def follow(self, steps: "tuple[BucketStep, ...]") -> None:
+        group, sinks = self.group, {}
+        frozen = tuple(p for p in group.params if not p.trainable)
+        for step in steps:
+            if not takes_grad(step.grad_dtype):
+                continue
+            current = self._by_dtype.get(step.reduce_dtype)
+            if current is None or not current.serves(step):
+                current = BucketSinks(step, group, frozen)
+            else:
+                current.frozen = frozen
+                current.take_params()
+            sinks[step.reduce_dtype] = current
+        self._by_dtype = sinks
+
+    def of(self, step: "BucketStep") -> BucketSinks:
+        """``step``'s sinks; refused where the parameters changed without fsdp2 re-reading them
+        (their gradient would be dropped)."""
+        sinks = self._by_dtype.get(step.reduce_dtype)
+        if sinks is None or not sinks.serves(step):
+            raise FSDPUsageError(
+                f"torch.compile over fully_shard({self.group.name}): its parameters changed dtype or shape "
+                "without fsdp2 re-reading them; convert the model with module.to()/load_state_dict, not in place."
+            )
+        return sinks
+
+    def discard(self) -> None:
+        for sinks in self._by_dtype.values():
+            sinks.discard()
+
+
+def takes_grad(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
