@@ -37,7 +37,7 @@ class RegistrySwap:
     see the gathered parameters, so the trace never reads the DTensor parameters and dynamo installs
     no guard (a Python DTensor spec check) on them. What goes where is decided once, eagerly."""
 
-    __slots__ = ("_modules", "_swapped")
+    __slots__ = ("_places", "_swapped")
 
     def __init__(self, slots_per_param: Sequence[Sequence[ParamSlot]]):
         # Per module: {managed name: its parameter's index}, and [(name, that index, or None for a
@@ -46,7 +46,7 @@ class RegistrySwap:
         for i, slots in enumerate(slots_per_param):
             for slot in slots:
                 by_module.setdefault(slot.module, {})[slot.name] = i
-        self._modules = [
+        self._places = [
             (module, managed, [(name, managed.get(name)) for name in compat.held_parameter_registry(module)])
             for module, managed in by_module.items()
         ]
@@ -54,7 +54,7 @@ class RegistrySwap:
 
     def swap_in(self, tensors: Sequence[torch.Tensor]) -> None:
         """Every module sees ``tensors[i]`` in the places of parameter ``i`` (the others unchanged)."""
-        for module, managed, entries in self._modules:
+        for module, managed, entries in self._places:
             original = compat.held_parameter_registry(module)
             if len(original) != len(entries):  # a parameter registered on the module since fully_shard
                 entries = [(name, managed.get(name)) for name in original]
