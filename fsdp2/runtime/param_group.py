@@ -77,7 +77,7 @@ class BackwardEnd(Enum):
 
 
 class ReshardAfterForward:
-    """What a group keeps between its forward and its backward: the setting, and the action it
+    """What a group keeps between its forward and its backward: the setting, and the actions it
     makes for a group that is, or is not, the root (``GroupStep.after_forward``).
 
     ``setting`` is the user's ``reshard_after_forward`` (None: decided when the root is known);
@@ -85,18 +85,18 @@ class ReshardAfterForward:
     """
 
     def __init__(self, setting: bool | int | None, shard_size: int, subgroup: Subgroup | None = None):
-        self.setting = setting
         self.shard_size = shard_size
         self.subgroup = subgroup
+        self.set(setting)
 
-    def action_for(self, is_root: bool) -> schedule.AfterForward:
-        """The action for a group that is (or is not) the root of the forward running: eager's
-        root is fixed at lazy init, a compiled step's is the first call its trace gathers."""
-        return schedule.after_forward(self.setting, is_root=is_root, shard_size=self.shard_size)
-
-    def set(self, reshard: bool) -> None:
-        """``set_reshard_after_forward``: all or nothing from now on (no 1/k copy is held any more)."""
-        self.setting = reshard
+    def set(self, setting: bool | int | None) -> None:
+        """The setting (``set_reshard_after_forward``: all or nothing from now on, no 1/k copy is
+        held any more) and the actions it makes for a group that is the root of the forward running
+        or below it (eager's root is fixed at lazy init, a compiled step's is the first call its
+        trace gathers): decided here, once per setting, not at every ``ParamGroup.configure``."""
+        self.setting = setting
+        self.as_root = schedule.after_forward(setting, is_root=True, shard_size=self.shard_size)
+        self.below_root = schedule.after_forward(setting, is_root=False, shard_size=self.shard_size)
 
 
 class GradReadiness:
@@ -166,6 +166,7 @@ class ParamGroup:
             p.bind_grad_ready(self._grads.note)
         self.is_root = False  # the root's group (lazy init decides)
         self.sinks = GradSinks(self)  # where a compiled backward's gradients enter
+        self._sinks_follow: list | None = None  # the reduce steps the sinks were made for
         self.configure()
         _registrations.watch(self)
 
@@ -174,16 +175,22 @@ class ParamGroup:
         parameters: at fully_shard, after every setter and every re-read of the parameters. Eager
         and compiled steps read only the current one; the compiled step's sinks follow it."""
         reshard = self.reshard_after_forward
+        steps = self.reduce.steps_of(tuple([p.trainable for p in self.params]))
         self.step = GroupStep(
             self.gather.step,
-            tuple(self.reduce.steps_of(tuple([p.trainable for p in self.params]))),
+            tuple(steps),
             backward_mode(self.requires_gradient_sync, self.dp.is_hybrid, self.requires_all_reduce),
             self.reduce.include_unused,
-            after_forward=reshard.action_for(self.is_root),
-            after_forward_as_root=reshard.action_for(is_root=True),
-            after_forward_below_root=reshard.action_for(is_root=False),
+            after_forward=reshard.as_root if self.is_root else reshard.below_root,
+            after_forward_as_root=reshard.as_root,
+            after_forward_below_root=reshard.below_root,
         )
-        self.sinks.follow(self.step.reduce_steps)
+        # The same steps (``steps_of`` hands out one list per pattern until a setting or the
+        # parameters change): the sinks serve them already. set_requires_gradient_sync runs this
+        # for every group at every microbatch.
+        if steps is not self._sinks_follow:
+            self._sinks_follow = steps
+            self.sinks.follow(self.step.reduce_steps)
 
     def set_sync(self, *, gradient_sync: bool | None = None, all_reduce: bool | None = None) -> None:
         """``set_requires_gradient_sync`` / ``set_requires_all_reduce`` (HSDP)."""

@@ -157,3 +157,29 @@ def test_the_pieces_after_a_reduce_scatter_in_pytorchs_order(fake_world, hsdp, h
     if mode is Mode.SYNCED and (hooked or spec.plan.divide_after != 1):
         expected.append("hook_and_divide")
     assert run.calls == expected
+
+
+def test_set_requires_gradient_sync_decides_little_per_group(fake_world):
+    """``set_requires_gradient_sync`` runs at every microbatch of an accumulation, on every group:
+    the group's new step reuses what the setting does not change (the reduce steps and the
+    compiled step's sinks for them, the after-forward actions), a handful of fsdp2's calls per
+    group, not a re-decision of the whole step."""
+    from fsdp2 import fully_shard
+    from fsdp2.models import GPT, GPTConfig
+    from fsdp2.tools.host_work import FSDP_CODE, count_host_work
+
+    fake_world(8)
+    calls = {}
+    for layers in (2, 10):
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, dim=32, n_layers=layers, n_heads=2))
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+
+        def toggle():
+            model.set_requires_gradient_sync(False)
+            model.set_requires_gradient_sync(True)
+
+        calls[layers] = count_host_work(toggle, count_ops=False).calls_in(FSDP_CODE)
+    per_group_and_call = (calls[10] - calls[2]) / 8 / 2
+    assert per_group_and_call <= 8, calls
